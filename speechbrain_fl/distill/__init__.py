@@ -1,0 +1,1 @@
+"""speechbrain_fl.distill."""
