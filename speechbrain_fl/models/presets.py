@@ -1,0 +1,331 @@
+"""Speech-LLM presets (the alpha-split paper's models) and ``build_speech_llm``.
+
+Presets (real Hugging Face IDs; the real ones are meant for ``--device=cuda --precision=bf16``):
+
+============================  =================================================================
+``whisper_tinyllama``         openai/whisper-large-v3-turbo encoder + linear connector (k=4) +
+                              TinyLlama/TinyLlama-1.1B-Chat-v1.0 (paper Sec. II-A, Table I)
+``whisper_eurollm``           same encoder and connector + utter-project/EuroLLM-1.7B-Instruct
+``voxtral``                   mistralai/Voxtral-Mini-3B-2507 (one ``VoxtralForConditionalGeneration``
+                              split into ``audio_tower`` -> encoder, ``multi_modal_projector`` ->
+                              connector (k=4 stacking + 2-layer MLP, pretrained, not from scratch),
+                              ``language_model`` + ``lm_head`` -> llm)
+``tiny``                      random tiny Whisper encoder + Llama built by
+                              :mod:`speechbrain_fl.models.tiny` into ``cache_dir`` (CPU, tests)
+============================  =================================================================
+
+A preset may also be a folder holding ``speech_llm.json`` (what ``SpeechLLM.save_pretrained`` and
+``create_tiny_checkpoint`` write, e.g. the pretrained tiny seed), or a dict ``{"preset": name,
+<overrides>}`` / a full spec dict with ``kind``. Every path loads through transformers'
+``from_pretrained``; offline (``HF_HUB_OFFLINE=1``) only local folders work.
+
+Trainable counts for ``whisper_tinyllama`` (r=8) against the paper's Table I (checked on meta
+devices in ``tests/unit/test_speech_llm.py``): encoder 32 layers x {q,k,v} x {A,B} tensors of
+r*1280 = 10,240 -> 1,966,080 (Table I total; its "64 matrices" is not 192 tensors, so its
+matrix column counts differently from its total). LLM: 22 layers x {q,v} = 44 modules and
+r*2048 = 16,384 per A matrix; Table I's 720,896 equals the lora_A tensors alone, while A+B with
+grouped-query attention (v_proj out 256) is 1,126,400. Connector: a linear k*1280 -> 2048 projection
+has 4*1280*2048 + 2048 parameters, not Table I's 2 x 2,048 (that is one weight+bias pair of size
+2048), which this code cannot reproduce with a linear connector.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from speechbrain_fl.models.connector import FrameStackConnector
+from speechbrain_fl.models.speech_llm import (
+    ENCODER_LORA_TARGETS,
+    LLM_LORA_TARGETS,
+    SpeechLLM,
+    add_lora,
+)
+from speechbrain_fl.models.tiny import create_tiny_checkpoint
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROMPT = "Transcribe the audio:"
+PRESETS: dict[str, dict] = {
+    "whisper_tinyllama": {
+        "kind": "whisper_llm",
+        "encoder": "openai/whisper-large-v3-turbo",
+        "llm": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+        "connector": "linear",
+        "downsample_k": 4,
+        "prompt": DEFAULT_PROMPT,
+        "max_new_tokens": 256,
+    },
+    "whisper_eurollm": {
+        "kind": "whisper_llm",
+        "encoder": "openai/whisper-large-v3-turbo",
+        "llm": "utter-project/EuroLLM-1.7B-Instruct",
+        "connector": "linear",
+        "downsample_k": 4,
+        "prompt": DEFAULT_PROMPT,
+        "max_new_tokens": 256,
+    },
+    "voxtral": {
+        "kind": "voxtral",
+        "model": "mistralai/Voxtral-Mini-3B-2507",
+        "prompt": DEFAULT_PROMPT,
+        "max_new_tokens": 256,
+    },
+    "tiny": {"kind": "tiny"},
+}
+SPEC_KEYS = {
+    "kind",
+    "encoder",
+    "llm",
+    "model",
+    "connector",
+    "downsample_k",
+    "prompt",
+    "max_new_tokens",
+    "root",
+}
+TINY_FOLDER = "speech_llm_tiny"
+
+
+def resolve_preset(preset: str | dict, *, cache_dir: str | Path | None = None) -> dict:
+    """Turn a preset name, checkpoint folder or dict into a validated spec (nothing loaded).
+
+    Raises
+    ------
+    ValueError
+        Unknown preset name (listing the known ones) or an unknown spec key.
+
+    Example
+    -------
+    >>> resolve_preset("whisper_eurollm")["llm"]
+    'utter-project/EuroLLM-1.7B-Instruct'
+    """
+    if isinstance(preset, dict):
+        spec = dict(preset)
+        name = spec.pop("preset", None)
+        if name is not None:
+            spec = {**resolve_preset(name, cache_dir=cache_dir), **spec}
+    elif isinstance(preset, str | Path) and str(preset) in PRESETS:
+        spec = dict(PRESETS[str(preset)])
+    elif isinstance(preset, str | Path) and (Path(preset) / "speech_llm.json").is_file():
+        folder = Path(preset)
+        spec = json.loads((folder / "speech_llm.json").read_text())
+        spec["root"] = str(folder)
+    else:
+        raise ValueError(
+            f"unknown speech-LLM preset {preset!r}: use one of {sorted(PRESETS)} or a folder "
+            "holding speech_llm.json (written by SpeechLLM.save_pretrained)"
+        )
+    unknown = set(spec) - SPEC_KEYS
+    if unknown:
+        raise ValueError(
+            f"unknown speech-LLM spec key(s) {sorted(unknown)}; known: {sorted(SPEC_KEYS)}"
+        )
+    if spec.get("kind") == "tiny":
+        root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "speechbrain_fl"
+        spec["tiny_folder"] = str(root / TINY_FOLDER)
+        return spec
+    if spec.get("kind") not in ("whisper_llm", "voxtral"):
+        raise ValueError(
+            f"speech-LLM spec kind {spec.get('kind')!r} is not whisper_llm|voxtral|tiny"
+        )
+    return spec
+
+
+def _path(spec: dict, key: str) -> str:
+    """A component's location: relative to the checkpoint folder when there is one."""
+    value = spec[key]
+    if "root" in spec and not Path(value).is_absolute():
+        return str(Path(spec["root"]) / value)
+    return value
+
+
+def _load_whisper_llm(spec: dict, *, cache_dir, dtype):
+    from transformers import (
+        AutoFeatureExtractor,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        WhisperModel,
+    )
+
+    hub = {"cache_dir": str(cache_dir)} if cache_dir and "root" not in spec else {}
+    encoder_path, llm_path = _path(spec, "encoder"), _path(spec, "llm")
+    encoder = WhisperModel.from_pretrained(encoder_path, dtype=dtype, **hub).encoder
+    features = AutoFeatureExtractor.from_pretrained(encoder_path, **hub)
+    llm = AutoModelForCausalLM.from_pretrained(llm_path, dtype=dtype, **hub)
+    tokenizer = AutoTokenizer.from_pretrained(llm_path, **hub)
+    return encoder, llm, tokenizer, features, None
+
+
+def split_voxtral(vox) -> tuple:
+    """Split a ``VoxtralForConditionalGeneration`` into (encoder, connector, llm).
+
+    encoder = ``model.audio_tower``; connector = :class:`FrameStackConnector` (``mlp``, no bias,
+    k = audio ``intermediate_size / d_model`` = 4) loaded from ``model.multi_modal_projector``;
+    llm = a ``LlamaForCausalLM`` shell (built on the meta device) whose ``model`` and ``lm_head``
+    are Voxtral's ``language_model`` and ``lm_head`` (no weight is copied).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = vox.config
+    audio = config.audio_config
+    connector = FrameStackConnector(
+        input_size=audio.d_model,
+        output_size=config.text_config.hidden_size,
+        downsample_k=audio.intermediate_size // audio.d_model,
+        kind="mlp",
+        bias=False,
+        activation=config.projector_hidden_act,
+    )
+    projector = vox.model.multi_modal_projector
+    connector.to(projector.linear_1.weight.device)
+    connector.load_state_dict(projector.state_dict(), assign=True)
+    with torch.device("meta"):
+        llm = AutoModelForCausalLM.from_config(config.text_config)
+    llm.model = vox.model.language_model
+    llm.lm_head = vox.lm_head
+    return vox.model.audio_tower, connector, llm
+
+
+def _load_voxtral(spec: dict, *, cache_dir, dtype):
+    from transformers import AutoFeatureExtractor, AutoTokenizer, VoxtralForConditionalGeneration
+
+    hub = {"cache_dir": str(cache_dir)} if cache_dir and "root" not in spec else {}
+    path = _path(spec, "model")
+    vox = VoxtralForConditionalGeneration.from_pretrained(path, dtype=dtype, **hub)
+    encoder, connector, llm = split_voxtral(vox)
+    features = AutoFeatureExtractor.from_pretrained(path, **hub)
+    tokenizer = AutoTokenizer.from_pretrained(path, **hub)
+    return encoder, llm, tokenizer, features, connector
+
+
+def build_speech_llm(
+    preset: str | dict,
+    *,
+    cache_dir: str | Path | None = None,
+    freeze_encoder: bool = True,
+    lora_r: int = 8,
+    lora_alpha: int = 16,
+    connector: str | None = None,
+    downsample_k: int | None = None,
+    ctc_weight: float = 0.0,
+    prompt: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    gradient_checkpointing: bool = False,
+    seed: int | None = None,
+) -> SpeechLLM:
+    """Load a preset, add LoRA and mark trainable parameters (paper Sec. II-A and II-D).
+
+    Arguments
+    ---------
+    preset : str or dict
+        A name in :data:`PRESETS`, a checkpoint folder, or a spec dict (see :func:`resolve_preset`).
+    cache_dir : str or Path, optional
+        Hugging Face cache for hub models; root folder of the ``tiny`` checkpoint.
+    freeze_encoder : bool
+        True: no encoder LoRA (paper's frozen variants); False: LoRA on encoder q/k/v (``-e``).
+    lora_r, lora_alpha : int
+        LoRA rank and scaling numerator (paper: r=8, alpha=16, dropout 0). ``lora_r=0`` adds no
+        adapters (base model with a trainable connector, used for seed pretraining).
+    connector, downsample_k : optional
+        Override the preset's connector kind (``linear``/``mlp``) and stacking factor.
+    ctc_weight : float
+        Weight of the CTC auxiliary loss on the encoder; ignored (with a log line) when the
+        encoder is frozen, since the head could not influence the transcript loss.
+    prompt : str, optional
+        Override the task prompt.
+    device, dtype :
+        Where and in which dtype the frozen base weights live; trainable tensors stay float32
+        (run under autocast, e.g. SpeechBrain ``--precision=bf16``).
+    gradient_checkpointing : bool
+        Enable non-reentrant gradient checkpointing in encoder and LLM.
+    seed : int, optional
+        Seed for the connector / LoRA / CTC-head initialisation.
+
+    Returns
+    -------
+    SpeechLLM
+        With ``.tokenizer`` and ``.feature_extractor`` attached.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> model = build_speech_llm("tiny", cache_dir=tempfile.mkdtemp(), seed=0)
+    >>> sorted(model.component_patterns())
+    ['connector', 'encoder', 'llm']
+    """
+    spec = resolve_preset(preset, cache_dir=cache_dir)
+    if spec.get("kind") == "tiny":
+        folder = create_tiny_checkpoint(spec.pop("tiny_folder"))
+        spec = {**resolve_preset(str(folder)), **{k: v for k, v in spec.items() if k != "kind"}}
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    loader = _load_voxtral if spec["kind"] == "voxtral" else _load_whisper_llm
+    encoder, llm, tokenizer, features, pretrained_connector = loader(
+        spec, cache_dir=cache_dir, dtype=dtype
+    )
+    if freeze_encoder and ctc_weight > 0:
+        logger.info("ctc_weight=%s ignored: the encoder is frozen", ctc_weight)
+        ctc_weight = 0.0
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        conn = pretrained_connector
+        kind = connector or spec.get("connector", "linear")
+        k = downsample_k or spec.get("downsample_k", 4)
+        if conn is None or (kind, k) != (conn.kind, conn.downsample_k):
+            conn = FrameStackConnector(
+                input_size=encoder.config.d_model,
+                output_size=llm.config.hidden_size,
+                downsample_k=k,
+                kind=kind,
+            )
+        model = SpeechLLM(
+            encoder=encoder,
+            connector=conn,
+            llm=llm,
+            tokenizer=tokenizer,
+            feature_extractor=features,
+            prompt=prompt or spec.get("prompt", DEFAULT_PROMPT),
+            ctc_weight=ctc_weight,
+            max_new_tokens=spec.get("max_new_tokens", 256),
+        )
+        _load_extra(model, spec)
+        if lora_r > 0:
+            add_lora(model.llm, targets=LLM_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
+            if not freeze_encoder:
+                add_lora(model.encoder, targets=ENCODER_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
+    model.set_trainable(train_encoder_lora=not freeze_encoder)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    if gradient_checkpointing:
+        for part in (model.encoder, model.llm):
+            part.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    return model.to(device)
+
+
+def _load_extra(model: SpeechLLM, spec: dict) -> None:
+    """Load ``extra.safetensors`` (connector, CTC head) of a checkpoint folder when present."""
+    if "root" not in spec or not (Path(spec["root"]) / "extra.safetensors").is_file():
+        return
+    path = Path(spec["root"]) / "extra.safetensors"
+    state = load_file(str(path))
+    for prefix, module in (("connector.", model.connector), ("ctc_head.", model.ctc_head)):
+        part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        if module is None or not part:
+            continue
+        try:
+            module.load_state_dict(part)
+        except RuntimeError as err:
+            raise ValueError(
+                f"{path}: saved {prefix.rstrip('.')} weights do not fit the requested "
+                f"connector/downsample_k: {err}"
+            ) from err
