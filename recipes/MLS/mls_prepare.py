@@ -1,0 +1,359 @@
+"""Data preparation for Multilingual LibriSpeech (MLS, openslr.org/94).
+
+Parses the layout the MLS archives unpack to, for any of the 8 languages::
+
+    <data_folder>/mls_<language>[_opus]/metainfo.txt
+    <data_folder>/mls_<language>[_opus]/<split>/transcripts.txt   (<spk>_<book>_<utt>\\t<text>)
+    <data_folder>/mls_<language>[_opus]/<split>/segments.txt
+    <data_folder>/mls_<language>[_opus]/<split>/audio/<spk>/<book>/<spk>_<book>_<utt>.flac|.opus
+
+and writes SpeechBrain CSV manifests ``<save_folder>/<split>.csv`` with the columns
+``ID,duration,wav,spk_id,language,wrd`` (``wav`` starts with ``$data_root``, to be replaced by
+``DynamicItemDataset.from_csv(..., replacements={"data_root": data_folder})``), plus:
+
+- ``train_statistics.md`` / ``.csv``: hours, clients (speakers) and hours per client for each
+  language under the speaker partition: the alpha-split paper's Table VI;
+- ``speaker_overlap.json``: training speakers who also appear in the test split: its
+  Appendix B (8 of 316 clients, 2.8 % of the training samples on the real corpus);
+- ``skipped.json``: unreadable audio files (skipped), transcripts without audio and audio
+  without a transcript, each listed by path or ID.
+
+The embedded corpus (``speechbrain_fl.data.mls_synth``) adds a non-MLS ``public`` split with
+its own speakers; ask for it with ``splits=("train", "dev", "test", "public")``.
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+
+import soundfile as sf
+
+logger = logging.getLogger(__name__)
+
+MLS_LANGUAGES = (
+    "english",
+    "german",
+    "dutch",
+    "french",
+    "spanish",
+    "italian",
+    "portuguese",
+    "polish",
+)
+AUDIO_EXTENSIONS = (".flac", ".opus")
+OPTIONS_FILE = "mls_prepare.json"
+SKIPPED_FILE = "skipped.json"
+HEADER = ["ID", "duration", "wav", "spk_id", "language", "wrd"]
+_GET_MLS = (
+    "Download MLS from https://www.openslr.org/94 (e.g. mls_polish.tar.gz) and unpack it into "
+    "data_folder, or leave data_folder unset to use the embedded synthetic corpus."
+)
+
+
+def prepare_mls(
+    data_folder: str,
+    save_folder: str,
+    *,
+    languages: list[str] | None = None,
+    splits: tuple[str, ...] = ("train", "dev", "test"),
+    skip_prep: bool = False,
+    max_utts_per_split: int | None = None,
+) -> dict:
+    """Prepare CSV manifests, the Table VI statistics and the overlap report for MLS.
+
+    Arguments
+    ---------
+    data_folder : str
+        Folder holding the unpacked ``mls_<language>`` (or ``mls_<language>_opus``) folders.
+    save_folder : str
+        Where the CSV files and reports are written.
+    languages : list of str or None
+        MLS language names to use; None uses every language found in ``data_folder``.
+    splits : tuple of str
+        Splits to prepare (``train``, ``dev``, ``test``; ``public`` for the embedded corpus).
+    skip_prep : bool
+        If True, do nothing (SpeechBrain convention).
+    max_utts_per_split : int or None
+        Keep at most this many utterances per language and split (first IDs in sorted order).
+
+    Returns
+    -------
+    dict
+        ``{"csv": {split: path}, "counts": {split: {language: n}}, "skipped": {...},
+        "statistics": path, "overlap": path}`` (empty when ``skip_prep``).
+
+    Example
+    -------
+    >>> import tempfile, os
+    >>> from speechbrain_fl.data.mls_synth import generate_mls_corpus
+    >>> root = tempfile.mkdtemp()
+    >>> _ = generate_mls_corpus(os.path.join(root, "mls"), languages=["polish"],
+    ...     speakers_per_language=2, utterances_per_speaker=2, dev_speakers=1, test_speakers=1,
+    ...     eval_utterances_per_speaker=1, public_speakers_per_language=1,
+    ...     public_utterances_per_speaker=1, progress=False)
+    >>> report = prepare_mls(os.path.join(root, "mls"), os.path.join(root, "csv"))
+    >>> sorted(report["csv"])
+    ['dev', 'test', 'train']
+    """
+    if skip_prep:
+        return {}
+    data_folder = os.path.abspath(data_folder)
+    language_dirs = _find_languages(data_folder, languages, splits)
+    options = {
+        "data_folder": data_folder,
+        "languages": sorted(language_dirs),
+        "splits": list(splits),
+        "max_utts_per_split": max_utts_per_split,
+    }
+    os.makedirs(save_folder, exist_ok=True)
+    if skip(save_folder, options):
+        logger.info("MLS preparation already done in %s, skipping.", save_folder)
+        with open(os.path.join(save_folder, OPTIONS_FILE), encoding="utf-8") as handle:
+            return json.load(handle)["report"]
+
+    skipped = {
+        "unreadable_audio": [],
+        "transcript_without_audio": [],
+        "audio_without_transcript": [],
+    }
+    rows_by_split: dict[str, list[dict]] = {}
+    for split in splits:
+        rows = []
+        for language, lang_dir in sorted(language_dirs.items()):
+            rows.extend(
+                _prepare_split(
+                    data_folder, lang_dir, language, split, skipped, max_utts=max_utts_per_split
+                )
+            )
+        rows_by_split[split] = rows
+        _write_csv(os.path.join(save_folder, f"{split}.csv"), rows)
+        logger.info("%s.csv: %d utterances", split, len(rows))
+
+    report = {
+        "csv": {s: os.path.join(save_folder, f"{s}.csv") for s in splits},
+        "counts": {
+            s: {lang: sum(r["language"] == lang for r in rows) for lang in sorted(language_dirs)}
+            for s, rows in rows_by_split.items()
+        },
+        "skipped": {k: sorted(v) for k, v in skipped.items()},
+        "num_skipped": {k: len(v) for k, v in skipped.items()},
+    }
+    with open(os.path.join(save_folder, SKIPPED_FILE), "w", encoding="utf-8") as handle:
+        json.dump(report["skipped"], handle, indent=2)
+    if "train" in rows_by_split:
+        report["statistics"] = write_train_statistics(rows_by_split["train"], save_folder)
+        if "test" in rows_by_split:
+            report["overlap"] = write_speaker_overlap(
+                rows_by_split["train"], rows_by_split["test"], save_folder
+            )
+    with open(os.path.join(save_folder, OPTIONS_FILE), "w", encoding="utf-8") as handle:
+        json.dump({"options": options, "report": report}, handle, indent=2)
+    return report
+
+
+def skip(save_folder: str, options: dict) -> bool:
+    """True if every CSV exists and the saved options equal ``options``."""
+    path = os.path.join(save_folder, OPTIONS_FILE)
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as handle:
+        saved = json.load(handle)
+    if saved.get("options") != options:
+        return False
+    return all(os.path.isfile(os.path.join(save_folder, f"{s}.csv")) for s in options["splits"])
+
+
+def _find_languages(data_folder: str, languages, splits) -> dict[str, str]:
+    if languages is not None:
+        unknown = [lang for lang in languages if lang not in MLS_LANGUAGES]
+        if unknown:
+            raise ValueError(f"unknown MLS language(s) {unknown}; MLS has {list(MLS_LANGUAGES)}")
+    if not os.path.isdir(data_folder):
+        raise OSError(f"MLS data_folder {data_folder!r} does not exist. {_GET_MLS}")
+    found = {}
+    for language in languages or MLS_LANGUAGES:
+        for name in (f"mls_{language}", f"mls_{language}_opus"):
+            if os.path.isdir(os.path.join(data_folder, name)):
+                found[language] = name
+                break
+        else:
+            if languages is not None:
+                raise OSError(
+                    f"{data_folder!r} has no mls_{language}/ (or mls_{language}_opus/) folder. "
+                    f"{_GET_MLS}"
+                )
+    if not found:
+        raise OSError(
+            f"{data_folder!r} is not an MLS folder: none of "
+            f"{[f'mls_{lang}' for lang in MLS_LANGUAGES]} is in it. {_GET_MLS}"
+        )
+    for name in found.values():
+        for split in splits:
+            transcripts = os.path.join(data_folder, name, split, "transcripts.txt")
+            if not os.path.isfile(transcripts):
+                raise OSError(f"MLS file missing: {transcripts}. {_GET_MLS}")
+    return found
+
+
+def _read_transcripts(path: str) -> dict[str, str]:
+    out = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            utt_id, sep, text = line.partition("\t")
+            if not sep or utt_id.count("_") != 2:
+                raise ValueError(
+                    f"{path}:{number}: expected '<spk>_<book>_<utt>\\t<transcript>', got {line!r}"
+                )
+            out[utt_id] = text.strip()
+    return out
+
+
+def _prepare_split(data_folder, lang_dir, language, split, skipped, *, max_utts):
+    split_dir = os.path.join(data_folder, lang_dir, split)
+    transcripts = _read_transcripts(os.path.join(split_dir, "transcripts.txt"))
+    audio = {}
+    audio_root = os.path.join(split_dir, "audio")
+    for folder, _, files in os.walk(audio_root):
+        for name in files:
+            stem, ext = os.path.splitext(name)
+            if ext in AUDIO_EXTENSIONS:
+                audio[stem] = os.path.join(folder, name)
+    for utt_id in sorted(set(audio) - set(transcripts)):
+        logger.warning("Audio without transcript (ignored): %s", audio[utt_id])
+        skipped["audio_without_transcript"].append(os.path.relpath(audio[utt_id], data_folder))
+    ids = sorted(transcripts)
+    if max_utts is not None:
+        ids = ids[:max_utts]
+    rows = []
+    for utt_id in ids:
+        if utt_id not in audio:
+            logger.warning("Transcript without audio (skipped): %s in %s", utt_id, split_dir)
+            skipped["transcript_without_audio"].append(f"{lang_dir}/{split}/{utt_id}")
+            continue
+        path = audio[utt_id]
+        try:
+            duration = sf.info(path).duration
+        except (RuntimeError, sf.LibsndfileError) as err:
+            logger.warning("Unreadable audio (skipped): %s (%s)", path, err)
+            skipped["unreadable_audio"].append(os.path.relpath(path, data_folder))
+            continue
+        rows.append(
+            {
+                "ID": utt_id,
+                "duration": f"{duration:.3f}",
+                "wav": "$data_root/" + os.path.relpath(path, data_folder).replace(os.sep, "/"),
+                "spk_id": utt_id.split("_")[0],
+                "language": language,
+                "wrd": transcripts[utt_id],
+            }
+        )
+    return rows
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=HEADER)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def write_train_statistics(rows: list[dict], save_folder: str) -> str:
+    """Write the per-language training hours / clients / hours per client table (Table VI).
+
+    One client per speaker (the speaker partition). Rows are sorted by hours, descending, as in
+    the paper, with a Total row; written as ``train_statistics.csv`` and ``.md``.
+
+    Returns
+    -------
+    str
+        Path of the markdown table.
+    """
+    per_lang: dict[str, dict] = {}
+    for row in rows:
+        entry = per_lang.setdefault(row["language"], {"seconds": 0.0, "speakers": set()})
+        entry["seconds"] += float(row["duration"])
+        entry["speakers"].add(row["spk_id"])
+    table = []
+    for language, entry in sorted(per_lang.items(), key=lambda kv: -kv[1]["seconds"]):
+        hours, clients = entry["seconds"] / 3600, len(entry["speakers"])
+        table.append((language, hours, clients, hours / clients))
+    total_hours = sum(t[1] for t in table)
+    total_clients = sum(t[2] for t in table)
+    table.append(("total", total_hours, total_clients, total_hours / max(total_clients, 1)))
+    with open(os.path.join(save_folder, "train_statistics.csv"), "w", encoding="utf-8") as f:
+        f.write("language,training_hours,clients,avg_hours_per_client\n")
+        for language, hours, clients, per in table:
+            f.write(f"{language},{hours:.4f},{clients},{per:.4f}\n")
+    md = os.path.join(save_folder, "train_statistics.md")
+    with open(md, "w", encoding="utf-8") as f:
+        f.write("| Language | Training Hours | Clients (K) | Avg. Hours/Client |\n")
+        f.write("|---|---:|---:|---:|\n")
+        for language, hours, clients, per in table:
+            name = "**Total**" if language == "total" else language.capitalize()
+            f.write(f"| {name} | {hours:.3f} | {clients} | {per:.3f} |\n")
+    return md
+
+
+def write_speaker_overlap(train_rows: list[dict], test_rows: list[dict], save_folder: str) -> str:
+    """Write the train-client / test-speaker overlap report (alpha-split paper, Appendix B).
+
+    For each language and in total: training clients (speakers), test speakers, the
+    overlapping speaker IDs, the fraction of clients they are, and the fraction of training
+    utterances and hours they hold. Written as ``speaker_overlap.json``.
+
+    Returns
+    -------
+    str
+        Path of the JSON report.
+    """
+
+    def stats(train, test):
+        train_spk = {r["spk_id"] for r in train}
+        test_spk = {r["spk_id"] for r in test}
+        overlap = sorted(train_spk & test_spk)
+        in_overlap = [r for r in train if r["spk_id"] in test_spk]
+        seconds = sum(float(r["duration"]) for r in train)
+        return {
+            "train_clients": len(train_spk),
+            "test_speakers": len(test_spk),
+            "overlapping_speakers": overlap,
+            "num_overlapping": len(overlap),
+            "fraction_of_clients": len(overlap) / max(len(train_spk), 1),
+            "fraction_of_train_utterances": len(in_overlap) / max(len(train), 1),
+            "fraction_of_train_hours": sum(float(r["duration"]) for r in in_overlap)
+            / max(seconds, 1e-9),
+        }
+
+    languages = sorted({r["language"] for r in train_rows} | {r["language"] for r in test_rows})
+    report = {
+        "per_language": {
+            lang: stats(
+                [r for r in train_rows if r["language"] == lang],
+                [r for r in test_rows if r["language"] == lang],
+            )
+            for lang in languages
+        },
+        "total": stats(train_rows, test_rows),
+    }
+    path = os.path.join(save_folder, "speaker_overlap.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    total = report["total"]
+    logger.info(
+        "Speaker overlap: %d of %d training clients also in test (%.1f%% of training utterances).",
+        total["num_overlapping"],
+        total["train_clients"],
+        100 * total["fraction_of_train_utterances"],
+    )
+    return path

@@ -1,0 +1,295 @@
+"""The embedded MLS-layout corpus: espeak-ng speech in the real Multilingual LibriSpeech layout.
+
+``generate_mls_corpus`` writes, for each language, exactly what the MLS archives from
+openslr.org/94 unpack to, so ``recipes/MLS/mls_prepare.py`` runs unchanged on it::
+
+    <out_dir>/mls_<language>/metainfo.txt
+    <out_dir>/mls_<language>/<split>/transcripts.txt     <spk>_<book>_<utt>\\t<transcript>
+    <out_dir>/mls_<language>/<split>/segments.txt        <id>\\t<source>\\t<start>\\t<end>
+    <out_dir>/mls_<language>/<split>/audio/<spk>/<book>/<spk>_<book>_<utt>.flac
+
+with ``<split>`` in ``train``, ``dev``, ``test`` and one addition that real MLS does not have:
+``public``, a split with its own speakers (disjoint from all others) used to pretrain the
+embedded seed model centrally. ``metainfo.txt`` lists it with PARTITION ``public``.
+
+As in real MLS (alpha-split paper, Appendix B), a few training speakers also read a different
+book in the test split, so the train-client/test-speaker overlap report has something to find.
+Training speakers hold different amounts of speech (each speaker's utterance count is scaled
+by a factor drawn in [1 - spread, 1 + spread]) so client sizes are unequal, as in Table VI.
+
+Generation is deterministic for a seed, atomic (written to a temporary sibling folder, then
+renamed), and cached: a stamp file records the options, and a call with other options
+regenerates the corpus. ``segments.txt`` names the espeak-ng voice as the source instead of an
+archive.org URL, with start 0 and end the utterance duration.
+
+Example
+-------
+>>> import tempfile, os
+>>> out = os.path.join(tempfile.mkdtemp(), "mls")
+>>> info = generate_mls_corpus(out, languages=["english"], speakers_per_language=2,
+...     utterances_per_speaker=2, dev_speakers=1, test_speakers=1, eval_utterances_per_speaker=1,
+...     public_speakers_per_language=1, public_utterances_per_speaker=1, progress=False)
+>>> sorted(os.listdir(os.path.join(out, "mls_english")))
+['dev', 'metainfo.txt', 'public', 'test', 'train']
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import soundfile as sf
+from tqdm.auto import tqdm
+
+from speechbrain_fl.data.espeak import SAMPLE_RATE, synthesize
+from speechbrain_fl.data.sentences import LANGUAGE_CODES, LANGUAGES, make_sentences
+from speechbrain_fl.data.voices import SpeakerVoice, make_speakers
+
+__all__ = ["generate_mls_corpus", "STAMP_FILE", "METAINFO_HEADER", "SPLITS"]
+
+logger = logging.getLogger(__name__)
+
+STAMP_FILE = ".mls_synth.json"
+_VERSION = 1
+SPLITS = ("train", "dev", "test", "public")
+_COLUMNS = ("SPEAKER", "GENDER", "PARTITION", "MINUTES", "BOOK ID", "TITLE", "CHAPTER")
+_WIDTHS = (10, 10, 10, 10, 10, 30, 30)
+METAINFO_HEADER = " | ".join(c.center(w) for c, w in zip(_COLUMNS, _WIDTHS, strict=True))
+
+
+@dataclass(frozen=True)
+class _Task:
+    language: str
+    split: str
+    speaker: int
+    book: int
+    index: int
+    voice: SpeakerVoice
+    text: str
+
+    @property
+    def utt_id(self) -> str:
+        return f"{self.speaker}_{self.book}_{self.index:06d}"
+
+
+def _plan(options: dict) -> list[_Task]:
+    """Every utterance of the corpus, in a fixed order (all randomness drawn here)."""
+    seed = options["seed"]
+    tasks = []
+    for li, language in enumerate(options["languages"]):
+        rng = np.random.default_rng([seed, 31, li])
+        n_train = options["speakers_per_language"]
+        n_dev, n_test = options["dev_speakers"], options["test_speakers"]
+        n_pub = options["public_speakers_per_language"]
+        voices = make_speakers(n_train + n_dev + n_test + n_pub, seed=seed * 1009 + li)
+        spk_ids = [1000 * (li + 1) + 10 * k + int(rng.integers(10)) for k in range(len(voices))]
+        roles = (
+            [("train", k) for k in range(n_train)]
+            + [("dev", n_train + k) for k in range(n_dev)]
+            + [("test", n_train + n_dev + k) for k in range(n_test)]
+            + [("public", n_train + n_dev + n_test + k) for k in range(n_pub)]
+        )
+        overlap = min(options["test_overlap_speakers"], n_train)
+        roles += [("test", int(k)) for k in sorted(rng.choice(n_train, overlap, replace=False))]
+        spread = options["speaker_size_spread"]
+        per_split = {
+            "train": options["utterances_per_speaker"],
+            "dev": options["eval_utterances_per_speaker"],
+            "test": options["eval_utterances_per_speaker"],
+            "public": options["public_utterances_per_speaker"],
+        }
+        counts = []
+        for split, _ in roles:
+            n = per_split[split]
+            if split == "train" and spread > 0:
+                n = int(round(n * rng.uniform(1 - spread, 1 + spread)))
+            counts.append(max(1, n) if per_split[split] > 0 else 0)
+        texts = make_sentences(language, sum(counts), seed=seed * 7 + li)
+        cursor = 0
+        for r, ((split, k), n) in enumerate(zip(roles, counts, strict=True)):
+            book = 10000 + 100 * li + r
+            for i in range(n):
+                tasks.append(
+                    _Task(language, split, spk_ids[k], book, i, voices[k], texts[cursor + i])
+                )
+            cursor += n
+    return tasks
+
+
+def _write_language(root: str, language: str, tasks: list[_Task], durations: dict) -> None:
+    base = os.path.join(root, f"mls_{language}")
+    meta = {}
+    for split in SPLITS:
+        rows = [t for t in tasks if t.split == split]
+        if not rows:
+            continue
+        os.makedirs(os.path.join(base, split), exist_ok=True)
+        with open(os.path.join(base, split, "transcripts.txt"), "w", encoding="utf-8") as tr:
+            for t in rows:
+                tr.write(f"{t.utt_id}\t{t.text}\n")
+        with open(os.path.join(base, split, "segments.txt"), "w", encoding="utf-8") as seg:
+            for t in rows:
+                source = f"espeak-ng:{LANGUAGE_CODES[language]}+{t.voice.variant}"
+                seg.write(f"{t.utt_id}\t{source}\t0.00\t{durations[t.utt_id]:.2f}\n")
+        for t in rows:
+            key = (t.speaker, t.book, split)
+            entry = meta.setdefault(key, {"minutes": 0.0, "voice": t.voice})
+            entry["minutes"] += durations[t.utt_id] / 60.0
+    with open(os.path.join(base, "metainfo.txt"), "w", encoding="utf-8") as handle:
+        handle.write(METAINFO_HEADER + "\n")
+        for (speaker, book, split), entry in sorted(meta.items()):
+            voice = entry["voice"]
+            fields = (
+                str(speaker),
+                "F" if voice.gender == "female" else "M",
+                split,
+                f"{entry['minutes']:.3f}",
+                str(book),
+                f"Synthetic Book {book}",
+                f"espeak-ng {voice.variant} p{voice.pitch} r{voice.rate}",
+            )
+            handle.write(
+                " | ".join(f.center(w) for f, w in zip(fields, _WIDTHS, strict=True)) + "\n"
+            )
+
+
+def _summary(tasks: list[_Task], durations: dict) -> dict:
+    out: dict = {}
+    for t in tasks:
+        s = out.setdefault(t.language, {}).setdefault(
+            t.split, {"speakers": set(), "utterances": 0, "hours": 0.0}
+        )
+        s["speakers"].add(t.speaker)
+        s["utterances"] += 1
+        s["hours"] += durations[t.utt_id] / 3600.0
+    for splits in out.values():
+        for s in splits.values():
+            s["speakers"] = len(s["speakers"])
+            s["hours"] = round(s["hours"], 4)
+    return out
+
+
+def generate_mls_corpus(
+    out_dir: str,
+    *,
+    languages: list[str] | tuple[str, ...] = LANGUAGES,
+    speakers_per_language: int = 6,
+    utterances_per_speaker: int = 20,
+    seed: int = 1234,
+    public_speakers_per_language: int = 3,
+    public_utterances_per_speaker: int = 30,
+    dev_speakers: int = 2,
+    test_speakers: int = 2,
+    test_overlap_speakers: int = 1,
+    eval_utterances_per_speaker: int = 8,
+    speaker_size_spread: float = 0.5,
+    progress: bool = True,
+) -> dict:
+    """Generate (or reuse) the embedded multilingual corpus in the real MLS layout.
+
+    Arguments
+    ---------
+    out_dir : str
+        Corpus root; ``mls_<language>/`` folders are created inside it.
+    languages : sequence of str
+        MLS language names (default: all 8).
+    speakers_per_language : int
+        Training speakers per language (one federated client each under the speaker partition).
+    utterances_per_speaker : int
+        Mean training utterances per speaker (scaled per speaker by ``speaker_size_spread``).
+    seed : int
+        Random seed: the same options and seed give the same corpus, file for file.
+    public_speakers_per_language, public_utterances_per_speaker : int
+        Size of the ``public`` split (speakers disjoint from every other split).
+    dev_speakers, test_speakers : int
+        Speakers only in dev / only in test.
+    test_overlap_speakers : int
+        Training speakers who also read another book in test (MLS-like overlap, Appendix B).
+    eval_utterances_per_speaker : int
+        Utterances per speaker in dev and test.
+    speaker_size_spread : float
+        Training utterance counts are scaled by U(1 - spread, 1 + spread) per speaker.
+    progress : bool
+        Show a tqdm progress bar.
+
+    Returns
+    -------
+    dict
+        ``{"path", "cached", "seconds", "options", "summary": {language: {split:
+        {"speakers", "utterances", "hours"}}}}``.
+    """
+    unknown = [lang for lang in languages if lang not in LANGUAGE_CODES]
+    if unknown:
+        raise ValueError(f"unknown MLS language(s) {unknown}; choose from {list(LANGUAGES)}")
+    for key, value in (
+        ("speakers_per_language", speakers_per_language),
+        ("utterances_per_speaker", utterances_per_speaker),
+    ):
+        if int(value) < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if not 0 <= speaker_size_spread < 1:
+        raise ValueError(f"speaker_size_spread must be in [0, 1), got {speaker_size_spread}")
+    options = {
+        "version": _VERSION,
+        "languages": list(languages),
+        "speakers_per_language": int(speakers_per_language),
+        "utterances_per_speaker": int(utterances_per_speaker),
+        "seed": int(seed),
+        "public_speakers_per_language": int(public_speakers_per_language),
+        "public_utterances_per_speaker": int(public_utterances_per_speaker),
+        "dev_speakers": int(dev_speakers),
+        "test_speakers": int(test_speakers),
+        "test_overlap_speakers": int(test_overlap_speakers),
+        "eval_utterances_per_speaker": int(eval_utterances_per_speaker),
+        "speaker_size_spread": float(speaker_size_spread),
+        "sample_rate": SAMPLE_RATE,
+    }
+    out_dir = os.path.abspath(out_dir)
+    stamp_path = os.path.join(out_dir, STAMP_FILE)
+    if os.path.isfile(stamp_path):
+        with open(stamp_path, encoding="utf-8") as handle:
+            stamp = json.load(handle)
+        if stamp.get("options") == options:
+            logger.info("Embedded MLS corpus found in %s (cached).", out_dir)
+            return {**stamp, "path": out_dir, "cached": True}
+        logger.info("Embedded MLS corpus in %s was made with other options: regenerating.", out_dir)
+
+    start = time.perf_counter()
+    tasks = _plan(options)
+    logger.info("Generating the embedded MLS corpus (%d utterances) in %s", len(tasks), out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    durations = {}
+    try:
+        for t in tqdm(tasks, desc="espeak-ng MLS corpus", unit="utt", disable=not progress):
+            wav = synthesize(t.text, t.voice.voice(LANGUAGE_CODES[t.language]))
+            folder = os.path.join(
+                tmp, f"mls_{t.language}", t.split, "audio", str(t.speaker), str(t.book)
+            )
+            os.makedirs(folder, exist_ok=True)
+            sf.write(os.path.join(folder, f"{t.utt_id}.flac"), wav, SAMPLE_RATE, subtype="PCM_16")
+            durations[t.utt_id] = len(wav) / SAMPLE_RATE
+        for language in options["languages"]:
+            _write_language(tmp, language, [t for t in tasks if t.language == language], durations)
+        result = {
+            "options": options,
+            "seconds": round(time.perf_counter() - start, 2),
+            "summary": _summary(tasks, durations),
+        }
+        with open(os.path.join(tmp, STAMP_FILE), "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("Embedded MLS corpus written in %.1f s.", result["seconds"])
+    return {**result, "path": out_dir, "cached": False}
