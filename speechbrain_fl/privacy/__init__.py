@@ -1,0 +1,52 @@
+"""Component-aware differential privacy for federated speech models (torch + Opacus only).
+
+Layouts of trainable groups, per-group clip budgets (flat, PFL-Uniform, PFL-Dim, their EMA
+variants and N-pool alpha-split), vectorised clipping with statistics, the Gaussian mechanism on
+the aggregate and (epsilon, delta) accounting with Opacus. See ``docs/api.md`` for the
+contracts and the alpha-split paper (Section IV) for the formulas.
+"""
+
+from .accounting import (
+    PrivacyAccountant,
+    component_privacy,
+    compute_epsilon,
+    effective_noise_multipliers,
+    extrapolate_privacy,
+    noise_multiplier_for_epsilon,
+)
+from .budgets import (
+    METHODS,
+    EMABudgetState,
+    Pool,
+    alpha_split_pools,
+    component_budgets,
+    compute_budgets,
+    select_alpha,
+)
+from .clipping import ClipStats, clip_update
+from .layout import Group, Layout, layout_from_model
+from .noise import GaussianNoise, noise_std, noisy_norm_signal
+
+__all__ = [
+    "Group",
+    "Layout",
+    "layout_from_model",
+    "METHODS",
+    "Pool",
+    "compute_budgets",
+    "alpha_split_pools",
+    "EMABudgetState",
+    "component_budgets",
+    "select_alpha",
+    "clip_update",
+    "ClipStats",
+    "GaussianNoise",
+    "noise_std",
+    "noisy_norm_signal",
+    "compute_epsilon",
+    "noise_multiplier_for_epsilon",
+    "PrivacyAccountant",
+    "effective_noise_multipliers",
+    "component_privacy",
+    "extrapolate_privacy",
+]

@@ -1,0 +1,370 @@
+"""(epsilon, delta) accounting with Opacus's accountants (DESIGN.md contract 5).
+
+One FL round is one application of the sampled Gaussian mechanism: each client joins the cohort
+with probability ``q`` (Poisson sampling), its clipped update has L2 sensitivity ``C`` and the
+server adds ``N(0, (sigma C)^2)`` to the sum (``(sigma C / n)^2`` on the mean). ``T`` rounds
+compose, so the guarantee is Opacus's RDP (default) or PRV accountant evaluated at
+``(sigma, q, T)``: client-level DP for a population of ``K = n / q`` clients.
+
+Per-component privacy (paper Section IV-A4): a component whose clipped contribution is bounded
+by its budget ``C_L`` sees the same noise ``sigma C`` as a mechanism with multiplier
+``sigma_eff = sigma C / C_L`` (e.g. ``sigma / sqrt(alpha)`` for the alpha-split encoder), so
+its sub-vector alone is released with the epsilon of ``(sigma_eff, q, T)``. The joint
+guarantee is always the one of ``(sigma, q, T)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+
+from opacus.accountants import create_accountant
+from opacus.accountants.utils import get_noise_multiplier
+
+from .budgets import check_clip, component_budgets
+from .layout import Layout
+
+__all__ = [
+    "ACCOUNTANTS",
+    "PrivacyAccountant",
+    "compute_epsilon",
+    "component_privacy",
+    "effective_noise_multipliers",
+    "extrapolate_privacy",
+    "noise_multiplier_for_epsilon",
+]
+
+logger = logging.getLogger(__name__)
+
+ACCOUNTANTS = ("rdp", "prv")
+LARGE_EPSILON = 10.0
+
+
+def _check(*, sampling_rate=None, noise_multiplier=None, rounds=None, delta=None, accountant=None):
+    if sampling_rate is not None and not (0.0 < sampling_rate <= 1.0):
+        raise ValueError(f"sampling_rate must lie in (0, 1], got {sampling_rate!r}")
+    if noise_multiplier is not None and not (
+        math.isfinite(noise_multiplier) and noise_multiplier >= 0
+    ):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
+    if rounds is not None and (
+        isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0
+    ):
+        raise ValueError(f"rounds must be an integer >= 0, got {rounds!r}")
+    if delta is not None and not (0.0 < delta < 1.0):
+        raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+    if accountant is not None and accountant not in ACCOUNTANTS:
+        raise ValueError(f"unknown accountant {accountant!r}; expected one of {ACCOUNTANTS}")
+
+
+def _warn_large(epsilon: float, what: str) -> None:
+    if epsilon > LARGE_EPSILON:
+        msg = f"{what}: epsilon = {epsilon:.4g} exceeds {LARGE_EPSILON:g}; the DP guarantee is weak"
+        logger.warning(msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+def _epsilon(sampling_rate, noise_multiplier, rounds, delta, accountant) -> float:
+    if rounds == 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    acc = create_accountant(mechanism=accountant)
+    acc.history = [(float(noise_multiplier), float(sampling_rate), int(rounds))]
+    return float(acc.get_epsilon(delta=delta))
+
+
+def compute_epsilon(
+    *,
+    sampling_rate: float,
+    noise_multiplier: float,
+    rounds: int,
+    delta: float,
+    accountant: str = "rdp",
+    warn: bool = True,
+) -> float:
+    """Epsilon after ``rounds`` of the sampled Gaussian mechanism (Opacus accountant).
+
+    Arguments
+    ---------
+    sampling_rate : float
+        Client sampling rate ``q`` in (0, 1].
+    noise_multiplier : float
+        ``sigma`` >= 0 (0 gives ``inf``).
+    rounds : int
+        Number of rounds ``T`` >= 0.
+    delta : float
+        Target delta in (0, 1).
+    accountant : str
+        ``"rdp"`` (Opacus ``RDPAccountant``, Mironov et al. 2019 + Balle et al. 2020
+        conversion) or ``"prv"`` (Opacus ``PRVAccountant``, Gopi et al. 2021).
+    warn : bool
+        Warn (logging and ``warnings``) when epsilon exceeds 10.
+
+    Returns
+    -------
+    float
+
+    Example
+    -------
+    >>> round(compute_epsilon(sampling_rate=0.04, noise_multiplier=1.5, rounds=2250,
+    ...                       delta=1e-5), 6)
+    7.329111
+    """
+    _check(
+        sampling_rate=sampling_rate,
+        noise_multiplier=noise_multiplier,
+        rounds=rounds,
+        delta=delta,
+        accountant=accountant,
+    )
+    eps = _epsilon(sampling_rate, noise_multiplier, rounds, delta, accountant)
+    if warn:
+        _warn_large(eps, f"q={sampling_rate}, sigma={noise_multiplier}, T={rounds}")
+    return eps
+
+
+def noise_multiplier_for_epsilon(
+    *,
+    sampling_rate: float,
+    target_epsilon: float,
+    rounds: int,
+    delta: float,
+    accountant: str = "rdp",
+    epsilon_tolerance: float = 0.01,
+) -> float:
+    """Smallest ``sigma`` (to the bisection tolerance) reaching ``target_epsilon`` after ``rounds``.
+
+    Wraps Opacus's :func:`~opacus.accountants.utils.get_noise_multiplier` (bisection until the
+    epsilon is within ``epsilon_tolerance`` below the target).
+
+    Example
+    -------
+    >>> round(noise_multiplier_for_epsilon(sampling_rate=0.04, target_epsilon=8.0,
+    ...                                    rounds=2000, delta=1e-5), 4)
+    1.3562
+    """
+    _check(sampling_rate=sampling_rate, rounds=rounds, delta=delta, accountant=accountant)
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be finite and > 0, got {target_epsilon!r}")
+    if rounds == 0:
+        return 0.0
+    _warn_large(target_epsilon, "target")
+    return float(
+        get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            sample_rate=sampling_rate,
+            steps=rounds,
+            accountant=accountant,
+            epsilon_tolerance=epsilon_tolerance,
+        )
+    )
+
+
+class PrivacyAccountant:
+    """Running (epsilon, delta) of a run with fixed ``(q, sigma)``; checkpointable.
+
+    Arguments
+    ---------
+    sampling_rate : float
+        Client sampling rate ``q``.
+    noise_multiplier : float
+        ``sigma``.
+    delta : float
+        Target delta.
+    accountant : str
+        ``"rdp"`` or ``"prv"``.
+
+    Example
+    -------
+    >>> acc = PrivacyAccountant(sampling_rate=0.04, noise_multiplier=1.5, delta=1e-5)
+    >>> acc.step(2250)
+    >>> acc.rounds, round(acc.epsilon(), 6)
+    (2250, 7.329111)
+    """
+
+    def __init__(
+        self,
+        *,
+        sampling_rate: float,
+        noise_multiplier: float,
+        delta: float,
+        accountant: str = "rdp",
+    ):
+        _check(
+            sampling_rate=sampling_rate,
+            noise_multiplier=noise_multiplier,
+            delta=delta,
+            accountant=accountant,
+        )
+        self.sampling_rate = float(sampling_rate)
+        self.noise_multiplier = float(noise_multiplier)
+        self.delta = float(delta)
+        self.accountant = accountant
+        self.rounds = 0
+
+    def step(self, n: int = 1) -> None:
+        """Record ``n`` more rounds."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an integer >= 0, got {n!r}")
+        self.rounds += n
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far (warns above 10)."""
+        return self.epsilon_after(0)
+
+    def epsilon_after(self, extra_rounds: int) -> float:
+        """Epsilon after ``extra_rounds`` more rounds (for planning)."""
+        return compute_epsilon(
+            sampling_rate=self.sampling_rate,
+            noise_multiplier=self.noise_multiplier,
+            rounds=self.rounds + int(extra_rounds),
+            delta=self.delta,
+            accountant=self.accountant,
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "sampling_rate": self.sampling_rate,
+            "noise_multiplier": self.noise_multiplier,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "rounds": self.rounds,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore; refuses a state recorded with a different mechanism (q, sigma, accountant)."""
+        for key in ("sampling_rate", "noise_multiplier", "accountant"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"accountant state has {key}={state[key]!r} but this run uses "
+                    f"{getattr(self, key)!r}; the recorded rounds would be mis-accounted"
+                )
+        self.delta = float(state["delta"])
+        self.rounds = int(state["rounds"])
+
+
+def effective_noise_multipliers(
+    layout: Layout, budgets: float | Mapping[str, float], *, clip: float, noise_multiplier: float
+) -> dict[str, float]:
+    """Per-component effective noise multiplier ``sigma * C / C_L`` (paper Section IV-A4).
+
+    Example
+    -------
+    >>> from speechbrain_fl.privacy.layout import Group
+    >>> from speechbrain_fl.privacy.budgets import compute_budgets
+    >>> lay = Layout([Group("e", "encoder", 8), Group("l", "llm", 8)])
+    >>> b = compute_budgets(lay, method="alpha_split", clip=1.0, alpha=0.05)
+    >>> {k: round(v, 3) for k, v in effective_noise_multipliers(
+    ...     lay, b, clip=1.0, noise_multiplier=0.1).items()}
+    {'encoder': 0.447, 'llm': 0.103}
+    """
+    clip = check_clip(clip)
+    _check(noise_multiplier=noise_multiplier)
+    return {
+        label: (noise_multiplier * clip / cb if cb > 0 else math.inf)
+        for label, cb in component_budgets(layout, budgets).items()
+    }
+
+
+def component_privacy(
+    layout: Layout,
+    budgets: float | Mapping[str, float],
+    *,
+    clip: float,
+    noise_multiplier: float,
+    sampling_rate: float,
+    rounds: int,
+    delta: float,
+    accountant: str = "rdp",
+) -> dict[str, dict[str, float]]:
+    """Budget, effective sigma and epsilon of each component label.
+
+    The component epsilon is the one of the same mechanism run with ``sigma_eff``: what an
+    observer learns about that component's sub-vector alone. It is *not* a replacement for the
+    joint epsilon (:func:`compute_epsilon` with ``sigma``), which covers the whole update.
+
+    Returns
+    -------
+    dict of str to dict
+        ``{label: {"budget", "sigma_eff", "epsilon"}}``.
+    """
+    out = {}
+    budgets_c = component_budgets(layout, budgets)
+    sig = effective_noise_multipliers(layout, budgets, clip=clip, noise_multiplier=noise_multiplier)
+    for label, cb in budgets_c.items():
+        eps = (
+            0.0
+            if math.isinf(sig[label])
+            else compute_epsilon(
+                sampling_rate=sampling_rate,
+                noise_multiplier=sig[label],
+                rounds=rounds,
+                delta=delta,
+                accountant=accountant,
+                warn=False,
+            )
+        )
+        out[label] = {"budget": cb, "sigma_eff": sig[label], "epsilon": eps}
+    return out
+
+
+def extrapolate_privacy(
+    *,
+    noise_multiplier: float,
+    clip: float,
+    cohort_size: int,
+    population: int,
+    rounds: int,
+    delta: float,
+    accountant: str = "rdp",
+) -> dict[str, float]:
+    """What the same ``sigma`` gives at a deployment's cohort size and population.
+
+    pfl-research's ``noise_cohort_size`` idea: a simulation with a few clients reports the noise
+    std ``sigma C / n'`` on the mean and the epsilon at ``q' = n' / K'`` of a deployment with
+    expected cohort ``n'`` out of ``K'`` clients. To *simulate* that deployment's
+    signal-to-noise, add noise of std ``sigma C / n'`` to the simulated mean.
+
+    Returns
+    -------
+    dict
+        ``{"noise_multiplier", "clip", "cohort_size", "population", "sampling_rate", "rounds",
+        "delta", "accountant", "noise_std", "epsilon"}``.
+
+    Example
+    -------
+    >>> out = extrapolate_privacy(noise_multiplier=1.0, clip=1.0, cohort_size=1000,
+    ...                           population=100000, rounds=100, delta=1e-6)
+    >>> out["noise_std"], out["sampling_rate"]
+    (0.001, 0.01)
+    """
+    clip = check_clip(clip)
+    for key, val in (("cohort_size", cohort_size), ("population", population)):
+        if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{key} must be a positive integer, got {val!r}")
+    if cohort_size > population:
+        raise ValueError(f"cohort_size {cohort_size} exceeds population {population}")
+    q = cohort_size / population
+    eps = compute_epsilon(
+        sampling_rate=q,
+        noise_multiplier=noise_multiplier,
+        rounds=rounds,
+        delta=delta,
+        accountant=accountant,
+    )
+    return {
+        "noise_multiplier": float(noise_multiplier),
+        "clip": clip,
+        "cohort_size": cohort_size,
+        "population": population,
+        "sampling_rate": q,
+        "rounds": rounds,
+        "delta": delta,
+        "accountant": accountant,
+        "noise_std": noise_multiplier * clip / cohort_size,
+        "epsilon": eps,
+    }

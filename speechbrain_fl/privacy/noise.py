@@ -1,0 +1,198 @@
+"""The Gaussian mechanism on the aggregate (DESIGN.md contract 4; paper Eq. 4).
+
+The server releases ``mean_i clipped_i + N(0, (sigma * C / n)^2 I)`` with ``n`` the *expected*
+cohort size under Poisson sampling (rate q), so the noise does not depend on how many clients
+actually replied.
+
+Decisions
+---------
+- Noise is drawn with a dedicated ``torch.Generator`` per device, seeded from ``os.urandom`` by
+  default; a fixed seed makes the noise predictable and is for tests only (a warning is
+  logged). The generator state is in :meth:`GaussianNoise.state_dict` so a resumed run does not
+  reuse noise; a checkpoint holding that state must be protected like the noise itself.
+- ``torch.randn`` uses floating-point sampling, which is not hardened against the
+  floating-point attacks on the Gaussian mechanism (Mironov 2012 style); like Opacus's default
+  (non-secure) mode this is acceptable for research, not for adversarial deployments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Mapping
+
+import torch
+
+from .layout import Layout, check_names
+
+__all__ = ["GaussianNoise", "noise_std", "noisy_norm_signal"]
+
+logger = logging.getLogger(__name__)
+
+
+def _check_sigma(noise_multiplier) -> float:
+    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)):
+        raise ValueError(f"noise_multiplier must be a number >= 0, got {noise_multiplier!r}")
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
+    return float(noise_multiplier)
+
+
+def noise_std(*, noise_multiplier: float, clip: float, expected_cohort_size: float) -> float:
+    """Standard deviation of the noise on the mean, ``sigma * C / n`` (paper Eq. 4).
+
+    Example
+    -------
+    >>> noise_std(noise_multiplier=0.1, clip=1.0, expected_cohort_size=94)
+    0.0010638297872340426
+    """
+    sigma = _check_sigma(noise_multiplier)
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip must be a finite positive number, got {clip!r}")
+    if not (math.isfinite(expected_cohort_size) and expected_cohort_size > 0):
+        raise ValueError(f"expected_cohort_size must be > 0, got {expected_cohort_size!r}")
+    return sigma * clip / expected_cohort_size
+
+
+class GaussianNoise:
+    """Adds ``N(0, (sigma C / n)^2 I)`` to an aggregate (paper Eq. 4).
+
+    Arguments
+    ---------
+    noise_multiplier : float
+        ``sigma`` >= 0, relative to the L2 sensitivity ``C``.
+    clip : float
+        The total clip ``C`` (the joint sensitivity of one client's clipped update).
+    seed : int, optional
+        ``None`` (default) seeds from the OS; a fixed seed is for testing only.
+
+    Example
+    -------
+    >>> mech = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=0)
+    >>> out = mech.add({"w": torch.zeros(3)}, expected_cohort_size=10)
+    >>> out["w"].shape
+    torch.Size([3])
+    """
+
+    def __init__(self, *, noise_multiplier: float, clip: float, seed: int | None = None):
+        self.noise_multiplier = _check_sigma(noise_multiplier)
+        noise_std(noise_multiplier=self.noise_multiplier, clip=clip, expected_cohort_size=1)
+        self.clip = float(clip)
+        if seed is None:
+            self._seed = int.from_bytes(os.urandom(8), "little") >> 1
+        else:
+            logger.warning(
+                "GaussianNoise uses the fixed seed %d: the noise is predictable; for testing "
+                "only, never for a private run",
+                seed,
+            )
+            self._seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            digest = hashlib.sha256(f"{self._seed}:{key}".encode()).digest()
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            self._generators[key] = gen
+        return self._generators[key]
+
+    def std(self, expected_cohort_size: float) -> float:
+        """Noise std on the mean for a cohort of ``expected_cohort_size``."""
+        return noise_std(
+            noise_multiplier=self.noise_multiplier,
+            clip=self.clip,
+            expected_cohort_size=expected_cohort_size,
+        )
+
+    def add(
+        self, aggregate: Mapping[str, torch.Tensor], *, expected_cohort_size: float
+    ) -> dict[str, torch.Tensor]:
+        """Return new tensors ``aggregate + N(0, std^2)``; ``aggregate`` is not modified.
+
+        Arguments
+        ---------
+        aggregate : mapping of str to Tensor
+            The mean of the clipped updates.
+        expected_cohort_size : float
+            ``n = q * K`` under Poisson sampling.
+        """
+        std = self.std(expected_cohort_size)
+        out = {}
+        for name, t in aggregate.items():
+            if not t.is_floating_point():
+                raise ValueError(f"aggregate[{name!r}] has dtype {t.dtype}; floating point needed")
+            noise = torch.randn(
+                t.shape, generator=self._generator(t.device), dtype=t.dtype, device=t.device
+            )
+            out[name] = t.detach() + noise.mul_(std)
+        return out
+
+    def state_dict(self) -> dict:
+        """Seed and generator states (protect a checkpoint holding them like the noise)."""
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "clip": self.clip,
+            "seed": self._seed,
+            "generators": {k: g.get_state() for k, g in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` output so a resumed run continues the noise stream."""
+        self.noise_multiplier = _check_sigma(state["noise_multiplier"])
+        self.clip = float(state["clip"])
+        self._seed = int(state["seed"])
+        self._generators = {}
+        for key, gstate in state["generators"].items():
+            gen = self._generator(torch.device(key))
+            gen.set_state(gstate)
+
+
+def noisy_norm_signal(
+    aggregate: Mapping[str, torch.Tensor], layout: Layout, *, std: float
+) -> dict[str, float]:
+    """Unbiased per-group norm signal from the released noisy aggregate.
+
+    ``sqrt(max(0, ||agg_l||^2 - p_l * std^2))``: ``E||x + z||^2 = ||x||^2 + p_l std^2`` for
+    ``z ~ N(0, std^2 I_{p_l})``, so subtracting the expected noise energy gives an unbiased
+    estimate of ``||x||^2`` (clamped at 0 before the square root). It uses only the released
+    aggregate, so feeding it to :class:`EMABudgetState` is post-processing with no privacy cost.
+    It estimates the norm of the *mean* clipped update, which is at most the paper's mean of
+    client norms (triangle inequality); the two differ most when clients disagree.
+
+    Arguments
+    ---------
+    aggregate : mapping of str to Tensor
+        The noisy mean, keyed by parameter name.
+    layout : Layout
+        Groups of the aggregate.
+    std : float
+        The noise std that was added (:func:`noise_std`).
+
+    Returns
+    -------
+    dict of str to float
+
+    Example
+    -------
+    >>> from speechbrain_fl.privacy.layout import Group
+    >>> lay = Layout([Group("w", "llm", 4)])
+    >>> noisy_norm_signal({"w": torch.full((4,), 1.0)}, lay, std=0.5)
+    {'w': 1.7320508075688772}
+    """
+    if not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"std must be finite and >= 0, got {std!r}")
+    check_names(aggregate.keys(), layout.parameter_names, what="aggregate")
+    names = list(layout.parameter_names)
+    with torch.no_grad():
+        norms = torch._foreach_norm([aggregate[n].detach() for n in names])
+        sq = (torch.stack([x.double().cpu() for x in norms]) ** 2).tolist()
+    per_param = dict(zip(names, sq, strict=True))
+    out = {}
+    for g in layout:
+        energy = math.fsum(per_param[p] for p in g.parameter_names)
+        out[g.name] = math.sqrt(max(0.0, energy - g.numel * std * std))
+    return out

@@ -1,0 +1,186 @@
+"""Accounting: Opacus's published test values and an independent numerical RDP computation."""
+
+import math
+
+import mpmath
+import pytest
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+from speechbrain_fl.privacy import (
+    Group,
+    Layout,
+    PrivacyAccountant,
+    component_privacy,
+    compute_budgets,
+    compute_epsilon,
+    effective_noise_multipliers,
+    extrapolate_privacy,
+    noise_multiplier_for_epsilon,
+)
+
+
+# ----------------------------------------------------------------------------- published values
+def test_opacus_published_rdp_epsilon():
+    # opacus/tests/accountants_test.py::test_rdp_accountant (sigma 1.5, q 0.04, 90 epochs)
+    eps = compute_epsilon(
+        sampling_rate=0.04, noise_multiplier=1.5, rounds=int(90 / 0.04), delta=1e-5
+    )
+    assert eps == pytest.approx(7.32911117143, abs=5e-8)
+
+
+def test_opacus_published_noise_multipliers():
+    # opacus/tests/accountants_test.py::test_get_noise_multiplier_rdp_{epochs,steps}
+    s1 = noise_multiplier_for_epsilon(
+        sampling_rate=0.04, target_epsilon=8.0, rounds=int(90 / 0.04), delta=1e-5
+    )
+    assert s1 == pytest.approx(1.416, abs=5e-5)
+    s2 = noise_multiplier_for_epsilon(
+        sampling_rate=0.04, target_epsilon=8.0, rounds=2000, delta=1e-5
+    )
+    assert s2 == pytest.approx(1.3562, abs=5e-5)
+    # the returned sigma meets the target
+    assert compute_epsilon(sampling_rate=0.04, noise_multiplier=s2, rounds=2000, delta=1e-5) <= 8
+
+
+def test_tensorflow_privacy_published_rdp_value():
+    # tensorflow_privacy rdp_accountant_test::test_compute_rdp_scalar (same SGM analysis that
+    # Opacus's rdp.py derives from): q 0.1, sigma 2, 10 steps, order 5 -> 0.07737
+    assert compute_rdp(q=0.1, noise_multiplier=2.0, steps=10, orders=5.0) == pytest.approx(
+        0.07737, abs=5e-6
+    )
+
+
+# ----------------------------------------------------------------------------- independent check
+def rdp_numerical(q: float, sigma: float, order: float) -> float:
+    """RDP of the sampled Gaussian mechanism by direct numerical integration (Mironov et al.
+    2019, Sec. 3): A = E_{z~N(0, sigma^2)}[((1-q) + q exp((2z-1)/(2 sigma^2)))^order],
+    RDP = log(A) / (order - 1). Written independently of Opacus's series expansion."""
+    mpmath.mp.dps = 30
+    q, s, a = mpmath.mpf(q), mpmath.mpf(sigma), mpmath.mpf(order)
+
+    def integrand(z):
+        return mpmath.npdf(z, 0, s) * ((1 - q) + q * mpmath.exp((2 * z - 1) / (2 * s**2))) ** a
+
+    area = mpmath.quad(integrand, [-mpmath.inf, 0, 1, mpmath.inf])
+    return float(mpmath.log(area) / (a - 1))
+
+
+def epsilon_from_rdp(rdp_total: float, order: float, delta: float) -> float:
+    """Balle et al. 2020, Thm. 21: eps = rdp + log((a-1)/a) - (log delta + log a) / (a-1)."""
+    return (
+        rdp_total
+        + math.log((order - 1) / order)
+        - (math.log(delta) + math.log(order)) / (order - 1)
+    )
+
+
+@pytest.mark.parametrize(
+    "q,sigma,order", [(0.04, 1.5, 2.0), (0.04, 1.5, 7.3), (0.3, 0.8, 3.0), (0.01, 4.0, 32.0)]
+)
+def test_rdp_matches_numerical_integration(q, sigma, order):
+    ours = compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=float(order))
+    assert ours == pytest.approx(rdp_numerical(q, sigma, order), rel=1e-6)
+
+
+@pytest.mark.parametrize("q,sigma,rounds,delta", [(0.04, 1.5, 2250, 1e-5), (0.3, 2.0, 40, 1e-5)])
+def test_epsilon_matches_independent_computation(q, sigma, rounds, delta):
+    eps = compute_epsilon(sampling_rate=q, noise_multiplier=sigma, rounds=rounds, delta=delta)
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=rounds, orders=orders)
+    _, best = get_privacy_spent(orders=orders, rdp=rdp, delta=delta)
+    i = orders.index(best)
+    ours = [
+        epsilon_from_rdp(rounds * rdp_numerical(q, sigma, a), a, delta)
+        for a in orders[max(0, i - 1) : i + 2]
+    ]
+    assert eps == pytest.approx(min(ours), rel=1e-6)
+
+
+def test_prv_accountant_is_close_to_rdp_and_not_larger():
+    kw = dict(sampling_rate=0.04, noise_multiplier=1.5, rounds=500, delta=1e-5)
+    rdp, prv = compute_epsilon(**kw), compute_epsilon(**kw, accountant="prv")
+    assert 0.5 * rdp < prv <= rdp * 1.01  # PRV is the tighter accountant
+
+
+# ----------------------------------------------------------------------------- behaviour
+def test_large_epsilon_warns(caplog):
+    with pytest.warns(UserWarning, match="exceeds 10"):
+        eps = compute_epsilon(sampling_rate=0.3, noise_multiplier=0.5, rounds=40, delta=1e-5)
+    assert eps > 10
+    assert any("exceeds 10" in r.getMessage() for r in caplog.records)
+
+
+def test_edge_cases_and_errors():
+    assert compute_epsilon(sampling_rate=0.1, noise_multiplier=1.0, rounds=0, delta=1e-5) == 0.0
+    with pytest.warns(UserWarning):
+        assert math.isinf(
+            compute_epsilon(sampling_rate=0.1, noise_multiplier=0.0, rounds=1, delta=1e-5)
+        )
+    for kwargs, match in [
+        ({"sampling_rate": 0.0}, "sampling_rate"),
+        ({"sampling_rate": 1.5}, "sampling_rate"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"rounds": -1}, "rounds"),
+        ({"delta": 0.0}, "delta"),
+        ({"accountant": "moments"}, "unknown accountant"),
+    ]:
+        base = dict(sampling_rate=0.1, noise_multiplier=1.0, rounds=10, delta=1e-5)
+        base.update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            compute_epsilon(**base)
+
+
+def test_privacy_accountant_steps_and_state():
+    acc = PrivacyAccountant(sampling_rate=0.04, noise_multiplier=1.5, delta=1e-5)
+    acc.step(2000)
+    planned = acc.epsilon_after(250)
+    acc.step(250)
+    assert acc.rounds == 2250 and acc.epsilon() == pytest.approx(7.32911117143, abs=5e-8)
+    assert planned == acc.epsilon()
+    other = PrivacyAccountant(sampling_rate=0.04, noise_multiplier=1.5, delta=1e-5)
+    other.load_state_dict(acc.state_dict())
+    assert other.rounds == 2250
+    wrong = PrivacyAccountant(sampling_rate=0.04, noise_multiplier=2.0, delta=1e-5)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        wrong.load_state_dict(acc.state_dict())
+
+
+def test_component_privacy_alpha_split():
+    lay = Layout([Group("e", "encoder", 30), Group("l", "llm", 60), Group("c", "connector", 10)])
+    b = compute_budgets(lay, method="alpha_split", clip=1.0, alpha=0.25)
+    sig = effective_noise_multipliers(lay, b, clip=1.0, noise_multiplier=1.0)
+    assert sig["encoder"] == pytest.approx(2.0, rel=1e-12)  # sigma / sqrt(0.25)
+    rep = component_privacy(
+        lay, b, clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, rounds=50, delta=1e-5
+    )
+    assert rep["encoder"]["budget"] == pytest.approx(0.5, rel=1e-12)
+    assert rep["encoder"]["epsilon"] == pytest.approx(
+        compute_epsilon(sampling_rate=0.1, noise_multiplier=2.0, rounds=50, delta=1e-5)
+    )
+    joint = compute_epsilon(sampling_rate=0.1, noise_multiplier=1.0, rounds=50, delta=1e-5)
+    assert rep["encoder"]["epsilon"] < joint
+    flat = component_privacy(
+        lay, 1.0, clip=1.0, noise_multiplier=1.0, sampling_rate=0.1, rounds=50, delta=1e-5
+    )
+    assert all(v["sigma_eff"] == 1.0 and v["epsilon"] == joint for v in flat.values())
+
+
+def test_extrapolate_privacy():
+    out = extrapolate_privacy(
+        noise_multiplier=1.0,
+        clip=0.5,
+        cohort_size=1000,
+        population=100_000,
+        rounds=100,
+        delta=1e-6,
+    )
+    assert out["noise_std"] == pytest.approx(0.5 / 1000)
+    assert out["sampling_rate"] == 0.01
+    assert out["epsilon"] == compute_epsilon(
+        sampling_rate=0.01, noise_multiplier=1.0, rounds=100, delta=1e-6
+    )
+    with pytest.raises(ValueError, match="exceeds population"):
+        extrapolate_privacy(
+            noise_multiplier=1.0, clip=1.0, cohort_size=10, population=5, rounds=1, delta=1e-5
+        )

@@ -1,0 +1,96 @@
+"""Gaussian mechanism: calibration, seeding, checkpoint resume, the noisy norm signal."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from speechbrain_fl.privacy import GaussianNoise, Group, Layout, noise_std, noisy_norm_signal
+
+
+def test_empirical_std_within_two_percent():
+    sigma, clip, n = 0.7, 2.0, 25
+    mech = GaussianNoise(noise_multiplier=sigma, clip=clip)  # OS-seeded: no fixed seed
+    agg = {"a": torch.zeros(600_000), "b": torch.zeros(500, 1000)}  # 1.1e6 draws
+    out = mech.add(agg, expected_cohort_size=n)
+    draws = torch.cat([out["a"], out["b"].flatten()]).double()
+    assert draws.numel() >= 1_000_000
+    expected = sigma * clip / n
+    assert float(draws.std()) == pytest.approx(expected, rel=0.02)
+    assert abs(float(draws.mean())) < 5 * expected / math.sqrt(draws.numel())
+    assert torch.count_nonzero(agg["a"]) == 0, "aggregate must not be modified"
+
+
+def test_noise_std_formula_and_errors():
+    assert noise_std(noise_multiplier=0.1, clip=1.0, expected_cohort_size=94) == 0.1 / 94
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        noise_std(noise_multiplier=-0.1, clip=1.0, expected_cohort_size=10)
+    with pytest.raises(ValueError, match="clip"):
+        noise_std(noise_multiplier=0.1, clip=0.0, expected_cohort_size=10)
+    with pytest.raises(ValueError, match="cohort"):
+        noise_std(noise_multiplier=0.1, clip=1.0, expected_cohort_size=0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        GaussianNoise(noise_multiplier=-1.0, clip=1.0)
+
+
+def test_fixed_seed_warns_and_is_reproducible(caplog):
+    with caplog.at_level(logging.WARNING):
+        a = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=123)
+    assert any("testing only" in r.getMessage() for r in caplog.records)
+    b = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=123)
+    x = {"w": torch.zeros(10)}
+    assert torch.equal(a.add(x, expected_cohort_size=1)["w"], b.add(x, expected_cohort_size=1)["w"])
+
+
+def test_os_seeded_generators_differ_and_do_not_warn(caplog):
+    with caplog.at_level(logging.WARNING):
+        a = GaussianNoise(noise_multiplier=1.0, clip=1.0)
+        b = GaussianNoise(noise_multiplier=1.0, clip=1.0)
+    assert not caplog.records
+    x = {"w": torch.zeros(10)}
+    assert not torch.equal(
+        a.add(x, expected_cohort_size=1)["w"], b.add(x, expected_cohort_size=1)["w"]
+    )
+
+
+def test_state_dict_resumes_the_noise_stream():
+    a = GaussianNoise(noise_multiplier=1.0, clip=1.0)
+    x = {"w": torch.zeros(8)}
+    a.add(x, expected_cohort_size=1)
+    state = a.state_dict()
+    nxt = a.add(x, expected_cohort_size=1)["w"]
+    b = GaussianNoise(noise_multiplier=1.0, clip=1.0)
+    b.load_state_dict(state)
+    assert torch.equal(b.add(x, expected_cohort_size=1)["w"], nxt)
+
+
+def test_noisy_norm_signal_is_unbiased():
+    # true group norms 3 and 0.5; std 0.05 on p = 2000 / 500 entries
+    lay = Layout([Group("a", "llm", 2000), Group("b", "encoder", 500, ("b1", "b2"))])
+    gen = torch.Generator().manual_seed(0)
+    sig = torch.randn(2000, generator=gen, dtype=torch.float64)
+    sig_a = sig / sig.norm() * 3.0
+    b = torch.randn(500, generator=gen, dtype=torch.float64)
+    b = b / b.norm() * 0.5
+    std = 0.05
+    est_sq = {"a": [], "b": []}
+    for _ in range(400):
+        agg = {
+            "a": sig_a + std * torch.randn(2000, generator=gen, dtype=torch.float64),
+            "b1": b[:200] + std * torch.randn(200, generator=gen, dtype=torch.float64),
+            "b2": b[200:] + std * torch.randn(300, generator=gen, dtype=torch.float64),
+        }
+        raw = {
+            "a": float(agg["a"].norm() ** 2) - 2000 * std**2,
+            "b": float(agg["b1"].norm() ** 2 + agg["b2"].norm() ** 2) - 500 * std**2,
+        }
+        out = noisy_norm_signal(agg, lay, std=std)
+        for k in raw:
+            assert out[k] == pytest.approx(math.sqrt(max(0.0, raw[k])), rel=1e-9)
+            est_sq[k].append(raw[k])
+    # the squared-norm estimate (before the clamp) is unbiased
+    assert sum(est_sq["a"]) / 400 == pytest.approx(9.0, rel=0.01)
+    assert sum(est_sq["b"]) / 400 == pytest.approx(0.25, rel=0.05)
+    naive = float(agg["b1"].norm() ** 2 + agg["b2"].norm() ** 2)
+    assert naive > 0.25 + 0.5 * 500 * std**2  # without the correction the noise dominates
