@@ -1,0 +1,142 @@
+"""Pluggable aggregation rules for client updates.
+
+An aggregation rule maps the validated (and, under DP, re-clipped) client updates of a round to
+one aggregate update ``{parameter name: tensor}``. The DP wrapper in
+:mod:`speechbrain_fl.fl.strategy` calls the rule *after* server-side re-clipping and *before*
+adding noise, so it composes with any rule whose per-client L2 contribution is at most
+``||delta_i|| / n`` (n the expected cohort size): that is the sensitivity C/n the Gaussian noise
+N(0, (sigma C / n)^2) is calibrated to (DESIGN.md contract 4). A rule declares this with the
+attribute ``dp_sensitivity_bounded = True``; the strategy refuses a DP run with a rule that does
+not. Rules may leave a parameter out of the aggregate (partial aggregation, e.g. SUPERB's
+per-parameter averaging over the clients that trained it); that parameter is then not updated.
+
+- :func:`uniform_mean`: sum_i delta_i / n. With n = qK the expected cohort size this is the
+  DP-FedAvg estimator (McMahan et al., 2018, Alg. 1, "fixed denominator"): dividing by the
+  realised count instead would make the sensitivity depend on the (private) cohort size.
+- :func:`weighted_mean`: sum_i w_i delta_i / sum_i w_i with w_i = ``num-examples`` (FedAvg,
+  McMahan et al., 2017). Not sensitivity-bounded; for non-private runs only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["AggregationRule", "ClientUpdate", "get_rule", "uniform_mean", "weighted_mean"]
+
+
+@dataclass
+class ClientUpdate:
+    """One client's validated reply.
+
+    Arguments
+    ---------
+    node_id : int
+        The Flower node that sent it.
+    delta : dict of str to torch.Tensor
+        local - global, per trainable parameter name.
+    metrics : dict of str to float
+        The reply's MetricRecord (``num-examples``, ``train-loss``, ...).
+    """
+
+    node_id: int
+    delta: dict[str, torch.Tensor]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_examples(self) -> float:
+        """Return the client's ``num-examples`` (1.0 when absent)."""
+        return float(self.metrics.get("num-examples", 1.0))
+
+
+AggregationRule = Callable[..., dict[str, torch.Tensor]]
+
+
+def _weighted_sum(
+    updates: Sequence[ClientUpdate], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    total: dict[str, torch.Tensor] = {}
+    for update, weight in zip(updates, weights, strict=True):
+        for name, tensor in update.delta.items():
+            term = tensor.detach().to(torch.float64) * weight
+            total[name] = total[name] + term if name in total else term
+    return total
+
+
+def uniform_mean(
+    updates: Sequence[ClientUpdate], *, expected_cohort_size: float
+) -> dict[str, torch.Tensor]:
+    """Sum of the updates divided by the expected cohort size n (DP-FedAvg, Alg. 1).
+
+    Arguments
+    ---------
+    updates : sequence of ClientUpdate
+        The (re-clipped) updates of the round.
+    expected_cohort_size : float
+        n = qK under Poisson sampling; pass the realised count for a non-private uniform mean.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The aggregate, float64.
+
+    Example
+    -------
+    >>> ups = [ClientUpdate(0, {"w": torch.ones(2)}), ClientUpdate(1, {"w": 3 * torch.ones(2)})]
+    >>> uniform_mean(ups, expected_cohort_size=4.0)["w"].tolist()
+    [1.0, 1.0]
+    """
+    if expected_cohort_size <= 0:
+        raise ValueError(f"expected_cohort_size must be > 0, got {expected_cohort_size}")
+    return _weighted_sum(updates, [1.0 / expected_cohort_size] * len(updates))
+
+
+uniform_mean.dp_sensitivity_bounded = True  # type: ignore[attr-defined]
+
+
+def weighted_mean(
+    updates: Sequence[ClientUpdate], *, expected_cohort_size: float
+) -> dict[str, torch.Tensor]:
+    """FedAvg's mean weighted by ``num-examples`` (McMahan et al., 2017, Alg. 1).
+
+    Arguments
+    ---------
+    updates : sequence of ClientUpdate
+        The updates of the round.
+    expected_cohort_size : float
+        Unused; part of the rule signature.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        The aggregate, float64.
+
+    Example
+    -------
+    >>> ups = [ClientUpdate(0, {"w": torch.zeros(1)}, {"num-examples": 1}),
+    ...        ClientUpdate(1, {"w": torch.ones(1)}, {"num-examples": 3})]
+    >>> weighted_mean(ups, expected_cohort_size=2)["w"].item()
+    0.75
+    """
+    del expected_cohort_size
+    weights = [u.num_examples for u in updates]
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"num-examples must sum to > 0, got {weights}")
+    return _weighted_sum(updates, [w / total for w in weights])
+
+
+weighted_mean.dp_sensitivity_bounded = False  # type: ignore[attr-defined]
+
+_RULES: dict[str, AggregationRule] = {"uniform": uniform_mean, "weighted": weighted_mean}
+
+
+def get_rule(rule: str | AggregationRule) -> AggregationRule:
+    """Return the rule named ``rule`` (``uniform``/``weighted``) or ``rule`` if callable."""
+    if callable(rule):
+        return rule
+    if rule not in _RULES:
+        raise ValueError(f"aggregation must be one of {sorted(_RULES)} or a callable, got {rule!r}")
+    return _RULES[rule]

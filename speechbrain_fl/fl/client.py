@@ -1,0 +1,217 @@
+"""ClientApp factory: a SpeechBrain ``Brain`` trained locally by ``brain.fit``.
+
+The recipe supplies ``build_client(context) -> ClientTask``: the Brain (built *without* a
+checkpointer, since ``Brain.on_fit_start`` would otherwise recover an old checkpoint over the
+global parameters), this client's training set and loader options, and optionally the privacy
+layout (for module-level groups and component labels; without it every tensor is its own group
+of component ``all``). The built task is cached per partition inside the worker process, so a
+simulation actor or a SuperNode builds the Brain and reads its manifest once, not every round.
+
+One training message: load the global *trainable* tensors (exactly the names in the ArrayRecord,
+which must all be ``requires_grad`` parameters of ``brain.modules``), seed torch with the round
+seed plus the partition id (reproducible runs and resumes), run ``brain.fit`` for
+``local-epochs`` epochs, read the loss the Brain passes to ``on_stage_end`` (recorded by a
+wrapper around the instance's hook, so ``Brain.fit`` is neither copied nor overridden), compute
+delta = local - global, clip it with the budgets from the ConfigRecord
+(:func:`speechbrain_fl.privacy.clip_update`) and reply with the clipped delta and a MetricRecord:
+``num-examples``, ``train-loss``, and, when clipping, the pre-clip ``group-norms``,
+``group-clipped``, ``component-norms``, ``component-clipped`` (lists in the order the server
+sent), ``joint-norm`` and ``clip-ratio``. The model is reset to the global parameters after each
+round, so a cached Brain never carries local state into the next round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import speechbrain as sb
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from speechbrain_fl.privacy import Layout, clip_update
+
+__all__ = ["ClientTask", "make_client_app", "trainable_parameters", "train_round"]
+
+
+@dataclass
+class ClientTask:
+    """What a client trains.
+
+    Arguments
+    ---------
+    brain : speechbrain.Brain
+        The model, without a checkpointer.
+    train_set : torch.utils.data.Dataset or DataLoader
+        The client's training data.
+    train_loader_kwargs : dict
+        Passed to ``brain.fit`` (batch size, collate function, ...).
+    layout : speechbrain_fl.privacy.Layout, optional
+        Groups and components for clipping.
+    """
+
+    brain: sb.Brain
+    train_set: Any
+    train_loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        if getattr(self.brain, "checkpointer", None) is not None:
+            raise ValueError(
+                "ClientTask.brain has a checkpointer: Brain.fit would recover it over the "
+                "global parameters; build the client Brain with checkpointer=None"
+            )
+
+
+def trainable_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Return ``{name: parameter}`` for the ``requires_grad`` parameters of ``module``."""
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+@contextlib.contextmanager
+def _record_stage_end(brain: sb.Brain) -> Iterator[list[tuple[Any, float]]]:
+    """Record ``(stage, loss)`` from ``brain.on_stage_end`` calls (instance-level wrapper)."""
+    records: list[tuple[Any, float]] = []
+    original = brain.on_stage_end
+
+    def hook(stage, stage_loss, epoch=None):
+        records.append((stage, float(stage_loss)))
+        return original(stage, stage_loss, epoch)
+
+    own = brain.__dict__.get("on_stage_end")
+    brain.on_stage_end = hook
+    try:
+        yield records
+    finally:
+        if own is None:
+            del brain.on_stage_end  # back to the class method
+        else:
+            brain.on_stage_end = own
+
+
+def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str, Any]:
+    return {
+        "group-norms": [float(stats.group_norms.get(g, 0.0)) for g in groups],
+        "group-clipped": [float(bool(stats.clipped.get(g, False))) for g in groups],
+        "component-norms": [float(stats.component_norms.get(c, 0.0)) for c in comps],
+        "component-clipped": [float(bool(stats.component_clipped.get(c, False))) for c in comps],
+        "joint-norm": float(stats.joint_norm),
+        "clip-ratio": float(stats.clip_ratio),
+    }
+
+
+def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0) -> RecordDict:
+    """Run one local round on ``task`` for a training message's content.
+
+    Arguments
+    ---------
+    task : ClientTask
+        The client's Brain and data.
+    content : flwr.app.RecordDict
+        The message content: ``arrays`` (global trainable tensors) and ``config``.
+    partition_id : int
+        Added to the round seed.
+
+    Returns
+    -------
+    flwr.app.RecordDict
+        ``arrays`` (clipped delta) and ``metrics``.
+    """
+    config = content["config"]
+    global_params = content["arrays"].to_torch_state_dict()
+    params = trainable_parameters(task.brain.modules)
+    unknown = sorted(set(global_params) - set(params))
+    if unknown:
+        raise KeyError(f"global arrays {unknown} are not trainable parameters of the client Brain")
+    with torch.no_grad():
+        for name, value in global_params.items():
+            params[name].copy_(value.to(params[name].device, params[name].dtype))
+    torch.manual_seed(int(config.get("round-seed", 0)) + int(partition_id))
+    epochs = int(config.get("local-epochs", 1))
+    try:
+        with _record_stage_end(task.brain) as records:
+            task.brain.fit(
+                range(1, epochs + 1),
+                task.train_set,
+                progressbar=False,
+                train_loader_kwargs=task.train_loader_kwargs,
+            )
+        with torch.no_grad():
+            delta = {
+                n: params[n].detach().cpu().to(torch.float32) - v.to(torch.float32)
+                for n, v in global_params.items()
+            }
+    finally:
+        with torch.no_grad():  # never keep local state between rounds
+            for name, value in global_params.items():
+                params[name].copy_(value.to(params[name].device, params[name].dtype))
+    train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
+    metrics: dict[str, Any] = {
+        "num-examples": len(task.train_set),
+        "train-loss": train_losses[-1] if train_losses else float("nan"),
+    }
+    if "clip-budgets" in config:
+        budgets = json.loads(str(config["clip-budgets"]))
+        delta, stats = clip_update(delta, budgets, layout=task.layout)
+        metrics.update(
+            _client_metrics(
+                stats,
+                json.loads(str(config["clip-groups"])),
+                json.loads(str(config["clip-components"])),
+            )
+        )
+    return RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
+
+
+def make_client_app(
+    build_client: Callable[[Context], ClientTask], *, cache_size: int = 4
+) -> ClientApp:
+    """Return a Flower ClientApp that trains the recipe's Brain with ``brain.fit``.
+
+    Arguments
+    ---------
+    build_client : callable
+        ``build_client(context) -> ClientTask``; ``context.node_config`` holds
+        ``partition-id`` and ``num-partitions``.
+    cache_size : int
+        Built tasks kept per worker process (least recently used are dropped).
+
+    Returns
+    -------
+    flwr.clientapp.ClientApp
+        With a ``@app.train()`` handler (evaluation is central, on the server) and a
+        ``@app.query()`` handler answering the node's ``partition-id``.
+
+    Example
+    -------
+    >>> from speechbrain_fl.fl.toy import toy_client
+    >>> app = make_client_app(toy_client)
+    """
+    app = ClientApp()
+    cache: OrderedDict[Any, ClientTask] = OrderedDict()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        partition_id = int(context.node_config.get("partition-id", 0))
+        key = (context.run_id, partition_id)
+        if key not in cache:
+            while len(cache) >= max(1, cache_size):
+                cache.popitem(last=False)
+            cache[key] = build_client(context)
+        cache.move_to_end(key)
+        content = train_round(cache[key], msg.content, partition_id=partition_id)
+        content["metrics"]["partition-id"] = partition_id
+        return Message(content=content, reply_to=msg)
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        partition_id = int(context.node_config.get("partition-id", 0))
+        metrics = MetricRecord({"partition-id": partition_id})
+        return Message(content=RecordDict({"metrics": metrics}), reply_to=msg)
+
+    return app

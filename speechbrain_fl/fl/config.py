@@ -1,0 +1,153 @@
+"""Configuration of a federated run (the ``# Federated`` and ``# Privacy`` YAML sections).
+
+:class:`FLConfig` is a plain dataclass so a recipe can build it from its hparams dict with
+:meth:`FLConfig.from_dict`, which rejects unknown keys and bad values with a message naming the
+key. Decisions:
+
+- ``aggregation=None`` picks ``uniform`` (sum / n, n = qK) for a private run and ``weighted``
+  (FedAvg's num-examples mean) otherwise.
+- A run is *private* when ``noise_multiplier > 0``; it then needs ``clip`` and gets an
+  accountant. ``clip`` without noise clips without noise (no epsilon is reported).
+- ``ema_signal="noisy"`` (default) feeds the EMA budgets with the noisy aggregate
+  (post-processing, inside the DP guarantee); ``"raw"`` uses the mean of the clients' reported
+  pre-clip norms, as in the paper's experiments, and warns that it is outside the guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FLConfig"]
+
+EMA_METHODS = {"pfl_dim_ema": "dim", "pfl_unif_ema": "uniform"}
+
+
+@dataclass
+class FLConfig:
+    """Settings of one federated run.
+
+    Arguments
+    ---------
+    output_folder : str
+        Where ``rounds.csv``, ``group_norms.csv`` and the server state go.
+    num_rounds : int
+        Number of training rounds T.
+    sampling_rate : float
+        Poisson rate q; the expected cohort is n = qK.
+    min_clients : int
+        Fewest valid replies for a round to be aggregated.
+    local_epochs : int
+        Epochs of ``brain.fit`` per client per round.
+    noise_multiplier : float
+        sigma of the Gaussian mechanism; 0 disables noise and accounting.
+    clip : float, optional
+        Total clip norm C; ``None`` disables clipping (non-private runs only).
+    clip_method : str
+        Budget allocator of :func:`speechbrain_fl.privacy.compute_budgets`.
+    alpha : float, optional
+        Encoder fraction for ``alpha_split``.
+    ema_beta, ema_gamma : float
+        EMA rate and exponent for the ``*_ema`` methods.
+    ema_warmup_rounds : int
+        Rounds the EMA budgets stay at their base weights.
+    ema_signal : str
+        ``noisy`` (post-processing, default) or ``raw`` (client norms, outside DP).
+    delta : float
+        Target delta of the accountant.
+    accountant : str
+        Accountant name passed to :class:`speechbrain_fl.privacy.PrivacyAccountant`.
+    max_epsilon : float, optional
+        The run stops before a round that would exceed it.
+    aggregation : str or callable, optional
+        ``uniform``, ``weighted`` or a rule (see :mod:`speechbrain_fl.fl.aggregation`).
+    eval_every : int
+        Server-side evaluation period in rounds (round 0 is always evaluated); 0 disables.
+    round_timeout : float
+        Seconds to wait for replies.
+    max_retries : int
+        Times a round with fewer than ``min_clients`` valid replies is re-sampled.
+    seed : int, optional
+        Seed of the cohort sampler; ``None`` seeds from the OS.
+    noise_seed : int, optional
+        Seed of the noise generator; for tests only (logged as such).
+
+    Example
+    -------
+    >>> cfg = FLConfig.from_dict({"output_folder": "out", "num_rounds": 2})
+    >>> cfg.private, cfg.aggregation_rule_name
+    (False, 'weighted')
+    """
+
+    output_folder: str
+    num_rounds: int = 3
+    sampling_rate: float = 1.0
+    min_clients: int = 1
+    local_epochs: int = 1
+    noise_multiplier: float = 0.0
+    clip: float | None = None
+    clip_method: str = "flat"
+    alpha: float | None = None
+    ema_beta: float = 0.2
+    ema_gamma: float = 0.75
+    ema_warmup_rounds: int = 3
+    ema_signal: str = "noisy"
+    delta: float = 1e-5
+    accountant: str = "rdp"
+    max_epsilon: float | None = None
+    aggregation: Any = None
+    eval_every: int = 1
+    round_timeout: float = 600.0
+    max_retries: int = 0
+    seed: int | None = None
+    noise_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ValueError:
+            return ValueError(f"federated config: {key}={getattr(self, key)!r} {why}")
+
+        if self.num_rounds < 1:
+            raise bad("num_rounds", "must be >= 1")
+        if not 0.0 < self.sampling_rate <= 1.0:
+            raise bad("sampling_rate", "must be in (0, 1]")
+        if self.min_clients < 1:
+            raise bad("min_clients", "must be >= 1")
+        if self.local_epochs < 1:
+            raise bad("local_epochs", "must be >= 1")
+        if self.noise_multiplier < 0:
+            raise bad("noise_multiplier", "must be >= 0")
+        if self.clip is not None and self.clip <= 0:
+            raise bad("clip", "must be > 0")
+        if self.noise_multiplier > 0 and self.clip is None:
+            raise bad("clip", "is required when noise_multiplier > 0")
+        if self.ema_signal not in ("noisy", "raw"):
+            raise bad("ema_signal", "must be 'noisy' or 'raw'")
+        if self.eval_every < 0:
+            raise bad("eval_every", "must be >= 0")
+        if self.max_retries < 0:
+            raise bad("max_retries", "must be >= 0")
+        if self.round_timeout <= 0:
+            raise bad("round_timeout", "must be > 0")
+
+    @property
+    def private(self) -> bool:
+        """Return whether the run adds noise and accounts for privacy."""
+        return self.noise_multiplier > 0
+
+    @property
+    def aggregation_rule_name(self) -> str:
+        """Return the rule name, resolving the ``None`` default."""
+        if self.aggregation is None:
+            return "uniform" if self.private else "weighted"
+        return self.aggregation if isinstance(self.aggregation, str) else "custom"
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> FLConfig:
+        """Build from a hparams mapping, rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"federated config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**dict(values))

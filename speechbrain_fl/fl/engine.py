@@ -1,0 +1,144 @@
+"""Run an :class:`~speechbrain_fl.fl.task.FLTask` on Flower's Simulation or Deployment Engine.
+
+- ``engine: simulation``: :func:`run_simulation` calls ``flwr.simulation.run_simulation`` with the
+  Ray backend; one virtual SuperNode per partition, ``client_resources`` (``num_cpus``,
+  ``num_gpus``) per ClientApp, and ``ray_address`` to join a running Ray cluster instead of
+  starting one. Flower 1.42 marks ``run_simulation`` deprecated in favour of ``flwr run`` against
+  a local simulation SuperLink; it is kept here because it runs the apps in-process (the
+  ServerResult comes back to the caller and tests need no SuperLink), and ``flwr run`` with the
+  apps of :mod:`speechbrain_fl.fl.apps` is the supported path for the same recipe.
+- ``engine: deployment``: :func:`run_deployment` submits the apps declared in the repository's
+  ``pyproject.toml`` (``[tool.flwr.app.components]``) with ``flwr run <app_dir> <superlink>`` to a
+  running ``flower-superlink`` whose ``flower-supernode`` processes were each started with
+  ``--node-config "partition-id=i num-partitions=K"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from flwr.simulation import run_simulation as flwr_run_simulation
+
+from .client import make_client_app
+from .server import ServerResult, make_server_app
+from .task import FLTask
+
+__all__ = ["run_deployment", "run_simulation"]
+
+
+def run_simulation(
+    task: FLTask,
+    *,
+    num_supernodes: int | None = None,
+    client_resources: dict[str, float] | None = None,
+    ray_address: str | None = None,
+    ray_init_args: dict[str, Any] | None = None,
+    verbose: bool = False,
+) -> ServerResult:
+    """Run ``task`` on the Simulation Engine (Ray backend) and return the server's result.
+
+    Arguments
+    ---------
+    task : FLTask
+        The recipe's builders.
+    num_supernodes : int, optional
+        Virtual SuperNodes; default ``task.num_partitions``.
+    client_resources : dict, optional
+        Ray resources per ClientApp, e.g. ``{"num_cpus": 1, "num_gpus": 0.25}``.
+    ray_address : str, optional
+        Address of a running Ray cluster (``ray start --head``) to join.
+    ray_init_args : dict, optional
+        Extra ``ray.init`` arguments.
+    verbose : bool
+        Flower's DEBUG logging.
+
+    Returns
+    -------
+    ServerResult
+    """
+    results: list[ServerResult] = []
+    init_args: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": logging.ERROR,
+        "log_to_driver": verbose,
+    }
+    if ray_address:
+        init_args["address"] = ray_address
+    else:
+        init_args["num_cpus"] = os.cpu_count() or 1
+    init_args.update(ray_init_args or {})
+    flwr_run_simulation(
+        server_app=make_server_app(task.build_server, on_result=results.append),
+        client_app=make_client_app(task.build_client),
+        num_supernodes=num_supernodes or task.num_partitions,
+        backend_config={
+            "client_resources": client_resources or {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": init_args,
+        },
+        verbose_logging=verbose,
+    )
+    if not results:
+        raise RuntimeError("the ServerApp ended without a result; see the Flower log above")
+    return results[0]
+
+
+def run_deployment(
+    superlink: str,
+    *,
+    app_dir: str | Path = ".",
+    run_config: dict[str, Any] | None = None,
+    stream: bool = True,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess:
+    """Submit the repository's apps to a SuperLink with ``flwr run``.
+
+    Arguments
+    ---------
+    superlink : str
+        Name of a SuperLink connection in ``$FLWR_HOME/config.toml`` (``[superlink.<name>]``).
+    app_dir : str or Path
+        Folder with the ``pyproject.toml`` declaring the apps.
+    run_config : dict, optional
+        Overrides of ``[tool.flwr.app.config]`` (e.g. ``{"hparams": "...", "num-rounds": 2}``).
+    stream : bool
+        Follow the run's logs until it ends.
+    env : dict, optional
+        Environment of the ``flwr`` process (e.g. ``FLWR_HOME``).
+    timeout : float, optional
+        Seconds before the ``flwr`` process is killed.
+
+    Returns
+    -------
+    subprocess.CompletedProcess
+        With ``stdout`` (text); raises ``CalledProcessError`` on failure.
+    """
+    cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), superlink]
+    if run_config:
+        pairs = []
+        for key, value in run_config.items():
+            text = (
+                f'"{value}"'
+                if isinstance(value, str)
+                else str(value).lower()
+                if isinstance(value, bool)
+                else str(value)
+            )
+            pairs.append(f"{key}={text}")
+        cmd += ["--run-config", " ".join(pairs)]
+    if stream:
+        cmd.append("--stream")
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(
+            proc.returncode, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr
+        )
+    return proc

@@ -1,0 +1,313 @@
+"""ServerApp factory and the round loop (training, central evaluation, telemetry, resume).
+
+The recipe supplies ``build_server(context) -> ServerTask``: the Brain holding the starting
+global model (built without a checkpointer, like the client's), the :class:`FLConfig`, the
+privacy layout and the validation data or an evaluation function. Only the ``requires_grad``
+parameters of ``brain.modules`` are federated; frozen weights never cross the wire.
+
+Decision: the loop is written here instead of calling ``Strategy.start`` because ``start`` always
+begins at round 1 and offers no hook to checkpoint after a round, to retry a round that got too
+few replies, or to stop before a round that would exceed ``max_epsilon``. It calls the strategy
+exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
+``aggregate_train``), so any :class:`flwr.serverapp.strategy.Strategy` hook behaviour is kept.
+
+Per round: refuse to start if the accountant says it would exceed ``max_epsilon``; train (retry
+up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then stop with the reason);
+evaluate every ``eval_every`` rounds and at the last round (round 0 is always evaluated);
+append to ``rounds.csv``/``group_norms.csv`` and ``train_log.txt``; save the state atomically
+(:mod:`.state`); log a progress line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import speechbrain as sb
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+from speechbrain.utils.train_logger import FileTrainLogger
+
+from speechbrain_fl.privacy import Group, Layout
+
+from .client import trainable_parameters
+from .config import FLConfig
+from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
+from .strategy import DPFedAvg, RoundFailed
+from .telemetry import RoundsTelemetry, progress_line
+
+__all__ = ["ServerResult", "ServerTask", "make_server_app", "run_server"]
+
+
+@dataclass
+class ServerTask:
+    """The server side of a recipe.
+
+    Arguments
+    ---------
+    brain : speechbrain.Brain
+        Holds the starting global model; used for central evaluation.
+    config : FLConfig
+        Federated and privacy settings.
+    layout : speechbrain_fl.privacy.Layout, optional
+        Groups/components; default: every trainable tensor its own group in component ``all``.
+    valid_set : Dataset, optional
+        Central validation data for the default evaluation (``valid_loss``).
+    valid_loader_kwargs : dict
+        Passed to ``brain.evaluate``.
+    evaluate : callable, optional
+        ``evaluate(brain) -> {metric: value}``; replaces the default evaluation.
+    min_available_nodes : int
+        Nodes to wait for before the first sampling (deployment).
+    """
+
+    brain: sb.Brain
+    config: FLConfig
+    layout: Layout | None = None
+    valid_set: Any = None
+    valid_loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    evaluate: Callable[[sb.Brain], dict[str, float]] | None = None
+    min_available_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if getattr(self.brain, "checkpointer", None) is not None:
+            raise ValueError(
+                "ServerTask.brain has a checkpointer: Brain.evaluate would recover it over the "
+                "global parameters; build the server Brain with checkpointer=None (the engine "
+                "saves its own state)"
+            )
+
+
+@dataclass
+class ServerResult:
+    """Final state of a run: global trainable tensors, epsilon, last finished round."""
+
+    params: dict[str, torch.Tensor]
+    epsilon: float | None
+    last_round: int
+    stopped_early: bool = False
+    round_seconds: list[float] = field(default_factory=list)
+
+
+def default_layout(brain: sb.Brain) -> Layout:
+    """One group per trainable tensor, component ``all``."""
+    return Layout(
+        [Group(n, "all", p.numel()) for n, p in trainable_parameters(brain.modules).items()]
+    )
+
+
+def _evaluate(task: ServerTask) -> dict[str, float]:
+    if task.evaluate is not None:
+        return {k: float(v) for k, v in task.evaluate(task.brain).items()}
+    if task.valid_set is None:
+        return {}
+    loss = task.brain.evaluate(
+        task.valid_set, progressbar=False, test_loader_kwargs=task.valid_loader_kwargs
+    )
+    return {"valid_loss": float(loss)}
+
+
+def _load_into(brain: sb.Brain, params: dict[str, torch.Tensor]) -> None:
+    own = trainable_parameters(brain.modules)
+    with torch.no_grad():
+        for name, value in params.items():
+            own[name].copy_(value.to(own[name].device, own[name].dtype))
+
+
+def run_server(grid: Grid, task: ServerTask) -> ServerResult:
+    """Run (or resume) the federated rounds of ``task`` on ``grid``.
+
+    Arguments
+    ---------
+    grid : flwr.serverapp.Grid
+        The Grid given to the ServerApp.
+    task : ServerTask
+        The recipe's server side.
+
+    Returns
+    -------
+    ServerResult
+        The final global trainable tensors and epsilon.
+    """
+    cfg = task.config
+    out = Path(cfg.output_folder)
+    out.mkdir(parents=True, exist_ok=True)
+    layout = task.layout or default_layout(task.brain)
+    strategy = DPFedAvg(config=cfg, layout=layout, min_available_nodes=task.min_available_nodes)
+    params = {
+        n: p.detach().cpu().clone() for n, p in trainable_parameters(task.brain.modules).items()
+    }
+    state = load_state(out / STATE_FILE)
+    train_logger = FileTrainLogger(str(out / "train_log.txt"))
+    if cfg.noise_seed is not None:
+        log(WARNING, "noise_seed=%s is fixed: for testing only, not private", cfg.noise_seed)
+    if state is None:
+        for stale in ("rounds.csv", "group_norms.csv"):
+            (out / stale).unlink(missing_ok=True)
+        start = 0
+        metrics = _evaluate(task)
+        metric_names = list(metrics)
+        telemetry = RoundsTelemetry(out, layout, metric_names)
+        telemetry.write_round(0, report=None, epsilon=strategy.epsilon(), metrics=metrics)
+        train_logger.log_stats(stats_meta={"round": 0}, valid_stats=metrics or None)
+        log(
+            INFO,
+            "%s",
+            progress_line(
+                server_round=0,
+                num_rounds=cfg.num_rounds,
+                report=None,
+                epsilon=None,
+                metrics=metrics,
+                started=0,
+                rounds_done_here=0,
+            ),
+        )
+    else:
+        if set(state["params"]) != set(params):
+            raise ValueError(
+                f"{out / STATE_FILE} holds parameters {sorted(state['params'])[:5]}..., "
+                f"the model has {sorted(params)[:5]}...: different model; use another output_folder"
+            )
+        start = int(state["round"])
+        params = state["params"]
+        strategy.load_state_dict(state["strategy"])
+        restore_rng_states(state["rng"])
+        metric_names = state["metric_names"]
+        telemetry = RoundsTelemetry(out, layout, metric_names)
+        telemetry.truncate(start)
+        _load_into(task.brain, params)
+        log(INFO, "resuming from %s after round %d", out / STATE_FILE, start)
+
+    def save(done: int) -> None:
+        atomic_torch_save(
+            {
+                "round": done,
+                "params": params,
+                "strategy": strategy.state_dict(),
+                "rng": capture_rng_states(),
+                "metric_names": metric_names,
+            },
+            out / STATE_FILE,
+        )
+
+    if state is None:
+        save(0)
+    if strategy.accountant is not None:
+        log(
+            INFO,
+            "privacy: q=%.4g sigma=%.4g delta=%g -> epsilon after %d rounds: %.4f",
+            cfg.sampling_rate,
+            cfg.noise_multiplier,
+            cfg.delta,
+            cfg.num_rounds,
+            strategy.accountant.epsilon_after(cfg.num_rounds - start),
+        )
+    arrays = ArrayRecord({k: v.clone() for k, v in params.items()})
+    started, stopped_early, done = time.time(), False, start
+    round_seconds: list[float] = []
+    for server_round in range(start + 1, cfg.num_rounds + 1):
+        round_start = time.time()
+        if strategy.accountant is not None and cfg.max_epsilon is not None:
+            upcoming = float(strategy.accountant.epsilon_after(1))
+            if upcoming > cfg.max_epsilon:
+                log(
+                    WARNING,
+                    "stopping before round %d: epsilon would reach %.4f > max_epsilon=%g",
+                    server_round,
+                    upcoming,
+                    cfg.max_epsilon,
+                )
+                stopped_early = True
+                break
+        for attempt in range(cfg.max_retries + 1):
+            strategy.learn_node_order(grid, timeout=cfg.round_timeout)
+            messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+            replies = grid.send_and_receive(messages, timeout=cfg.round_timeout) if messages else []
+            try:
+                arrays, _ = strategy.aggregate_train(server_round, replies)
+                break
+            except RoundFailed as err:
+                if attempt == cfg.max_retries:
+                    raise RuntimeError(
+                        f"{err}; stopping after {cfg.max_retries} retries. Lower min_clients, "
+                        "raise sampling_rate or round_timeout, or fix the failing clients "
+                        "(see the 'dropped' lines above)"
+                    ) from err
+                log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
+        params = arrays.to_torch_state_dict()
+        round_seconds.append(time.time() - round_start)
+        _load_into(task.brain, params)
+        evaluate_now = cfg.eval_every > 0 and (
+            server_round % cfg.eval_every == 0 or server_round == cfg.num_rounds
+        )
+        metrics = _evaluate(task) if evaluate_now else None
+        report, epsilon = strategy.last_report, strategy.epsilon()
+        telemetry.write_round(server_round, report=report, epsilon=epsilon, metrics=metrics)
+        train_logger.log_stats(
+            stats_meta={"round": server_round, "epsilon": epsilon if epsilon is not None else "-"},
+            train_stats={"loss": report.train_loss} if report.train_loss is not None else None,
+            valid_stats=metrics or None,
+        )
+        save(server_round)
+        done = server_round
+        log(
+            INFO,
+            "%s",
+            progress_line(
+                server_round=server_round,
+                num_rounds=cfg.num_rounds,
+                report=report,
+                epsilon=epsilon,
+                metrics=metrics,
+                started=started,
+                rounds_done_here=server_round - start,
+            ),
+        )
+    return ServerResult(
+        params=params,
+        epsilon=strategy.epsilon(),
+        last_round=done,
+        stopped_early=stopped_early,
+        round_seconds=round_seconds,
+    )
+
+
+def make_server_app(
+    build_server: Callable[[Context], ServerTask],
+    *,
+    on_result: Callable[[ServerResult], None] | None = None,
+) -> ServerApp:
+    """Return a Flower ServerApp that runs :func:`run_server` on ``build_server(context)``.
+
+    Arguments
+    ---------
+    build_server : callable
+        ``build_server(context) -> ServerTask``.
+    on_result : callable, optional
+        Receives the :class:`ServerResult` when the run ends.
+
+    Returns
+    -------
+    flwr.serverapp.ServerApp
+
+    Example
+    -------
+    >>> from speechbrain_fl.fl.toy import toy_server
+    >>> app = make_server_app(toy_server)
+    """
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        result = run_server(grid, build_server(context))
+        if on_result is not None:
+            on_result(result)
+
+    return app

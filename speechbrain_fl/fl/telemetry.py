@@ -1,0 +1,181 @@
+"""Per-round telemetry: ``rounds.csv``, ``group_norms.csv`` and the progress line.
+
+Columns follow docs/api.md "Run outputs": ``rounds.csv`` has ``round, cohort_size, num_replied,
+num_failed, epsilon, joint_norm_mean, clip_rate, mean_clip_ratio, noise_std, train_loss``, the
+evaluation metric columns, then ``norm_<L>, clip_rate_<L>, budget_<L>`` per component label L;
+``group_norms.csv`` has one row per (round, group). Round 0 is the starting model (evaluation
+only). Empty cells where a value does not apply.
+
+Norms and clip rates are the *pre-clip* values the clients report (the paper's Fig. 3 and 5
+quantities): they are diagnostics for the operator, computed from raw client statistics, and
+are not covered by the DP guarantee; only the model and epsilon are.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from speechbrain_fl.privacy import Layout
+
+from .strategy import RoundReport
+
+__all__ = ["RoundsTelemetry", "progress_line"]
+
+BASE_COLUMNS = [
+    "round",
+    "cohort_size",
+    "num_replied",
+    "num_failed",
+    "epsilon",
+    "joint_norm_mean",
+    "clip_rate",
+    "mean_clip_ratio",
+    "noise_std",
+    "train_loss",
+]
+GROUP_COLUMNS = ["round", "group", "component", "numel", "mean_norm", "budget", "clip_rate"]
+
+
+def _cell(value: Any) -> Any:
+    return "" if value is None else value
+
+
+def _rewrite_upto(path: Path, last_round: int) -> None:
+    if not path.exists():
+        return
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle))
+    if not rows:
+        return
+    kept = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) <= last_round]
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows(kept)
+    os.replace(tmp, path)
+
+
+class RoundsTelemetry:
+    """Append-only writer of the two CSV files.
+
+    Arguments
+    ---------
+    folder : str or Path
+        The run's output folder.
+    layout : speechbrain_fl.privacy.Layout
+        Groups and components of the trainable parameters.
+    metric_names : sequence of str
+        Evaluation metric columns (e.g. ``valid_loss``, ``WER``).
+
+    Example
+    -------
+    >>> from speechbrain_fl.privacy import Group, Layout
+    >>> tmp = getfixture("tmp_path")
+    >>> tel = RoundsTelemetry(tmp, Layout([Group("w", "all", 2)]), ["valid_loss"])
+    >>> tel.write_round(0, report=None, epsilon=None, metrics={"valid_loss": 1.0})
+    >>> (tmp / "rounds.csv").read_text().splitlines()[1].split(",")[:2]
+    ['0', '']
+    """
+
+    def __init__(self, folder: str | Path, layout: Layout, metric_names: Sequence[str]) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.layout = layout
+        self.rounds_path = self.folder / "rounds.csv"
+        self.groups_path = self.folder / "group_norms.csv"
+        comps = list(layout.components)
+        self.columns = (
+            BASE_COLUMNS
+            + [m for m in metric_names if m not in BASE_COLUMNS]
+            + [f"{k}_{c}" for c in comps for k in ("norm", "clip_rate", "budget")]
+        )
+        for path, header in ((self.rounds_path, self.columns), (self.groups_path, GROUP_COLUMNS)):
+            if not path.exists() or path.stat().st_size == 0:
+                with open(path, "w", newline="", encoding="utf-8") as handle:
+                    csv.writer(handle).writerow(header)
+
+    def truncate(self, last_round: int) -> None:
+        """Drop rows after ``last_round`` (rows written before a kill but not checkpointed)."""
+        _rewrite_upto(self.rounds_path, last_round)
+        _rewrite_upto(self.groups_path, last_round)
+
+    def write_round(
+        self,
+        server_round: int,
+        *,
+        report: RoundReport | None,
+        epsilon: float | None,
+        metrics: dict[str, float] | None,
+    ) -> None:
+        """Append the row of ``server_round`` (and its group rows when ``report`` is given)."""
+        row: dict[str, Any] = {"round": server_round, "epsilon": _cell(epsilon)}
+        if report is not None:
+            row.update(
+                cohort_size=report.cohort_size,
+                num_replied=report.num_replied,
+                num_failed=report.num_failed,
+                joint_norm_mean=_cell(report.joint_norm_mean),
+                clip_rate=_cell(report.clip_rate),
+                mean_clip_ratio=_cell(report.mean_clip_ratio),
+                noise_std=_cell(report.noise_std),
+                train_loss=_cell(report.train_loss),
+            )
+            for comp in self.layout.components:
+                row[f"norm_{comp}"] = _cell(report.component_norms.get(comp))
+                row[f"clip_rate_{comp}"] = _cell(report.component_clip_rates.get(comp))
+                row[f"budget_{comp}"] = _cell(report.component_budgets.get(comp))
+        row.update(metrics or {})
+        with open(self.rounds_path, "a", newline="", encoding="utf-8") as handle:
+            csv.DictWriter(handle, self.columns, restval="", extrasaction="ignore").writerow(row)
+        if report is not None and report.group_norms:
+            with open(self.groups_path, "a", newline="", encoding="utf-8") as handle:
+                writer = csv.writer(handle)
+                for group in self.layout:
+                    writer.writerow(
+                        [
+                            server_round,
+                            group.name,
+                            group.component,
+                            group.numel,
+                            _cell(report.group_norms.get(group.name)),
+                            _cell(report.group_budgets.get(group.name)),
+                            _cell(report.group_clip_rates.get(group.name)),
+                        ]
+                    )
+
+
+def progress_line(
+    *,
+    server_round: int,
+    num_rounds: int,
+    report: RoundReport | None,
+    epsilon: float | None,
+    metrics: dict[str, float] | None,
+    started: float,
+    rounds_done_here: int,
+) -> str:
+    """Return ``round k/T | cohort c/K | eps | last metric | time left``.
+
+    Example
+    -------
+    >>> progress_line(server_round=1, num_rounds=4, report=None, epsilon=0.5,
+    ...               metrics={"valid_loss": 0.25}, started=time.time(), rounds_done_here=1)[:9]
+    'round 1/4'
+    """
+    parts = [f"round {server_round}/{num_rounds}"]
+    if report is not None:
+        parts.append(f"cohort {report.num_replied}/{report.cohort_size} of K={report.population}")
+    parts.append("eps -" if epsilon is None else f"eps {epsilon:.3f}")
+    for key, value in (metrics or {}).items():
+        parts.append(f"{key} {value:.4g}")
+    if rounds_done_here > 0:
+        per_round = (time.time() - started) / rounds_done_here
+        left = per_round * (num_rounds - server_round)
+        parts.append(
+            f"{per_round:.1f} s/round, ~{time.strftime('%H:%M:%S', time.gmtime(left))} left"
+        )
+    return " | ".join(parts)

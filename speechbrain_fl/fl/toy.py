@@ -1,0 +1,144 @@
+"""A toy SpeechBrain task for tests, the README example and the overhead benchmark.
+
+Linear regression y = x w* + b* + noise on generated tensors, one partition of examples per
+client (client ``i`` draws its inputs with seed ``seed + 1 + i``), trained by a real
+``speechbrain.Brain`` with SGD. :func:`toy_task` returns the :class:`FLTask` the engines run;
+its settings are the toy keys below plus any :class:`~speechbrain_fl.fl.config.FLConfig` key,
+from an optional HyperPyYAML file and then from ``overrides`` (hyphens in keys, as Flower's
+run_config writes them, are read as underscores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import speechbrain as sb
+import torch
+from flwr.app import Context
+from hyperpyyaml import load_hyperpyyaml
+from speechbrain.dataio.batch import PaddedBatch
+
+from .client import ClientTask
+from .config import FLConfig
+from .server import ServerTask
+from .task import FLTask
+
+__all__ = ["ToyBrain", "toy_client", "toy_server", "toy_settings", "toy_task"]
+
+TOY_DEFAULTS: dict[str, Any] = {
+    "num_partitions": 4,
+    "num_features": 4,
+    "examples_per_client": 32,
+    "valid_examples": 64,
+    "batch_size": 8,
+    "lr": 0.1,
+    "data_seed": 0,
+    "output_folder": "results/toy_fl",
+}
+
+
+class ToyBrain(sb.Brain):
+    """Linear regression Brain (MSE loss)."""
+
+    def compute_forward(self, batch, stage):
+        """Predict y from x."""
+        batch = batch.to(self.device)
+        return self.modules.model(batch.x.data)
+
+    def compute_objectives(self, predictions, batch, stage):
+        """Mean squared error."""
+        return torch.nn.functional.mse_loss(predictions, batch.y.data)
+
+
+class _Examples(torch.utils.data.Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def _data(settings: dict[str, Any], seed: int, count: int) -> _Examples:
+    gen = torch.Generator().manual_seed(int(settings["data_seed"]))
+    w = torch.randn(int(settings["num_features"]), 1, generator=gen)
+    gen = torch.Generator().manual_seed(int(settings["data_seed"]) + seed)
+    x = torch.randn(count, int(settings["num_features"]), generator=gen)
+    y = x @ w + 0.5 + 0.1 * torch.randn(count, 1, generator=gen)
+    return _Examples(x, y)
+
+
+def _brain(settings: dict[str, Any]) -> ToyBrain:
+    torch.manual_seed(int(settings["data_seed"]))
+    model = torch.nn.Linear(int(settings["num_features"]), 1)
+    lr = float(settings["lr"])
+    return ToyBrain(
+        modules={"model": model},
+        opt_class=lambda params: torch.optim.SGD(params, lr=lr),
+        run_opts={"device": "cpu", "noprogressbar": True},
+    )
+
+
+def toy_settings(hparams: str | None = None, overrides: dict[str, Any] | None = None) -> dict:
+    """Merge the toy defaults, an optional YAML file and ``overrides``; reject unknown keys."""
+    settings = dict(TOY_DEFAULTS)
+    if hparams:
+        with open(hparams, encoding="utf-8") as handle:
+            settings.update(load_hyperpyyaml(handle))
+    for key, value in (overrides or {}).items():
+        settings[key.replace("-", "_")] = value
+    known = set(TOY_DEFAULTS) | {f.name for f in dataclasses.fields(FLConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"toy task: unknown settings {unknown} (from {hparams or 'overrides'})")
+    return settings
+
+
+def toy_client(context: Context, settings: dict[str, Any] | None = None) -> ClientTask:
+    """Build the client of partition ``context.node_config['partition-id']``."""
+    settings = settings or toy_settings()
+    pid = int(context.node_config.get("partition-id", 0))
+    return ClientTask(
+        brain=_brain(settings),
+        train_set=_data(settings, 1 + pid, int(settings["examples_per_client"])),
+        train_loader_kwargs={
+            "batch_size": int(settings["batch_size"]),
+            "shuffle": True,
+            "collate_fn": PaddedBatch,
+        },
+    )
+
+
+def toy_server(context: Context, settings: dict[str, Any] | None = None) -> ServerTask:
+    """Build the server side: starting model, config, central validation set."""
+    settings = settings or toy_settings()
+    fl_keys = {f.name for f in dataclasses.fields(FLConfig)}
+    config = FLConfig.from_dict({k: v for k, v in settings.items() if k in fl_keys})
+    return ServerTask(
+        brain=_brain(settings),
+        config=config,
+        valid_set=_data(settings, 10_000, int(settings["valid_examples"])),
+        valid_loader_kwargs={"batch_size": 64, "collate_fn": PaddedBatch},
+        min_available_nodes=int(settings["num_partitions"]),
+    )
+
+
+def toy_task(hparams: str | None = None, overrides: dict[str, Any] | None = None) -> FLTask:
+    """Return the toy :class:`FLTask`.
+
+    Example
+    -------
+    >>> task = toy_task(overrides={"num_rounds": 2, "num-partitions": 3})
+    >>> task.num_partitions
+    3
+    """
+    settings = toy_settings(hparams, overrides)
+    return FLTask(
+        build_client=functools.partial(toy_client, settings=settings),
+        build_server=functools.partial(toy_server, settings=settings),
+        num_partitions=int(settings["num_partitions"]),
+    )
