@@ -30,6 +30,7 @@ Authors
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -234,7 +235,7 @@ def seed_model_folder(hparams, manifests, data_folder):
         "data": os.path.abspath(data_folder),
         "languages": list(hparams["languages"]),
     }
-    tag = f"{abs(hash(json.dumps(key, sort_keys=True))) % 10**10:010d}"
+    tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(hparams["cache_folder"]) / f"seed_tiny_{tag}"
     if (folder / "speech_llm.json").is_file():
         logger.info("Reusing the pretrained tiny seed model in %s", folder)
@@ -651,9 +652,12 @@ def main(argv):
     settings = {
         "hparams": {k: hparams[k] for k in BRAIN_KEYS},
         "run_opts": {
-            k: v
-            for k, v in run_opts.items()
-            if k in ("device", "precision", "debug", "debug_batches", "debug_epochs")
+            **{
+                k: v
+                for k, v in run_opts.items()
+                if k in ("device", "precision", "debug", "debug_batches", "debug_epochs")
+            },
+            "max_grad_norm": hparams["max_grad_norm"],
         },
         "data_folder": data_folder,
         "clients": clients,

@@ -8,8 +8,9 @@ of component ``all``). The built task is cached per partition inside the worker 
 simulation actor or a SuperNode builds the Brain and reads its manifest once, not every round.
 
 One training message: load the global *trainable* tensors (exactly the names in the ArrayRecord,
-which must all be ``requires_grad`` parameters of ``brain.modules``), seed torch with the round
-seed plus the partition id (reproducible runs and resumes), run ``brain.fit`` for
+which must all be ``requires_grad`` parameters of ``brain.modules``), set ``brain.fl_round`` and
+``brain.fl_num_rounds`` from the round's config (for schedules that span the run), seed torch
+with the round seed plus the partition id (reproducible runs and resumes), run ``brain.fit`` for
 ``local-epochs`` epochs, read the loss the Brain passes to ``on_stage_end`` (recorded by a
 wrapper around the instance's hook, so ``Brain.fit`` is neither copied nor overridden), compute
 delta = local - global, clip it with the budgets from the ConfigRecord
@@ -133,6 +134,10 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             params[name].copy_(value.to(params[name].device, params[name].dtype))
     torch.manual_seed(int(config.get("round-seed", 0)) + int(partition_id))
     epochs = int(config.get("local-epochs", 1))
+    # The round's position, for Brains whose schedules span the federated run (e.g. a cosine
+    # learning-rate decay over rounds read in ``init_optimizers``).
+    task.brain.fl_round = int(config.get("server-round", 1))
+    task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
     try:
         with _record_stage_end(task.brain) as records:
             task.brain.fit(

@@ -263,6 +263,7 @@ class DPFedAvg(FedAvg):
         budgets = self.budgets()
         config = ConfigRecord(dict(config))
         config["server-round"] = server_round
+        config["num-rounds"] = self.config.num_rounds
         config["local-epochs"] = self.config.local_epochs
         config["round-seed"] = int(self.seed_rng.integers(2**31 - 1))
         if budgets is not None:

@@ -243,7 +243,7 @@ class SpeechLLM(nn.Module):
         """Log-mel features (B, n_mels, 2*max_source_positions) and valid encoder frames (B,).
 
         ``wav_lens`` are relative lengths in [0, 1] (SpeechBrain convention). Longer audio is
-        truncated to the encoder's window (30 s for Whisper, 6 s for ``tiny``).
+        truncated to the encoder's window (30 s for Whisper, 5 s for ``tiny``).
         """
         samples = torch.round(wav_lens.float() * wavs.shape[1]).long().clamp(min=1).cpu()
         audio = [w[:n].float().cpu().numpy() for w, n in zip(wavs, samples.tolist(), strict=True)]

@@ -10,8 +10,8 @@ models use.
 
 Short inputs: Whisper's encoder insists on ``2 * max_source_positions`` mel frames (3000 = 30 s for
 the real models). Running 30 s of padding through even a tiny encoder wastes CPU, so the tiny
-encoder has ``max_source_positions=300`` and its ``WhisperFeatureExtractor`` has
-``chunk_length=6``: every utterance is padded (or truncated) to 6 s = 600 frames. Audio tokens past
+encoder has ``max_source_positions=250`` and its ``WhisperFeatureExtractor`` has
+``chunk_length=5``: every utterance is padded (or truncated) to 5 s = 500 frames. Audio tokens past
 an utterance's real length are dropped before the LLM (see ``SpeechLLM.encode``).
 
 Tokenizer: one token per character over the lowercase alphabets of the 8 MLS languages (built with
@@ -22,10 +22,11 @@ keeps the LLM's embedding and output layers small.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -60,7 +61,7 @@ TINY_ENCODER = {
     "decoder_attention_heads": 4,
     "decoder_ffn_dim": 256,
     "num_mel_bins": 80,
-    "max_source_positions": 300,
+    "max_source_positions": 250,
     "max_target_positions": 64,
     # The decoder exists only so the folder is a standard WhisperModel checkpoint; keep it small.
     "vocab_size": 64,
@@ -71,7 +72,7 @@ TINY_ENCODER = {
     "begin_suppress_tokens": None,
     "suppress_tokens": None,
 }
-TINY_CHUNK_SECONDS = 6
+TINY_CHUNK_SECONDS = 5
 TINY_LLM = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -123,7 +124,60 @@ def build_char_tokenizer(alphabet: str = MLS_ALPHABET) -> PreTrainedTokenizerFas
     )
 
 
-def create_tiny_checkpoint(folder: str | Path, *, seed: int = 0) -> Path:
+def build_bpe_tokenizer(
+    texts: Iterable[str], *, vocab_size: int = 1000, alphabet: str = MLS_ALPHABET
+) -> PreTrainedTokenizerFast:
+    """A BPE ``PreTrainedTokenizerFast`` trained on ``texts`` (SentencePiece-style word marks).
+
+    For a tiny model a character tokenizer makes every transcript ~6x longer than its words, and
+    the decoder then spends most of its capacity on spelling. A BPE vocabulary learnt from the
+    *public* transcripts (never the clients') covers frequent words with one token and keeps
+    every character of ``alphabet`` as a fallback, so any transcript can still be encoded.
+
+    Arguments
+    ---------
+    texts : iterable of str
+        Training transcripts (public data only: the tokenizer is released with the model).
+    vocab_size : int
+        Target vocabulary size including the special tokens and the alphabet.
+    alphabet : str
+        Characters always in the vocabulary.
+
+    Returns
+    -------
+    PreTrainedTokenizerFast
+        ids 0-3 are ``<pad> <s> </s> <unk>``.
+
+    Example
+    -------
+    >>> tok = build_bpe_tokenizer(["the red house", "the red car"] * 10, vocab_size=120)
+    >>> ids = tok("the red house", add_special_tokens=False).input_ids
+    >>> tok.decode(ids), len(ids) < len("the red house")
+    ('the red house', True)
+    """
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=list(dict.fromkeys(alphabet.replace(" ", ""))),
+        show_progress=False,
+    )
+    backend.train_from_iterator(list(texts), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+
+
+def create_tiny_checkpoint(
+    folder: str | Path, *, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None
+) -> Path:
     """Write a randomly initialised tiny speech-LLM checkpoint to ``folder`` (idempotent).
 
     Layout: ``encoder/`` (``WhisperModel`` + ``WhisperFeatureExtractor``), ``llm/``
@@ -136,6 +190,8 @@ def create_tiny_checkpoint(folder: str | Path, *, seed: int = 0) -> Path:
         Target folder; if it already holds ``speech_llm.json`` nothing is written.
     seed : int
         Seed of the random initialisation (the same seed gives the same weights).
+    tokenizer : PreTrainedTokenizerFast, optional
+        The LLM's tokenizer (e.g. :func:`build_bpe_tokenizer`); default: character-level.
 
     Returns
     -------
@@ -152,7 +208,7 @@ def create_tiny_checkpoint(folder: str | Path, *, seed: int = 0) -> Path:
     folder = Path(folder)
     if (folder / "speech_llm.json").is_file():
         return folder
-    tokenizer = build_char_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         whisper = WhisperModel(WhisperConfig(**TINY_ENCODER))

@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""Run every MLS method with the encoder frozen and unfrozen, and tabulate the test WER.
+
+For each hparams file (FedAvg, Flat, PFL-Uniform, PFL-Dim, PFL-Dim+EMA, PFL-Unif+EMA,
+alpha-split) and each encoder variant (``--freeze_encoder True|False``) this script runs
+``train_fl.py`` as a subprocess, one run after the other, all with the same ``cache_folder`` so
+the embedded corpus and the pretrained seed model are made once and shared. It then reads each
+run's ``results.json`` and writes the table of the alpha-split paper's Table III for this
+repository::
+
+    | Method | Enc. frozen WER [95% CI] | Gap | Enc. unfrozen WER [95% CI] | Gap | epsilon | ... |
+
+where Gap = WER - FedAvg WER of the same variant, followed by the round-0 WER (the seed model
+before any federated round) and the settings the runs used. The table goes to
+``results/MLS/method_table.md`` and, when every run used the embedded corpus, into
+``recipes/MLS/README.md`` between the ``<!-- METHOD_TABLE -->`` and ``<!-- /METHOD_TABLE -->``
+markers (the end marker is created the first time).
+
+A run whose ``results.json`` exists is skipped unless ``--force``; an interrupted run has no
+``results.json`` yet, so running this script again resumes it (``train_fl.py`` resumes from its
+last finished round). Arguments this script does not know are passed to every ``train_fl.py``
+run, e.g. ``--number_of_rounds 6`` or ``--device cuda``.
+
+Usage (from the repository root; the 14 runs take about an hour on 2 CPU cores)::
+
+    python recipes/MLS/method_table.py
+    python recipes/MLS/method_table.py --methods fedavg flat alpha_split --variants unfrozen
+    python recipes/MLS/method_table.py --number_of_rounds 6 --output-root results/MLS/short
+    python recipes/MLS/method_table.py --table-only      # tabulate the runs that exist
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+RECIPE_DIR = Path(__file__).resolve().parent
+
+#: The hparams files, in the row order of the paper's Table III, with their display names.
+METHODS: dict[str, str] = {
+    "fedavg": "FedAvg (no DP)",
+    "flat": "Flat",
+    "pfl_uniform": "PFL-Uniform",
+    "pfl_dim": "PFL-Dim",
+    "pfl_dim_ema": "PFL-Dim+EMA",
+    "pfl_unif_ema": "PFL-Unif+EMA",
+    "alpha_split": "α-Split",
+}
+#: Encoder variants and the value of ``freeze_encoder`` each one passes to train_fl.py.
+VARIANTS: dict[str, bool] = {"frozen": True, "unfrozen": False}
+BASELINE = "fedavg"
+START_MARKER = "<!-- METHOD_TABLE -->"
+END_MARKER = "<!-- /METHOD_TABLE -->"
+HEADER = (
+    "| Method | Enc. frozen WER [95% CI] | Gap | Enc. unfrozen WER [95% CI] | Gap "
+    "| epsilon | sigma_eff enc / LLM |"
+)
+#: train_fl.py keys this script sets itself; passing them through would break the table.
+RESERVED_OVERRIDES = ("--freeze_encoder", "--output_folder", "--cache_folder")
+_MISSING = "-"
+
+
+def run_folder(output_root: str | os.PathLike, method: str, variant: str) -> Path:
+    """The output folder of one run: ``<output_root>/<method>/freeze_encoder_<True|False>``."""
+    return Path(output_root) / method / f"freeze_encoder_{VARIANTS[variant]}"
+
+
+def train_command(
+    *,
+    method: str,
+    variant: str,
+    output_root: str | os.PathLike,
+    cache_folder: str | os.PathLike,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The ``train_fl.py`` command line of one run.
+
+    Arguments
+    ---------
+    method : str
+        A key of :data:`METHODS` (the hparams file name without ``.yaml``).
+    variant : str
+        ``"frozen"`` or ``"unfrozen"``.
+    output_root : str or PathLike
+        Folder holding the runs (see :func:`run_folder`).
+    cache_folder : str or PathLike
+        Shared cache for the embedded corpus and the seed model.
+    extra : sequence of str
+        Further train_fl.py arguments, passed unchanged.
+
+    Returns
+    -------
+    list of str
+
+    Example
+    -------
+    >>> cmd = train_command(method="flat", variant="frozen", output_root="r", cache_folder="c")
+    >>> Path(cmd[2]).name, cmd[3:6]
+    ('flat.yaml', ['--freeze_encoder', 'True', '--output_folder'])
+    """
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is not one of {list(METHODS)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r} is not one of {list(VARIANTS)}")
+    for arg in extra:
+        key = arg.split("=", 1)[0]
+        if key in RESERVED_OVERRIDES:
+            raise ValueError(
+                f"{key} is set by method_table.py; use --variants, --output-root or "
+                "--cache-folder instead"
+            )
+    return [
+        sys.executable,
+        str(RECIPE_DIR / "train_fl.py"),
+        str(RECIPE_DIR / "hparams" / f"{method}.yaml"),
+        "--freeze_encoder",
+        str(VARIANTS[variant]),
+        "--output_folder",
+        str(run_folder(output_root, method, variant)),
+        "--cache_folder",
+        str(cache_folder),
+        *extra,
+    ]
+
+
+def load_results(output_root: str | os.PathLike) -> dict[tuple[str, str], dict]:
+    """Every ``results.json`` found under ``output_root``, keyed by ``(method, variant)``.
+
+    Raises ``ValueError`` naming a file that is not valid JSON or has no ``test.WER``.
+    """
+    found = {}
+    for method in METHODS:
+        for variant in VARIANTS:
+            path = run_folder(output_root, method, variant) / "results.json"
+            if not path.is_file():
+                continue
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    results = json.load(handle)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}: not valid JSON ({err})") from err
+            if _get(results, "test", "WER") is None:
+                raise ValueError(f"{path}: no test.WER (did the run finish?)")
+            found[(method, variant)] = results
+    return found
+
+
+def _get(mapping, *keys):
+    for key in keys:
+        if not isinstance(mapping, Mapping) or mapping.get(key) is None:
+            return None
+        mapping = mapping[key]
+    return mapping
+
+
+def _wer_cell(results: Mapping | None) -> str:
+    if results is None:
+        return _MISSING
+    wer = _get(results, "test", "WER")
+    ci = _get(results, "test", "WER_ci95")
+    cell = f"{wer:.4f}" if not ci else f"{wer:.4f} [{ci[0]:.4f}, {ci[1]:.4f}]"
+    round0 = _get(results, "test_round0", "WER")
+    if round0 is not None and wer >= round0:
+        cell += " †"
+    if results.get("stopped_early"):
+        cell += " ‡"
+    return cell
+
+
+def _gap_cell(results: Mapping | None, baseline: Mapping | None, *, is_baseline: bool) -> str:
+    if results is None:
+        return _MISSING
+    if is_baseline:
+        return "—"
+    if baseline is None:
+        return _MISSING
+    return f"{_get(results, 'test', 'WER') - _get(baseline, 'test', 'WER'):+.4f}"
+
+
+def _joined(values: Sequence) -> str:
+    """One value if all runs agree, else ``frozen / unfrozen``."""
+    shown = [_MISSING if v is None else v for v in values]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
+
+
+def _epsilon_cell(runs: Sequence[Mapping | None]) -> str:
+    values = [_get(r, "privacy", "epsilon") for r in runs if r is not None]
+    if not values:
+        return _MISSING
+    return _joined([None if v is None else f"{v:.4g}" for v in values])
+
+
+def _sigma_cell(runs: Sequence[Mapping | None]) -> str:
+    # Prefer the unfrozen run: it is the one that trains (and noises) the encoder.
+    for results in reversed(runs):
+        if results is not None and _get(results, "privacy", "epsilon") is not None:
+            enc = _get(results, "privacy", "sigma_eff", "encoder")
+            llm = _get(results, "privacy", "sigma_eff", "llm")
+            return " / ".join(_MISSING if v is None else f"{v:.3f}" for v in (enc, llm))
+    return _MISSING
+
+
+def format_method_table(results: Mapping[tuple[str, str], Mapping]) -> str:
+    """The markdown table of the runs, with the round-0 WER and the runs' settings below it.
+
+    Arguments
+    ---------
+    results : mapping
+        ``{(method, variant): results.json dict}`` as returned by :func:`load_results`.
+
+    Returns
+    -------
+    str
+        Markdown: the table, its legend, the round-0 WER and a settings line.
+
+    Example
+    -------
+    >>> runs = {("fedavg", "frozen"): {"test": {"WER": 0.3}},
+    ...         ("flat", "frozen"): {"test": {"WER": 0.35}, "privacy": {"epsilon": 614.1}}}
+    >>> print(format_method_table(runs).splitlines()[3])
+    | Flat | 0.3500 | +0.0500 | - | - | 614.1 | - / - |
+    """
+    if not results:
+        raise ValueError("no results.json to tabulate")
+    lines = [HEADER, "|---|---:|---:|---:|---:|---:|---:|"]
+    for method, name in METHODS.items():
+        runs = [results.get((method, variant)) for variant in VARIANTS]
+        if all(r is None for r in runs):
+            continue
+        cells = [name]
+        for variant, run in zip(VARIANTS, runs, strict=True):
+            cells.append(_wer_cell(run))
+            cells.append(
+                _gap_cell(run, results.get((BASELINE, variant)), is_baseline=method == BASELINE)
+            )
+        cells.append(_epsilon_cell(runs))
+        cells.append(_sigma_cell(runs))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", _legend(), "", _round0_line(results), "", _settings_line(results)]
+    return "\n".join(lines)
+
+
+def _legend() -> str:
+    return (
+        "Gap = WER - FedAvg WER of the same encoder variant (as in the paper's Table III). "
+        "95% CI: speaker-level percentile bootstrap. †: not below the round-0 WER (the "
+        "federated stage did not improve on the seed model). ‡: stopped early (max_epsilon or "
+        "too few clients). epsilon: (epsilon, delta)-DP of the whole run from Opacus's RDP "
+        "accountant, one value when both variants agree, else frozen / unfrozen. sigma_eff: "
+        "effective noise multiplier of the encoder pool and of the LLM + connector pool, from "
+        "the unfrozen run when there is one (a frozen encoder has no encoder pool; for the EMA "
+        "methods the smallest value any round had)."
+    )
+
+
+def _round0_line(results: Mapping[tuple[str, str], Mapping]) -> str:
+    cells = {}
+    for run in results.values():
+        wer = _get(run, "test_round0", "WER")
+        if wer is None:
+            continue
+        ci = _get(run, "test_round0", "WER_ci95")
+        cells[f"{wer:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")] = True
+    if not cells:
+        return "Round 0 (seed model, before any federated round): not recorded."
+    return (
+        "Round 0 (the seed model, before any federated round; every run starts from it): "
+        f"WER {' / '.join(cells)}."
+    )
+
+
+def _settings_line(results: Mapping[tuple[str, str], Mapping]) -> str:
+    runs = list(results.values())
+
+    def values(*keys):
+        found = sorted({str(v) for v in (_get(r, *keys) for r in runs) if v is not None})
+        return "/".join(found) if found else _MISSING
+
+    corpus = {bool(_get(r, "data", "embedded_corpus")) for r in runs}
+    corpus_name = (
+        "the embedded espeak-ng corpus"
+        if corpus == {True}
+        else "MLS"
+        if corpus == {False}
+        else "mixed corpora"
+    )
+    total = sum(_get(r, "timings_s", "total") or 0.0 for r in runs)
+    private = [r for r in runs if _get(r, "privacy", "epsilon") is not None]
+
+    def private_values(*keys):
+        found = sorted({str(v) for v in (_get(r, *keys) for r in private) if v is not None})
+        return "/".join(found) if found else _MISSING
+
+    return (
+        f"Settings: model {values('model')} on {corpus_name}, K={values('num_clients')} "
+        f"clients, T={values('privacy', 'rounds')} rounds, q={values('privacy', 'sampling_rate')}, "
+        f"C={private_values('privacy', 'clip')}, "
+        f"sigma={private_values('privacy', 'noise_multiplier')}, "
+        f"delta={private_values('privacy', 'delta')}; {len(runs)} runs, "
+        f"{total / 60:.0f} min of run time in all."
+    )
+
+
+def insert_table(text: str, table: str) -> str:
+    """Put ``table`` between the method-table markers of ``text`` (a README's content).
+
+    Replaces whatever lies between ``<!-- METHOD_TABLE -->`` and ``<!-- /METHOD_TABLE -->``;
+    when only the start marker is present, the table and the end marker are inserted right
+    after it. Raises ``ValueError`` when the start marker is missing or an end marker comes
+    before it.
+
+    Example
+    -------
+    >>> insert_table("a\\n<!-- METHOD_TABLE -->\\nb", "T")
+    'a\\n<!-- METHOD_TABLE -->\\nT\\n<!-- /METHOD_TABLE -->\\nb'
+    """
+    start = text.find(START_MARKER)
+    if start < 0:
+        raise ValueError(f"no {START_MARKER} marker to insert the table at")
+    head = text[: start + len(START_MARKER)]
+    rest = text[start + len(START_MARKER) :]
+    if END_MARKER in head:
+        raise ValueError(f"{END_MARKER} comes before {START_MARKER}")
+    end = rest.find(END_MARKER)
+    block = f"\n{table.strip()}\n{END_MARKER}"
+    if end < 0:
+        return head + block + rest
+    return head + block + rest[end + len(END_MARKER) :]
+
+
+def update_readme(readme: str | os.PathLike, table: str) -> None:
+    """Insert ``table`` into the README file at the markers (see :func:`insert_table`)."""
+    readme = Path(readme)
+    text = readme.read_text(encoding="utf-8")
+    try:
+        updated = insert_table(text, table)
+    except ValueError as err:
+        raise ValueError(f"{readme}: {err}") from err
+    tmp = readme.with_name(readme.name + ".tmp")
+    tmp.write_text(updated, encoding="utf-8")
+    os.replace(tmp, readme)
+
+
+def _names(values: Sequence[str], *, choices: Sequence[str], option: str) -> list[str]:
+    names = [v for value in values for v in value.split(",") if v]
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise SystemExit(f"method_table.py: {option}: unknown {unknown}; choose from {choices}")
+    return [c for c in choices if c in names]  # table order, no duplicates
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """This script's options, and the remaining arguments (passed on to train_fl.py)."""
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        description=__doc__.split("\n\n")[0],
+        epilog="Other arguments (e.g. --number_of_rounds 6) are passed to every train_fl.py run.",
+    )
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), help=", ".join(METHODS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="frozen, unfrozen")
+    parser.add_argument("--output-root", default="results/MLS/method_table")
+    parser.add_argument("--cache-folder", default="results/MLS/cache")
+    parser.add_argument("--table-file", default="results/MLS/method_table.md")
+    parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
+    parser.add_argument("--no-readme", action="store_true", help="do not touch the README")
+    parser.add_argument("--force", action="store_true", help="rerun runs that have results")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    parser.add_argument("--table-only", action="store_true", help="run nothing; tabulate")
+    args, extra = parser.parse_known_args(argv)
+    args.methods = _names(args.methods, choices=list(METHODS), option="--methods")
+    args.variants = _names(args.variants, choices=list(VARIANTS), option="--variants")
+    return args, extra
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the selected runs, then write the table; exit status 1 if a run failed."""
+    args, extra = parse_args(argv)
+    failed = []
+    if not args.table_only:
+        for method in args.methods:
+            for variant in args.variants:
+                folder = run_folder(args.output_root, method, variant)
+                cmd = train_command(
+                    method=method,
+                    variant=variant,
+                    output_root=args.output_root,
+                    cache_folder=args.cache_folder,
+                    extra=extra,
+                )
+                if (folder / "results.json").is_file() and not args.force:
+                    print(f"[{method}, {variant}] skipped: {folder}/results.json exists (--force)")
+                    continue
+                print(f"[{method}, {variant}] $ {' '.join(cmd)}", flush=True)
+                if args.dry_run:
+                    continue
+                start = time.time()
+                code = subprocess.run(cmd, check=False).returncode
+                print(f"[{method}, {variant}] exit {code} after {time.time() - start:.0f} s")
+                if code != 0:
+                    failed.append(f"{method}/{variant} (exit {code})")
+    if args.dry_run:
+        return 0
+    results = load_results(args.output_root)
+    if not results:
+        print(f"method_table.py: no results.json under {args.output_root}", file=sys.stderr)
+        return 1
+    table = format_method_table(results)
+    table_file = Path(args.table_file)
+    table_file.parent.mkdir(parents=True, exist_ok=True)
+    table_file.write_text(table + "\n", encoding="utf-8")
+    print("\n" + table + f"\n\nTable written to {table_file}")
+    embedded = all(_get(r, "data", "embedded_corpus") for r in results.values())
+    if args.no_readme:
+        pass
+    elif not embedded:
+        print(f"{args.readme} not updated: its table is for the embedded corpus only")
+    else:
+        update_readme(args.readme, table)
+        print(f"Table inserted into {args.readme}")
+    if failed:
+        print("method_table.py: failed runs: " + ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""recipes/MLS/method_table.py: table formatting, README insertion, skipping, on synthetic runs.
+
+The 14 real runs take about an hour of CPU; here every run folder holds a hand-written
+``results.json`` (the shape train_fl.py writes), so the script's own ``main`` skips them all
+and only collects, formats and inserts.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "method_table.py"
+_spec = importlib.util.spec_from_file_location("method_table", SCRIPT)
+method_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(method_table)
+
+# (method, variant) -> (WER, epsilon, sigma_eff encoder, sigma_eff llm)
+RUNS = {
+    ("fedavg", "frozen"): (0.30, None, None, None),
+    ("fedavg", "unfrozen"): (0.28, None, None, None),
+    ("flat", "frozen"): (0.35, 614.1, None, 0.1),
+    ("flat", "unfrozen"): (0.33, 614.1, 0.1, 0.1),
+    ("alpha_split", "frozen"): (0.36, 614.1, None, 0.1026),
+    ("alpha_split", "unfrozen"): (0.50, 614.1, 0.4472, 0.1026),
+}
+ROUND0 = 0.45
+
+
+def _results(method, variant, wer, epsilon, sig_enc, sig_llm):
+    sigma = {k: v for k, v in (("encoder", sig_enc), ("llm", sig_llm)) if v is not None}
+    return {
+        "method": method,
+        "model": "tiny",
+        "freeze_encoder": variant == "frozen",
+        "num_clients": 32,
+        "test": {"WER": wer, "WER_ci95": [wer - 0.02, wer + 0.03], "per_language": {}},
+        "test_round0": {"WER": ROUND0, "WER_ci95": [0.41, 0.49]},
+        "privacy": {
+            "epsilon": epsilon,
+            "delta": None if epsilon is None else 1e-5,
+            "noise_multiplier": 0.0 if epsilon is None else 0.1,
+            "clip": None if epsilon is None else 1.0,
+            "sampling_rate": 0.3,
+            "rounds": 12,
+            "sigma_eff": sigma,
+        },
+        "data": {"embedded_corpus": True},
+        "stopped_early": False,
+        "timings_s": {"total": 300.0},
+    }
+
+
+@pytest.fixture
+def root(tmp_path):
+    out = tmp_path / "runs"
+    for (method, variant), values in RUNS.items():
+        folder = method_table.run_folder(out, method, variant)
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(_results(method, variant, *values)))
+    return out
+
+
+def _row(table, name):
+    rows = [line for line in table.splitlines() if line.startswith(f"| {name} |")]
+    assert len(rows) == 1, table
+    return [cell.strip() for cell in rows[0].strip("|").split("|")]
+
+
+def test_table_cells(root):
+    table = method_table.format_method_table(method_table.load_results(root))
+    assert table.splitlines()[0] == method_table.HEADER
+    assert _row(table, "FedAvg (no DP)") == [
+        "FedAvg (no DP)", "0.3000 [0.2800, 0.3300]", "—", "0.2800 [0.2600, 0.3100]", "—", "-",
+        "-",
+    ]  # fmt: skip
+    # Gap against the FedAvg run of the same variant; sigma_eff from the unfrozen run.
+    assert _row(table, "Flat") == [
+        "Flat", "0.3500 [0.3300, 0.3800]", "+0.0500", "0.3300 [0.3100, 0.3600]", "+0.0500",
+        "614.1", "0.100 / 0.100",
+    ]  # fmt: skip
+    # WER not below round 0 (0.50 >= 0.45) is marked with a dagger.
+    assert _row(table, "α-Split") == [
+        "α-Split", "0.3600 [0.3400, 0.3900]", "+0.0600", "0.5000 [0.4800, 0.5300] †", "+0.2200",
+        "614.1", "0.447 / 0.103",
+    ]  # fmt: skip
+    # Methods without any run are left out; rows follow the paper's order.
+    assert "PFL-Dim" not in table
+    names = [line.split("|")[1].strip() for line in table.splitlines()[2:5]]
+    assert names == ["FedAvg (no DP)", "Flat", "α-Split"]
+    assert "WER 0.4500 [0.4100, 0.4900]." in table
+    assert "K=32 clients, T=12 rounds, q=0.3, C=1.0, sigma=0.1, delta=1e-05" in table
+    assert "model tiny on the embedded espeak-ng corpus, K=32" in table
+    assert "delta=1e-05; 6 runs, 30 min of run time in all." in table
+
+
+def test_missing_baseline_and_variant(root):
+    results = method_table.load_results(root)
+    del results[("fedavg", "unfrozen")]
+    del results[("flat", "frozen")]
+    table = method_table.format_method_table(results)
+    flat = _row(table, "Flat")
+    assert flat[1:3] == ["-", "-"]  # no frozen run
+    assert flat[4] == "-"  # no unfrozen FedAvg to take the gap against
+    assert _row(table, "α-Split")[2] == "+0.0600"
+
+
+def test_epsilon_differs_between_variants(root):
+    results = method_table.load_results(root)
+    results[("flat", "unfrozen")]["privacy"]["epsilon"] = 500.0
+    results[("flat", "unfrozen")]["stopped_early"] = True
+    row = _row(method_table.format_method_table(results), "Flat")
+    assert row[5] == "614.1 / 500"
+    assert row[3].endswith("‡")
+
+
+def test_insert_creates_then_replaces_end_marker():
+    text = "# Results\n\n## Results on the embedded corpus\n\n<!-- METHOD_TABLE -->\n\nAfter.\n"
+    once = method_table.insert_table(text, "| a |\n")
+    assert once == (
+        "# Results\n\n## Results on the embedded corpus\n\n<!-- METHOD_TABLE -->\n| a |\n"
+        "<!-- /METHOD_TABLE -->\n\nAfter.\n"
+    )
+    twice = method_table.insert_table(once, "| b |")
+    assert twice == once.replace("| a |", "| b |")
+    assert method_table.insert_table(twice, "| b |") == twice  # idempotent
+
+
+def test_insert_errors():
+    with pytest.raises(ValueError, match="no <!-- METHOD_TABLE --> marker"):
+        method_table.insert_table("nothing here", "| a |")
+    with pytest.raises(ValueError, match="comes before"):
+        method_table.insert_table("<!-- /METHOD_TABLE -->\n<!-- METHOD_TABLE -->", "| a |")
+
+
+def test_update_readme_names_the_file(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("no marker")
+    with pytest.raises(ValueError, match="README.md: no <!-- METHOD_TABLE -->"):
+        method_table.update_readme(readme, "| a |")
+
+
+def test_main_skips_existing_runs_and_writes_table(root, tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("Intro\n<!-- METHOD_TABLE -->\nTail\n")
+    table_file = tmp_path / "out" / "method_table.md"
+    code = method_table.main(
+        [
+            "--methods", "fedavg,flat", "alpha_split",
+            "--output-root", str(root),
+            "--table-file", str(table_file),
+            "--readme", str(readme),
+            "--number_of_rounds", "3",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 6 and "$ " not in out  # nothing was run
+    table = table_file.read_text()
+    assert table.startswith(method_table.HEADER)
+    text = readme.read_text()
+    assert text.startswith("Intro\n<!-- METHOD_TABLE -->\n" + method_table.HEADER)
+    assert text.endswith("<!-- /METHOD_TABLE -->\nTail\n")
+
+
+def test_main_leaves_readme_alone_for_real_data(root, tmp_path, capsys):
+    path = method_table.run_folder(root, "flat", "frozen") / "results.json"
+    results = json.loads(path.read_text())
+    results["data"]["embedded_corpus"] = False
+    path.write_text(json.dumps(results))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- METHOD_TABLE -->\n")
+    args = ["--table-only", "--output-root", str(root), "--readme", str(readme)]
+    args += ["--table-file", str(tmp_path / "t.md")]
+    assert method_table.main(args) == 0
+    assert readme.read_text() == "<!-- METHOD_TABLE -->\n"
+    assert "mixed corpora" in (tmp_path / "t.md").read_text()
+
+
+def test_dry_run_prints_commands(tmp_path, capsys):
+    args = ["--dry-run", "--methods", "pfl_dim", "--output-root", str(tmp_path / "r")]
+    assert method_table.main([*args, "--cache-folder", "c", "--number_of_rounds", "3"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "$ " in line]
+    assert len(lines) == 2
+    assert "pfl_dim.yaml --freeze_encoder True --output_folder" in lines[0]
+    assert lines[1].endswith(
+        f"--freeze_encoder False --output_folder {tmp_path}/r/pfl_dim/freeze_encoder_False "
+        "--cache_folder c --number_of_rounds 3"
+    )
+    assert lines[0].split(" $ ")[1].split()[:2] == [
+        sys.executable,
+        str(SCRIPT.parent / "train_fl.py"),
+    ]
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="--output_folder is set by method_table.py"):
+        method_table.train_command(
+            method="flat",
+            variant="frozen",
+            output_root="r",
+            cache_folder="c",
+            extra=["--output_folder", "x"],
+        )
+    with pytest.raises(SystemExit, match="unknown \\['flatt'\\]"):
+        method_table.main(["--methods", "flatt", "--dry-run"])
+    with pytest.raises(SystemExit, match="--variants"):
+        method_table.main(["--variants", "frozen,half", "--dry-run"])
+    bad = method_table.run_folder(tmp_path, "flat", "frozen")
+    bad.mkdir(parents=True)
+    (bad / "results.json").write_text('{"test": {}}')
+    with pytest.raises(ValueError, match="results.json: no test.WER"):
+        method_table.load_results(tmp_path)
