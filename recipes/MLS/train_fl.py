@@ -226,6 +226,7 @@ def seed_model_folder(hparams, manifests, data_folder):
         )
     key = {
         "steps": hparams["pretrain_steps"],
+        "ctc_steps": hparams["pretrain_ctc_steps"],
         "lr": hparams["pretrain_lr"],
         "batch_size": hparams["pretrain_batch_size"],
         "connector": hparams["connector"],
@@ -258,14 +259,20 @@ def seed_model_folder(hparams, manifests, data_folder):
     )
     batches = _Batches(loader)
     history = pretrain_seed_model(
-        model, batches, steps=hparams["pretrain_steps"], lr=hparams["pretrain_lr"]
+        model,
+        batches,
+        steps=hparams["pretrain_steps"],
+        lr=hparams["pretrain_lr"],
+        warmup_steps=min(30, hparams["pretrain_steps"] // 10),
+        ctc_warmup_steps=hparams["pretrain_ctc_steps"] if hparams["ctc_weight"] > 0 else 0,
+        log_every=50,
     )
     tmp = folder.with_name(folder.name + ".tmp")
     model.save_pretrained(tmp)
     os.replace(tmp, folder)
     seconds = time.time() - start
     logger.info("Seed model saved to %s (%.1f s)", folder, seconds)
-    return str(folder), {"pretraining": seconds, "pretrain_final_loss": history.get("final_loss")}
+    return str(folder), {"pretraining": seconds}
 
 
 class _Batches:
@@ -636,6 +643,7 @@ def main(argv):
     if debug:  # --debug: 2 rounds, 2 local epochs of 2 batches (SpeechBrain's debug mode)
         hparams["number_of_rounds"] = min(2, hparams["number_of_rounds"])
         hparams["pretrain_steps"] = min(4, hparams["pretrain_steps"])
+        hparams["pretrain_ctc_steps"] = min(2, hparams["pretrain_ctc_steps"])
         hparams["profile_rounds"] = min(1, hparams["profile_rounds"])
         hparams["bootstrap_resamples"] = min(200, hparams["bootstrap_resamples"])
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from speechbrain_fl.models.speech_llm import SpeechLLM
+from speechbrain_fl.models.speech_llm import SpeechLLM, SpeechLLMOutput
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ def pretrain_seed_model(
     max_grad_norm: float = 1.0,
     train_base: bool = True,
     log_every: int = 10,
+    ctc_warmup_steps: int = 0,
 ) -> dict[str, list[float] | float]:
     """Train ``model`` for ``steps`` optimiser steps, cycling over ``batches``.
 
@@ -55,6 +56,12 @@ def pretrain_seed_model(
         Train every weight (True) or only the currently trainable ones (False).
     log_every : int
         Log the running loss every this many steps.
+    ctc_warmup_steps : int
+        First steps train the encoder with the CTC auxiliary loss alone (needs a CTC head).
+        A decoder trained from scratch next to a random encoder learns to predict transcripts
+        from its own prefix (a language model) long before it learns to read the audio tokens;
+        giving the encoder a head start on the alignment first makes the audio tokens
+        informative when the decoder starts (a curriculum, as in CTC-attention hybrids).
 
     Returns
     -------
@@ -72,6 +79,8 @@ def pretrain_seed_model(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if ctc_warmup_steps > 0 and model.ctc_head is None:
+        raise ValueError("ctc_warmup_steps > 0 needs a model built with ctc_weight > 0")
     if train_base:
         if any("lora_" in name for name, _ in model.named_parameters()):
             raise ValueError(
@@ -95,8 +104,16 @@ def pretrain_seed_model(
                 wavs, wav_lens, transcripts = next(iterator)
             except StopIteration:
                 raise ValueError("pretrain_seed_model got an empty batch iterable") from None
-        out = model(wavs.to(device), wav_lens.to(device), list(transcripts))
         optimizer.zero_grad(set_to_none=True)
+        if step < ctc_warmup_steps:
+            frames, enc_lens, _, _ = model.encode(wavs.to(device), wav_lens.to(device))
+            targets = [t[:-1] for t in model.tokenize_transcripts(list(transcripts))]
+            ctc = model.ctc_loss(frames, enc_lens, targets)
+            out = SpeechLLMOutput(
+                loss=ctc, ce_loss=torch.full((), float("nan")), ctc_loss=ctc, num_tokens=0
+            )
+        else:
+            out = model(wavs.to(device), wav_lens.to(device), list(transcripts))
         out.loss.backward()
         if max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

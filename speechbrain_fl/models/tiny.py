@@ -22,11 +22,10 @@ keeps the LLM's embedding and output layers small.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -124,57 +123,6 @@ def build_char_tokenizer(alphabet: str = MLS_ALPHABET) -> PreTrainedTokenizerFas
     )
 
 
-def build_bpe_tokenizer(
-    texts: Iterable[str], *, vocab_size: int = 1000, alphabet: str = MLS_ALPHABET
-) -> PreTrainedTokenizerFast:
-    """A BPE ``PreTrainedTokenizerFast`` trained on ``texts`` (SentencePiece-style word marks).
-
-    For a tiny model a character tokenizer makes every transcript ~6x longer than its words, and
-    the decoder then spends most of its capacity on spelling. A BPE vocabulary learnt from the
-    *public* transcripts (never the clients') covers frequent words with one token and keeps
-    every character of ``alphabet`` as a fallback, so any transcript can still be encoded.
-
-    Arguments
-    ---------
-    texts : iterable of str
-        Training transcripts (public data only: the tokenizer is released with the model).
-    vocab_size : int
-        Target vocabulary size including the special tokens and the alphabet.
-    alphabet : str
-        Characters always in the vocabulary.
-
-    Returns
-    -------
-    PreTrainedTokenizerFast
-        ids 0-3 are ``<pad> <s> </s> <unk>``.
-
-    Example
-    -------
-    >>> tok = build_bpe_tokenizer(["the red house", "the red car"] * 10, vocab_size=120)
-    >>> ids = tok("the red house", add_special_tokens=False).input_ids
-    >>> tok.decode(ids), len(ids) < len("the red house")
-    ('the red house', True)
-    """
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()])
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=list(dict.fromkeys(alphabet.replace(" ", ""))),
-        show_progress=False,
-    )
-    backend.train_from_iterator(list(texts), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-    )
-
-
 def create_tiny_checkpoint(
     folder: str | Path, *, seed: int = 0, tokenizer: PreTrainedTokenizerFast | None = None
 ) -> Path:
@@ -191,7 +139,7 @@ def create_tiny_checkpoint(
     seed : int
         Seed of the random initialisation (the same seed gives the same weights).
     tokenizer : PreTrainedTokenizerFast, optional
-        The LLM's tokenizer (e.g. :func:`build_bpe_tokenizer`); default: character-level.
+        The LLM's tokenizer; default: :func:`build_char_tokenizer`.
 
     Returns
     -------
