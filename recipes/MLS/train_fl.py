@@ -271,7 +271,10 @@ def seed_model_folder(hparams, manifests, data_folder):
     model.save_pretrained(tmp)
     os.replace(tmp, folder)
     seconds = time.time() - start
-    logger.info("Seed model saved to %s (%.1f s)", folder, seconds)
+    tail = history["loss"][-20:]
+    logger.info(
+        "Seed model saved to %s (%.1f s, final loss %.3f)", folder, seconds, sum(tail) / len(tail)
+    )
     return str(folder), {"pretraining": seconds}
 
 
