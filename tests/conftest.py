@@ -32,3 +32,9 @@ def _drop_broken_lazy_modules():
 def drop_broken_lazy_modules():
     """Autouse wrapper of :func:`_drop_broken_lazy_modules`, before every test."""
     _drop_broken_lazy_modules()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Drop the stubs before Hypothesis's own collection hook scans ``sys.modules``."""
+    _drop_broken_lazy_modules()
