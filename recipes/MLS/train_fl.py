@@ -330,6 +330,9 @@ def build_client(context, *, settings):
 
     partition_id = int(context.node_config["partition-id"])
     client = settings["clients"][partition_id]
+    # One intra-op thread per CPU the engine gave this client: Ray runs several clients side by
+    # side, and torch's default (all cores each) oversubscribes the machine (2.5x slower here).
+    torch.set_num_threads(max(1, int(settings["cpus_per_client"])))
     brain = build_brain(settings)
     return ClientTask(
         brain=brain,
@@ -476,15 +479,17 @@ def profile_norms(settings, hparams, num_clients):
         if f"norm_{label}" in rounds
     }
     profile = {"per_matrix_mean_norm": per_matrix, "component_norm": component}
-    if "encoder" in per_matrix and per_matrix["encoder"] > 0:
+    if per_matrix.get("encoder", 0.0) > 0:
         ratio = per_matrix.get("llm", 0.0) / per_matrix["encoder"]
         profile["llm_encoder_ratio"] = ratio
-        if ratio >= 5.0:
-            alpha = select_alpha(component, clip=hparams["clip"] or 1.0)
-            profile["recommendation"] = {"method": "alpha_split", "alpha": alpha}
-        else:
-            profile["recommendation"] = {"method": "pfl_dim_ema", "alpha": None}
+        # alpha for an alpha-split run: encoder pool budget ~ kappa x observed encoder norm
+        profile["alpha"] = select_alpha(component, clip=hparams["clip"] or 1.0)
+        # The paper's regimes (Sec. V-B, VI): a pool split pays off for a large LLM/encoder
+        # per-matrix norm ratio (~12x); adaptive single-pool EMA suffices for mild ones (~1.7x).
+        method = "alpha_split" if ratio >= 5.0 else "pfl_dim_ema"
+        profile["recommendation"] = {"method": method, "alpha": profile["alpha"]}
     else:
+        profile["alpha"] = None
         profile["recommendation"] = {"method": "pfl_dim_ema", "alpha": None}
         profile["note"] = "encoder frozen: no encoder norms; a pool split has nothing to protect"
     profile["caveat"] = PROFILE_CAVEAT
@@ -497,10 +502,9 @@ def profile_norms(settings, hparams, num_clients):
     if "llm_encoder_ratio" in profile:
         print(f"  LLM/encoder per-matrix norm ratio: {profile['llm_encoder_ratio']:.2f}x")
     rec = profile["recommendation"]
-    print(
-        f"  recommended: {rec['method']}"
-        + (f" with alpha={rec['alpha']:.3f}" if rec["alpha"] else "")
-    )
+    print(f"  recommended method: {rec['method']}")
+    if profile["alpha"] is not None:
+        print(f"  alpha for alpha-split (encoder pool ~ 2x its norm): {profile['alpha']:.4f}")
     print(f"  {PROFILE_CAVEAT}\n")
     return profile
 
@@ -673,6 +677,7 @@ def main(argv):
         "data_folder": data_folder,
         "clients": clients,
         "valid_csv": os.path.join(manifests, "dev.csv"),
+        "cpus_per_client": hparams["num_cpus_per_client"],
         "model": {
             "folder": seed_folder,
             "cache_dir": hparams["cache_folder"],
@@ -701,7 +706,12 @@ def main(argv):
         profile = profile_norms(settings, hparams, num_clients)
         timings["profiling"] = time.time() - start
         if hparams["alpha"] == "auto":
-            hparams["alpha"] = profile["recommendation"]["alpha"] or 0.5
+            if profile["alpha"] is None:
+                raise ValueError(
+                    "alpha: auto needs encoder update norms, but the encoder is frozen; "
+                    "set alpha explicitly or use --freeze_encoder False"
+                )
+            hparams["alpha"] = profile["alpha"]
             logger.info("alpha: auto -> %.4f (from the norm profile)", hparams["alpha"])
 
     start = time.time()

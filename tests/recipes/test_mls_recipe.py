@@ -112,3 +112,20 @@ def test_unknown_preset_fails_before_work(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "whisper_tiny_llama" in proc.stderr and "whisper_tinyllama" in proc.stderr
+
+
+@pytest.mark.slow
+def test_recipe_norm_profile_and_auto_alpha(tmp_path, cache):
+    """--profile_rounds measures component norms without DP and alpha: auto uses them."""
+    out = tmp_path / "out"
+    proc = run_recipe("hparams/alpha_split.yaml", out, cache, "--profile_rounds", "1",
+                      "--alpha", "auto")  # fmt: skip
+    profile = json.loads((out / "profile" / "profile.json").read_text())
+    assert profile["per_matrix_mean_norm"]["encoder"] > 0
+    assert profile["recommendation"]["method"] in ("alpha_split", "pfl_dim_ema")
+    assert "outside the DP guarantee" in profile["caveat"]
+    results = json.loads((out / "results.json").read_text())
+    alpha = results["privacy"]["alpha"]
+    assert 0.0 < alpha < 1.0
+    assert results["privacy"]["sigma_eff"]["encoder"] == pytest.approx(0.1 / math.sqrt(alpha))
+    assert "Privacy caveat" in proc.stdout
