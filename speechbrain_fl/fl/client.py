@@ -162,7 +162,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     }
     if "clip-budgets" in config:
         budgets = json.loads(str(config["clip-budgets"]))
-        delta, stats = clip_update(delta, budgets, layout=task.layout)
+        delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
         metrics.update(
             _client_metrics(
                 stats,

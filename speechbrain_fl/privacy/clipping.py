@@ -87,19 +87,25 @@ def clip_update(
     budgets: float | Mapping[str, float],
     *,
     layout: Layout | None = None,
+    inplace: bool = False,
 ) -> tuple[dict[str, torch.Tensor], ClipStats]:
     """Clip ``update`` to ``budgets`` (paper Eq. 3 and its per-group form).
 
     Arguments
     ---------
     update : mapping of str to Tensor
-        Update keyed by *parameter* name. Never modified.
+        Update keyed by *parameter* name. Never modified unless ``inplace``.
     budgets : float or mapping of str to float
         A float is a flat clip over the concatenation; a mapping gives ``C_l`` per *group* name
         (``>= 0``; a zero budget zeroes the group).
     layout : Layout, optional
         Group membership and component labels; without it every key is its own group in
         component ``"all"``.
+    inplace : bool
+        Scale the clipped groups' tensors in place (``torch._foreach_mul_``) instead of
+        writing new ones. Only for callers that own ``update`` (the engine's client clipping its
+        own fresh delta, the server re-clipping a decoded reply): it saves allocating and
+        faulting in a second update-sized buffer, which dominates for large updates.
 
     Returns
     -------
@@ -203,9 +209,12 @@ def clip_update(
                 margin[dt] = 1.0 - 2.0 * torch.finfo(dt).eps
             scales.append(factors[member_index[i]] * margin[dt])
         with torch.no_grad():
-            outs = torch._foreach_mul([tensors[i] for i in sel], scales)
-        for i, out in zip(sel, outs, strict=True):
-            clipped[param_keys[i]] = out
+            if inplace:
+                torch._foreach_mul_([tensors[i] for i in sel], scales)
+            else:
+                outs = torch._foreach_mul([tensors[i] for i in sel], scales)
+                for i, out in zip(sel, outs, strict=True):
+                    clipped[param_keys[i]] = out
 
     comp_sq: dict[str, float] = {}
     comp_clip: dict[str, bool] = {}

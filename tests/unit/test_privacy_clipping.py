@@ -165,3 +165,19 @@ def test_pfl_dim_budgets_bound_the_joint_norm(lay_sizes, seed):
     upd = {g.name: torch.randn(g.numel, generator=gen) * 10 for g in lay}
     out, _ = clip_update(upd, compute_budgets(lay, method="pfl_dim", clip=1.0), layout=lay)
     assert math.sqrt(sum(norm64(t) ** 2 for t in out.values())) <= 1.0 + SLACK
+
+
+def test_inplace_clipping_matches_and_writes_the_callers_tensors():
+    """inplace=True gives bit-identical values to the copying path and scales the input itself."""
+    torch.manual_seed(0)
+    update = {"a": torch.randn(50) * 10, "b": torch.randn(3, 4) * 0.01, "c": torch.randn(7) * 5}
+    budgets = {"a": 1.0, "b": 1.0, "c": 0.5}
+    expected, stats = clip_update(update, budgets)
+    owned = {k: v.clone() for k, v in update.items()}
+    out, stats_inplace = clip_update(owned, budgets, inplace=True)
+    for k in update:
+        assert out[k] is owned[k]
+        assert torch.equal(out[k], expected[k])
+    assert stats_inplace.group_norms == stats.group_norms
+    assert not torch.equal(owned["a"], update["a"])  # clipped group written in place
+    assert torch.equal(owned["b"], update["b"])  # in-budget group untouched
