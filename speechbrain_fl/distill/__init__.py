@@ -1,1 +1,1 @@
-"""speechbrain_fl.distill."""
+"""DP teacher helpers and offline distillation (Private-Gender recipe): not implemented yet."""

@@ -1,1 +1,1 @@
-"""speechbrain_fl.metrics."""
+"""Metrics with speaker-level bootstrap confidence intervals (WER, classification)."""
