@@ -93,25 +93,25 @@ def test_recipe_frozen_encoder_from_recipe_dir(tmp_path, cache):
     assert json.loads((out / "results.json").read_text())["freeze_encoder"] is True
 
 
-def test_typo_in_override_fails_before_work(tmp_path):
+def run_expecting_failure(tmp_path, *args):
+    """Run the recipe with bad arguments; it must fail and create no output folder."""
+    out = tmp_path / "o"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "hparams/flat.yaml", "--numbr_of_rounds", "3",
-         "--output_folder", str(tmp_path / "o")],
+        [sys.executable, str(SCRIPT), "hparams/flat.yaml", *args, "--output_folder", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "numbr_of_rounds" in proc.stderr
-    assert not (tmp_path / "o").exists()
+    assert not out.exists()
+    return proc.stderr
+
+
+def test_typo_in_override_fails_before_work(tmp_path):
+    assert "numbr_of_rounds" in run_expecting_failure(tmp_path, "--numbr_of_rounds", "3")
 
 
 def test_unknown_preset_fails_before_work(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "hparams/flat.yaml", "--model", "whisper_tiny_llama",
-         "--output_folder", str(tmp_path / "o")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "whisper_tiny_llama" in proc.stderr and "whisper_tinyllama" in proc.stderr
+    stderr = run_expecting_failure(tmp_path, "--model", "whisper_tiny_llama")
+    assert "whisper_tiny_llama" in stderr and "whisper_tinyllama" in stderr
 
 
 @pytest.mark.slow
