@@ -35,21 +35,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from speechbrain_fl.run_outputs import COMPONENT_PREFIXES, ROUND_COLUMNS
+
 logger = logging.getLogger(__name__)
 
-# Column names of rounds.csv that are not metrics (docs/api.md, "Run outputs").
-ROUND_COLUMNS = (
-    "round",
-    "cohort_size",
-    "num_replied",
-    "num_failed",
-    "epsilon",
-    "joint_norm_mean",
-    "clip_rate",
-    "mean_clip_ratio",
-    "noise_std",
-)
-COMPONENT_PREFIXES = ("norm_", "clip_rate_", "budget_")
 # The paper's colors for its components (Fig. 2/3); other labels take the next tab10 colors.
 COMPONENT_COLORS = {"encoder": "tab:blue", "connector": "tab:orange", "llm": "tab:green"}
 _EXTRA_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")

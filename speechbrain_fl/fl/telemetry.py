@@ -21,23 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from speechbrain_fl.privacy import Layout
+from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, ROUND_COLUMNS
 
 from .strategy import RoundReport
 
 __all__ = ["RoundsTelemetry", "progress_line"]
 
-BASE_COLUMNS = [
-    "round",
-    "cohort_size",
-    "num_replied",
-    "num_failed",
-    "epsilon",
-    "joint_norm_mean",
-    "clip_rate",
-    "mean_clip_ratio",
-    "noise_std",
-    "train_loss",
-]
+BASE_COLUMNS = [*ROUND_COLUMNS, "train_loss"]
 GROUP_COLUMNS = ["round", "group", "component", "numel", "mean_norm", "budget", "clip_rate"]
 
 
@@ -91,7 +81,7 @@ class RoundsTelemetry:
         self.columns = (
             BASE_COLUMNS
             + [m for m in metric_names if m not in BASE_COLUMNS]
-            + [f"{k}_{c}" for c in comps for k in ("norm", "clip_rate", "budget")]
+            + [f"{k}_{c}" for c in comps for k in COMPONENT_COLUMN_KINDS]
         )
         for path, header in ((self.rounds_path, self.columns), (self.groups_path, GROUP_COLUMNS)):
             if not path.exists() or path.stat().st_size == 0:
