@@ -69,7 +69,8 @@ class SpeechLLMBrain(sb.Brain):
         batch = batch.to(self.device)
         wavs, wav_lens = batch.sig
         model = self.modules.model
-        out = model(wavs, wav_lens, list(batch.wrd))
+        languages = list(batch.language)
+        out = model(wavs, wav_lens, list(batch.wrd), languages)
         hyps = None
         if stage != sb.Stage.TRAIN:
             hyps = model.transcribe(
@@ -77,6 +78,7 @@ class SpeechLLMBrain(sb.Brain):
                 wav_lens,
                 max_new_tokens=self.hparams.max_new_tokens,
                 num_beams=self.hparams.num_beams,
+                languages=languages,
             )
         return out, hyps
 
@@ -123,7 +125,7 @@ class SpeechLLMBrain(sb.Brain):
 # Data
 # ##########################################################################################
 def make_dataset(csv_path, data_folder):
-    """A DynamicItemDataset yielding ``sig`` (16 kHz waveform) and ``wrd`` (transcript)."""
+    """A DynamicItemDataset yielding ``sig`` (16 kHz waveform), ``wrd`` and ``language``."""
     dataset = sb.dataio.dataset.DynamicItemDataset.from_csv(
         csv_path=csv_path, replacements={"data_root": data_folder}
     )
@@ -134,7 +136,7 @@ def make_dataset(csv_path, data_folder):
         return sb.dataio.dataio.read_audio(wav)
 
     sb.dataio.dataset.add_dynamic_item([dataset], audio_pipeline)
-    sb.dataio.dataset.set_output_keys([dataset], ["id", "sig", "wrd"])
+    sb.dataio.dataset.set_output_keys([dataset], ["id", "sig", "wrd", "language"])
     return dataset.filtered_sorted(sort_key="duration")
 
 
@@ -202,6 +204,7 @@ def model_options(hparams):
         "downsample_k": hparams["downsample_k"],
         "ctc_weight": hparams["ctc_weight"],
         "gradient_checkpointing": hparams["gradient_checkpointing"],
+        "prompt": hparams["prompt"],
     }
 
 
@@ -232,6 +235,7 @@ def seed_model_folder(hparams, manifests, data_folder):
         "connector": hparams["connector"],
         "downsample_k": hparams["downsample_k"],
         "ctc_weight": hparams["ctc_weight"],
+        "prompt": hparams["prompt"],
         "seed": hparams["seed"],
         "data": os.path.abspath(data_folder),
         "languages": list(hparams["languages"]),
@@ -251,6 +255,7 @@ def seed_model_folder(hparams, manifests, data_folder):
         connector=hparams["connector"],
         downsample_k=hparams["downsample_k"],
         ctc_weight=hparams["ctc_weight"],
+        prompt=hparams["prompt"],
         seed=hparams["seed"],
     )
     dataset = make_dataset(public_csv, data_folder)
@@ -279,7 +284,7 @@ def seed_model_folder(hparams, manifests, data_folder):
 
 
 class _Batches:
-    """Re-iterable ``(wavs, wav_lens, transcripts)`` view of a SpeechBrain dataloader."""
+    """Re-iterable ``(wavs, wav_lens, transcripts, languages)`` view of a SpeechBrain loader."""
 
     def __init__(self, loader):
         self.loader = loader
@@ -287,7 +292,7 @@ class _Batches:
     def __iter__(self):
         for batch in self.loader:
             wavs, lens = batch.sig
-            yield wavs, lens, list(batch.wrd)
+            yield wavs, lens, list(batch.wrd), list(batch.language)
 
 
 _WORKER_MODELS: dict = {}

@@ -45,7 +45,7 @@ from speechbrain_fl.models.speech_llm import (
     SpeechLLM,
     add_lora,
 )
-from speechbrain_fl.models.tiny import create_tiny_checkpoint
+from speechbrain_fl.models.tiny import create_tiny_checkpoint, tiny_config_tag
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def resolve_preset(preset: str | dict, *, cache_dir: str | Path | None = None) -
         )
     if spec.get("kind") == "tiny":
         root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "speechbrain_fl"
-        spec["tiny_folder"] = str(root / TINY_FOLDER)
+        spec["tiny_folder"] = str(root / f"{TINY_FOLDER}_{tiny_config_tag()}")
         return spec
     if spec.get("kind") not in ("whisper_llm", "voxtral"):
         raise ValueError(

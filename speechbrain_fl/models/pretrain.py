@@ -42,8 +42,8 @@ def pretrain_seed_model(
         Built with ``lora_r=0`` when ``train_base`` (adapters would be trained and then not
         saved by ``save_pretrained``).
     batches : Iterable
-        Re-iterable of ``(wavs, wav_lens, transcripts)`` (e.g. a DataLoader); restarted when
-        exhausted.
+        Re-iterable of ``(wavs, wav_lens, transcripts)`` or ``(wavs, wav_lens, transcripts,
+        languages)`` (the latter for a prompt naming ``{language}``); restarted when exhausted.
     steps : int
         Number of optimiser steps.
     lr, weight_decay : float
@@ -97,13 +97,15 @@ def pretrain_seed_model(
     iterator = iter(batches)
     for step in range(steps):
         try:
-            wavs, wav_lens, transcripts = next(iterator)
+            batch = next(iterator)
         except StopIteration:
             iterator = iter(batches)
             try:
-                wavs, wav_lens, transcripts = next(iterator)
+                batch = next(iterator)
             except StopIteration:
                 raise ValueError("pretrain_seed_model got an empty batch iterable") from None
+        wavs, wav_lens, transcripts = batch[:3]
+        languages = list(batch[3]) if len(batch) > 3 else None
         optimizer.zero_grad(set_to_none=True)
         if step < ctc_warmup_steps:
             frames, enc_lens, _, _ = model.encode(wavs.to(device), wav_lens.to(device))
@@ -113,7 +115,7 @@ def pretrain_seed_model(
                 loss=ctc, ce_loss=torch.full((), float("nan")), ctc_loss=ctc, num_tokens=0
             )
         else:
-            out = model(wavs.to(device), wav_lens.to(device), list(transcripts))
+            out = model(wavs.to(device), wav_lens.to(device), list(transcripts), languages)
         out.loss.backward()
         if max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)

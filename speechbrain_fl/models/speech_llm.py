@@ -146,7 +146,9 @@ class SpeechLLM(nn.Module):
     feature_extractor : transformers.WhisperFeatureExtractor
         Log-mel front end; its ``nb_max_frames`` must equal 2 * ``max_source_positions``.
     prompt : str
-        Task prompt placed after the audio tokens.
+        Task prompt placed after the audio tokens. It may name the utterance's language with a
+        ``{language}`` placeholder (e.g. ``"transcribe {language}:"``); the callers then pass
+        ``languages`` (one per utterance) to :meth:`forward` and :meth:`transcribe`.
     ctc_weight : float
         Weight of the CTC auxiliary loss; a ``ctc_head`` is created when > 0.
     max_new_tokens : int
@@ -187,11 +189,8 @@ class SpeechLLM(nn.Module):
                 f"encoder expects {expected} (2 * max_source_positions); set chunk_length to "
                 f"{expected * feature_extractor.hop_length / feature_extractor.sampling_rate} s"
             )
-        self.register_buffer(
-            "prompt_ids",
-            torch.tensor(tokenizer(prompt, add_special_tokens=False).input_ids, dtype=torch.long),
-            persistent=False,
-        )
+        self.prompt_has_language = "{language}" in prompt
+        self._prompt_ids: dict[str | None, list[int]] = {}
         self.ctc_head = None
         if self.ctc_weight > 0:
             # One extra class: the CTC blank is the last index.
@@ -276,24 +275,64 @@ class SpeechLLM(nn.Module):
         ids = self.tokenizer(list(transcripts), add_special_tokens=False).input_ids
         return [row + [self.eos_id] for row in ids]
 
+    def prompt_ids(self, language: str | None = None) -> list[int]:
+        """Token ids of the task prompt, with ``{language}`` filled in when it has one.
+
+        Raises
+        ------
+        ValueError
+            The prompt names ``{language}`` and ``language`` is None.
+
+        Example
+        -------
+        >>> import tempfile
+        >>> from speechbrain_fl.models.presets import build_speech_llm
+        >>> model = build_speech_llm("tiny", cache_dir=tempfile.mkdtemp(), prompt="in {language}")
+        >>> model.tokenizer.decode(model.prompt_ids("dutch"))
+        'in dutch'
+        """
+        key = language if self.prompt_has_language else None
+        if key is None and self.prompt_has_language:
+            raise ValueError(
+                f"the prompt {self.prompt!r} names the utterance's {{language}}: pass "
+                "languages=[...] (one per utterance) to forward/transcribe"
+            )
+        if key not in self._prompt_ids:
+            text = self.prompt.format(language=key) if key is not None else self.prompt
+            self._prompt_ids[key] = self.tokenizer(text, add_special_tokens=False).input_ids
+        return self._prompt_ids[key]
+
     def assemble(
         self,
         audio: torch.Tensor,
         audio_lens: torch.Tensor,
         targets: list[list[int]] | None = None,
+        languages: list[str] | None = None,
     ) -> LLMInputs:
-        """Build ``[pad | bos | audio_i | prompt | targets_i | pad]`` rows (see module docstring).
+        """Build ``[pad | bos | audio_i | prompt_i | targets_i | pad]`` rows (module docstring).
 
+        ``languages`` (one per row) fill the prompt's ``{language}`` placeholder, if it has one.
         Returns an :class:`LLMInputs` whose ``labels`` hold the target ids in the transcript
         region and -100 everywhere else (prefix, padding).
         """
         embed = self.llm.get_input_embeddings()
         device, dtype = embed.weight.device, embed.weight.dtype
+        if languages is not None and len(languages) != audio.shape[0]:
+            raise ValueError(f"{len(languages)} languages for a batch of {audio.shape[0]}")
         head = [self.bos_id] if self.bos_id is not None else []
         head_emb = embed(torch.tensor(head, dtype=torch.long, device=device))
-        prompt_emb = embed(self.prompt_ids.to(device))
+        prompts = [
+            self.prompt_ids(languages[i] if languages is not None else None)
+            for i in range(audio.shape[0])
+        ]
         prefixes = [
-            torch.cat([head_emb, audio[i, : int(n)].to(dtype), prompt_emb])
+            torch.cat(
+                [
+                    head_emb,
+                    audio[i, : int(n)].to(dtype),
+                    embed(torch.tensor(prompts[i], dtype=torch.long, device=device)),
+                ]
+            )
             for i, n in enumerate(audio_lens.tolist())
         ]
         prefix_len = max(p.shape[0] for p in prefixes)
@@ -317,12 +356,19 @@ class SpeechLLM(nn.Module):
 
     # ------------------------------------------------------------------ training and decoding
     def forward(
-        self, wavs: torch.Tensor, wav_lens: torch.Tensor, transcripts: list[str]
+        self,
+        wavs: torch.Tensor,
+        wav_lens: torch.Tensor,
+        transcripts: list[str],
+        languages: list[str] | None = None,
     ) -> SpeechLLMOutput:
-        """Loss = CE over transcript tokens (+ ``ctc_weight`` * CTC on the encoder output)."""
+        """Loss = CE over transcript tokens (+ ``ctc_weight`` * CTC on the encoder output).
+
+        ``languages``: one per utterance, needed when the prompt names ``{language}``.
+        """
         frames, enc_lens, audio, audio_lens = self.encode(wavs, wav_lens)
         targets = self.tokenize_transcripts(transcripts)
-        batch = self.assemble(audio, audio_lens, targets)
+        batch = self.assemble(audio, audio_lens, targets, languages)
         keep = batch.labels.shape[1] - batch.prefix_len + 1
         logits = self.llm(
             inputs_embeds=batch.inputs_embeds,
@@ -363,14 +409,16 @@ class SpeechLLM(nn.Module):
         *,
         max_new_tokens: int | None = None,
         num_beams: int = 1,
+        languages: list[str] | None = None,
     ) -> list[str]:
         """Decode transcripts (greedy by default, beam search with ``num_beams > 1``).
 
         Uses transformers' ``generate`` on ``inputs_embeds`` of the left-padded prefix; it
         returns only the new tokens, which are decoded with ``skip_special_tokens``.
+        ``languages``: one per utterance, needed when the prompt names ``{language}``.
         """
         _, _, audio, audio_lens = self.encode(wavs, wav_lens)
-        batch = self.assemble(audio, audio_lens)
+        batch = self.assemble(audio, audio_lens, languages=languages)
         tokens = self.llm.generate(
             inputs_embeds=batch.inputs_embeds,
             attention_mask=batch.attention_mask,
