@@ -238,6 +238,9 @@ def seed_model_folder(hparams, manifests, data_folder):
         "prompt": hparams["prompt"],
         "seed": hparams["seed"],
         "data": os.path.abspath(data_folder),
+        # The public split's content: a corpus regenerated with other options in the same
+        # folder must not reuse a seed model trained on the old one.
+        "public_manifest": hashlib.sha256(Path(public_csv).read_bytes()).hexdigest(),
         "languages": list(hparams["languages"]),
     }
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]

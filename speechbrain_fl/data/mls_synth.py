@@ -55,7 +55,7 @@ __all__ = ["generate_mls_corpus", "STAMP_FILE", "METAINFO_HEADER", "SPLITS"]
 logger = logging.getLogger(__name__)
 
 STAMP_FILE = ".mls_synth.json"
-_VERSION = 1
+_VERSION = 2
 SPLITS = ("train", "dev", "test", "public")
 _COLUMNS = ("SPEAKER", "GENDER", "PARTITION", "MINUTES", "BOOK ID", "TITLE", "CHAPTER")
 _WIDTHS = (10, 10, 10, 10, 10, 30, 30)
@@ -87,15 +87,19 @@ def _plan(options: dict) -> list[_Task]:
         n_dev, n_test = options["dev_speakers"], options["test_speakers"]
         n_pub = options["public_speakers_per_language"]
         voices = make_speakers(n_train + n_dev + n_test + n_pub, seed=seed * 1009 + li)
-        spk_ids = [1000 * (li + 1) + 10 * k + int(rng.integers(10)) for k in range(len(voices))]
+        spk_ids = [10000 * (li + 1) + 10 * k + int(rng.integers(10)) for k in range(len(voices))]
+        # Public speakers (and their sentences) come first, so the public split, and the seed
+        # model pretrained on it, stay the same when the federated split sizes change.
         roles = (
-            [("train", k) for k in range(n_train)]
-            + [("dev", n_train + k) for k in range(n_dev)]
-            + [("test", n_train + n_dev + k) for k in range(n_test)]
-            + [("public", n_train + n_dev + n_test + k) for k in range(n_pub)]
+            [("public", k) for k in range(n_pub)]
+            + [("train", n_pub + k) for k in range(n_train)]
+            + [("dev", n_pub + n_train + k) for k in range(n_dev)]
+            + [("test", n_pub + n_train + n_dev + k) for k in range(n_test)]
         )
         overlap = min(options["test_overlap_speakers"], n_train)
-        roles += [("test", int(k)) for k in sorted(rng.choice(n_train, overlap, replace=False))]
+        roles += [
+            ("test", n_pub + int(k)) for k in sorted(rng.choice(n_train, overlap, replace=False))
+        ]
         spread = options["speaker_size_spread"]
         per_split = {
             "train": options["utterances_per_speaker"],
@@ -112,7 +116,7 @@ def _plan(options: dict) -> list[_Task]:
         texts = make_sentences(language, sum(counts), seed=seed * 7 + li)
         cursor = 0
         for r, ((split, k), n) in enumerate(zip(roles, counts, strict=True)):
-            book = 10000 + 100 * li + r
+            book = 100000 + 1000 * li + r
             for i in range(n):
                 tasks.append(
                     _Task(language, split, spk_ids[k], book, i, voices[k], texts[cursor + i])
@@ -234,6 +238,13 @@ def generate_mls_corpus(
             raise ValueError(f"{key} must be >= 1, got {value}")
     if not 0 <= speaker_size_spread < 1:
         raise ValueError(f"speaker_size_spread must be in [0, 1), got {speaker_size_spread}")
+    total = speakers_per_language + dev_speakers + test_speakers + public_speakers_per_language
+    if total + test_overlap_speakers > 999:
+        # Speaker ids are 10000 * (language + 1) + 10 * k + r and books 100000 + 1000 * language
+        # + role: more than 999 speakers per language would collide with the next language.
+        raise ValueError(
+            f"at most 999 speakers per language (train + dev + test + public), got {total}"
+        )
     options = {
         "version": _VERSION,
         "languages": list(languages),
