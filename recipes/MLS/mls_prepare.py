@@ -110,6 +110,7 @@ def prepare_mls(
         "languages": sorted(language_dirs),
         "splits": list(splits),
         "max_utts_per_split": max_utts_per_split,
+        "transcripts": _transcripts_fingerprint(data_folder, language_dirs, splits),
     }
     os.makedirs(save_folder, exist_ok=True)
     if skip(save_folder, options):
@@ -167,6 +168,22 @@ def skip(save_folder: str, options: dict) -> bool:
     if saved.get("options") != options:
         return False
     return all(os.path.isfile(os.path.join(save_folder, f"{s}.csv")) for s in options["splits"])
+
+
+def _transcripts_fingerprint(data_folder: str, language_dirs: dict, splits) -> dict:
+    """Size and modification time of every ``transcripts.txt`` read (cheap ``os.stat`` calls).
+
+    Part of the saved options, so manifests made from an older copy of the corpus (e.g. the
+    embedded corpus regenerated with other options in the same folder) are not reused.
+    """
+    stamps = {}
+    for lang_dir in sorted(language_dirs.values()):
+        for split in splits:
+            path = os.path.join(data_folder, lang_dir, split, "transcripts.txt")
+            if os.path.isfile(path):
+                st = os.stat(path)
+                stamps[f"{lang_dir}/{split}"] = [st.st_size, st.st_mtime_ns]
+    return stamps
 
 
 def _find_languages(data_folder: str, languages, splits) -> dict[str, str]:

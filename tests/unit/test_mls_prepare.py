@@ -75,6 +75,20 @@ def test_skip_and_reprepare_on_changed_option(pristine, tmp_path):
     assert prepare_mls(pristine, save, skip_prep=True) == {}
 
 
+def test_reprepare_when_the_corpus_is_regenerated(corpus, tmp_path):
+    save = str(tmp_path / "prep")
+    before = {r["ID"] for r in _rows(prepare_mls(corpus, save)["csv"]["train"])}
+    # Same folder, other corpus options: the old manifests name files that no longer exist.
+    generate_mls_corpus(corpus, **{**TINY, "speakers_per_language": 3})
+    after = _rows(prepare_mls(corpus, save)["csv"]["train"])
+    assert {r["ID"] for r in after} != before
+    assert {r["spk_id"] for r in after} and len({r["spk_id"] for r in after}) == 6
+    data = DynamicItemDataset.from_csv(
+        os.path.join(save, "train.csv"), replacements={"data_root": corpus}
+    )
+    assert all(os.path.isfile(data.data[k]["wav"]) for k in data.data_ids)
+
+
 def test_missing_audio_extra_audio_and_corrupt_flac(corpus, tmp_path):
     train = os.path.join(corpus, "mls_english", "train")
     ids = sorted(line.split("\t")[0] for line in open(os.path.join(train, "transcripts.txt")))

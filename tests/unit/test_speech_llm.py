@@ -154,6 +154,30 @@ def test_loss_counts_transcript_tokens_only(cache):
     )
 
 
+def test_language_prompt_is_filled_per_utterance(cache):
+    model = build_speech_llm("tiny", cache_dir=cache, seed=2, prompt="say {language}").eval()
+    wavs, lens, text = _toy_batch()
+    languages = ["french", "german", "polish", "spanish"]
+    with torch.no_grad():
+        _, _, audio, audio_lens = model.encode(wavs, lens)
+        batch = model.assemble(audio, audio_lens, model.tokenize_transcripts(text), languages)
+        embed = model.llm.get_input_embeddings()
+        for i, language in enumerate(languages):
+            ids = model.tokenizer(f"say {language}", add_special_tokens=False).input_ids
+            # The prompt sits right before the transcript column, after that row's audio.
+            row = batch.inputs_embeds[i, batch.prefix_len - len(ids) : batch.prefix_len]
+            torch.testing.assert_close(row, embed(torch.tensor(ids)))
+        # Same audio, another language named: another loss (the prompt is conditioning).
+        french = model(wavs, lens, text, ["french"] * 4).ce_loss
+        polish = model(wavs, lens, text, ["polish"] * 4).ce_loss
+        assert not torch.equal(french, polish)
+        assert len(model.transcribe(wavs, lens, max_new_tokens=3, languages=languages)) == 4
+    with pytest.raises(ValueError, match="language"):
+        model(wavs, lens, text)
+    with pytest.raises(ValueError, match="3 languages for a batch of 4"):
+        model(wavs, lens, text, languages[:3])
+
+
 def test_loss_is_independent_of_batch_padding(cache):
     model = build_speech_llm("tiny", cache_dir=cache, seed=3).eval()
     wavs, lens, text = _toy_batch()
