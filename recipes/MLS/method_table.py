@@ -171,6 +171,8 @@ def _wer_cell(results: Mapping | None) -> str:
     round0 = _get(results, "test_round0", "WER")
     if round0 is not None and wer >= round0:
         cell += " †"
+    if _get(results, "test_change_from_round0", "significant"):
+        cell += " §"
     if results.get("stopped_early"):
         cell += " ‡"
     return cell
@@ -253,7 +255,9 @@ def _legend() -> str:
     return (
         "Gap = WER - FedAvg WER of the same encoder variant (as in the paper's Table III). "
         "95% CI: speaker-level percentile bootstrap. †: not below the round-0 WER (the "
-        "federated stage did not improve on the seed model). ‡: stopped early (max_epsilon or "
+        "federated stage did not improve on the seed model). §: the change from round 0 is "
+        "significant (paired speaker-level bootstrap 95% CI of final - round-0 WER excludes 0). "
+        "‡: stopped early (max_epsilon or "
         "too few clients). epsilon: (epsilon, delta)-DP of the whole run from Opacus's RDP "
         "accountant, one value when both variants agree, else frozen / unfrozen. sigma_eff: "
         "effective noise multiplier of the encoder pool and of the LLM + connector pool, from "

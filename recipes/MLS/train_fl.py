@@ -539,6 +539,33 @@ def evaluate_test(brain, test_set, test_rows, hparams):
     return report, details
 
 
+def federated_change(details, details_round0, hparams):
+    """Final minus round-0 test WER, with a paired speaker-level bootstrap 95% CI.
+
+    Both evaluations score the same utterances, so the paired bootstrap (one speaker draw per
+    replicate for both) tells whether the federated stage changed the WER beyond speaker
+    sampling noise, which two overlapping marginal CIs cannot.
+    """
+    from speechbrain_fl.metrics.bootstrap import align_utterances, paired_bootstrap_wer
+
+    final, round0 = align_utterances(details, details_round0, names=("final", "round 0"))
+    paired = paired_bootstrap_wer(
+        speakers=final.speakers,
+        num_edits_a=final.num_edits,
+        num_edits_b=round0.num_edits,
+        num_ref_tokens=final.num_ref_tokens,
+        num_ref_tokens_b=round0.num_ref_tokens,
+        num_resamples=hparams["bootstrap_resamples"],
+        seed=hparams["seed"],
+    )
+    return {
+        "difference": paired.difference,
+        "ci95": [paired.ci_low, paired.ci_high],
+        "p_value": paired.p_value,
+        "significant": paired.significant,
+    }
+
+
 def privacy_section(hparams, result):
     """Epsilon (Opacus RDP), effective noise and epsilon per pool of the finished run.
 
@@ -705,7 +732,7 @@ def main(argv):
     test_set = make_dataset(os.path.join(manifests, "test.csv"), data_folder)
     brain = build_brain(settings)
     start = time.time()
-    test_round0, _ = evaluate_test(brain, test_set, test_rows, hparams)
+    test_round0, details_round0 = evaluate_test(brain, test_set, test_rows, hparams)
     timings["evaluation"] = time.time() - start
     logger.info("Round-0 (seed model) test WER %.4f", test_round0["WER"])
 
@@ -734,6 +761,17 @@ def main(argv):
     test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
     timings["evaluation"] += time.time() - start
     write_utterance_details(os.path.join(hparams["output_folder"], "test_utterances.csv"), details)
+    write_utterance_details(
+        os.path.join(hparams["output_folder"], "test_utterances_round0.csv"), details_round0
+    )
+    change = federated_change(details, details_round0, hparams)
+    logger.info(
+        "Test WER change over the federated stage: %+.4f [%+.4f, %+.4f] (paired speaker "
+        "bootstrap, %s)",
+        change["difference"],
+        *change["ci95"],
+        "significant" if change["significant"] else "not significant",
+    )
 
     from speechbrain_fl.metrics.results_table import format_results_table
     from speechbrain_fl.plots import write_run_plots
@@ -746,6 +784,7 @@ def main(argv):
         "num_clients": num_clients,
         "test": test_report,
         "test_round0": {"WER": test_round0["WER"], "WER_ci95": test_round0["WER_ci95"]},
+        "test_change_from_round0": change,
         "privacy": privacy_section(hparams, result),
         "data": {
             "data_folder": data_folder,

@@ -20,6 +20,8 @@ append to ``rounds.csv``/``group_norms.csv`` and ``train_log.txt``; save the sta
 
 from __future__ import annotations
 
+import hashlib
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,6 +122,27 @@ def _load_into(brain: sb.Brain, params: dict[str, torch.Tensor]) -> None:
             own[name].copy_(value.to(own[name].device, own[name].dtype))
 
 
+def params_fingerprint(params: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors (names, dtypes, shapes and bytes, in name order).
+
+    Saved with the server state as the fingerprint of the run's starting point: a resume whose
+    starting model differs (e.g. a re-pretrained seed model) is refused instead of continuing
+    someone else's parameters.
+
+    Example
+    -------
+    >>> a = params_fingerprint({"w": torch.zeros(2)})
+    >>> a == params_fingerprint({"w": torch.zeros(2)}), a == params_fingerprint({"w": torch.ones(2)})
+    (True, False)
+    """
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        tensor = params[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     """Run (or resume) the federated rounds of ``task`` on ``grid``.
 
@@ -143,6 +166,7 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     params = {
         n: p.detach().cpu().clone() for n, p in trainable_parameters(task.brain.modules).items()
     }
+    initial_fingerprint = params_fingerprint(params)
     state = load_state(out / STATE_FILE)
     train_logger = FileTrainLogger(str(out / "train_log.txt"))
     if cfg.noise_seed is not None:
@@ -175,6 +199,13 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 f"{out / STATE_FILE} holds parameters {sorted(state['params'])[:5]}..., "
                 f"the model has {sorted(params)[:5]}...: different model; use another output_folder"
             )
+        saved_fingerprint = state.get("initial_fingerprint")
+        if saved_fingerprint is not None and saved_fingerprint != initial_fingerprint:
+            raise ValueError(
+                f"{out / STATE_FILE} belongs to a run that started from other initial parameters "
+                "(another seed model, corpus or model options); resuming it would mix two runs. "
+                "Delete it or use another output_folder."
+            )
         start = int(state["round"])
         params = state["params"]
         strategy.load_state_dict(state["strategy"])
@@ -193,6 +224,7 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 "strategy": strategy.state_dict(),
                 "rng": capture_rng_states(),
                 "metric_names": metric_names,
+                "initial_fingerprint": initial_fingerprint,
             },
             out / STATE_FILE,
         )

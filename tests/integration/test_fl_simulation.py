@@ -4,9 +4,12 @@ import csv
 import functools
 import math
 
+import pytest
 import torch
+from flwr.app import Context, RecordDict
 
 from speechbrain_fl.fl import FLTask, run_simulation
+from speechbrain_fl.fl.server import run_server
 from speechbrain_fl.fl.toy import toy_client, toy_server, toy_settings
 from speechbrain_fl.privacy import compute_epsilon
 
@@ -63,3 +66,12 @@ def test_dp_simulation_drops_faulty_client_and_stops_at_max_epsilon(tmp_path):
     assert groups[0] == "round,group,component,numel,mean_norm,budget,clip_rate"
     assert len(groups) == 1 + 2 * 2  # two rounds x two groups
     assert "round: 2" in (tmp_path / "train_log.txt").read_text()
+
+    # The saved state belongs to this starting model: another one (here other initial weights)
+    # must not resume it. The check runs before any round, so no grid is needed.
+    other = toy_server(
+        Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+        {**settings, "data_seed": settings["data_seed"] + 1},
+    )
+    with pytest.raises(ValueError, match="other initial parameters"):
+        run_server(None, other)

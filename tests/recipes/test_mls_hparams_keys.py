@@ -48,3 +48,30 @@ def test_method_files_only_override_base_keys(path):
 def test_model_presets_only_override_base_keys(path):
     values = yaml.safe_load(path.read_text()) or {}
     assert set(values) <= set(top_level_keys(HPARAMS / "base.yaml"))
+
+
+def _base_values() -> dict:
+    """base.yaml's plain values (HyperPyYAML tags such as !ref / !new read as None)."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    return yaml.load((HPARAMS / "base.yaml").read_text(), Loader=Loader)
+
+
+def test_readme_hyperparameter_table_matches_base_yaml():
+    """Every ``| `key`: ... | `value` |`` row of the recipe README names a base.yaml key, and
+    a single literal default in the value cell equals the key's value in base.yaml."""
+    readme = (HPARAMS.parent / "README.md").read_text()
+    base = _base_values()
+    rows = re.findall(r"^\| `([a-z_]+)`: [^\n]*\| `([^`]*)`([^|]*)\|$", readme, flags=re.M)
+    assert len(rows) > 40, "the README's hyperparameter table was not found"
+    wrong = []
+    for key, literal, rest in rows:
+        assert key in base, f"README documents {key!r}, which base.yaml does not have"
+        if base[key] is None and literal != "null" or ":" in literal:
+            continue  # a !ref/!new value or a mapping, described in words
+        if yaml.safe_load(literal) != base[key]:
+            wrong.append((key, literal, base[key]))
+    assert wrong == [], f"README default != base.yaml value (key, README, base.yaml): {wrong}"

@@ -38,6 +38,12 @@ def _results(method, variant, wer, epsilon, sig_enc, sig_llm):
         "num_clients": 32,
         "test": {"WER": wer, "WER_ci95": [wer - 0.02, wer + 0.03], "per_language": {}},
         "test_round0": {"WER": ROUND0, "WER_ci95": [0.41, 0.49]},
+        # The paired bootstrap of final - round 0 (only FedAvg unfrozen clears it here).
+        "test_change_from_round0": {
+            "difference": wer - ROUND0,
+            "ci95": [wer - ROUND0 - 0.05, wer - ROUND0 + 0.05],
+            "significant": (method, variant) == ("fedavg", "unfrozen"),
+        },
         "privacy": {
             "epsilon": epsilon,
             "delta": None if epsilon is None else 1e-5,
@@ -73,7 +79,7 @@ def test_table_cells(root):
     table = method_table.format_method_table(method_table.load_results(root))
     assert table.splitlines()[0] == method_table.HEADER
     assert _row(table, "FedAvg (no DP)") == [
-        "FedAvg (no DP)", "0.3000 [0.2800, 0.3300]", "—", "0.2800 [0.2600, 0.3100]", "—", "-",
+        "FedAvg (no DP)", "0.3000 [0.2800, 0.3300]", "—", "0.2800 [0.2600, 0.3100] §", "—", "-",
         "-",
     ]  # fmt: skip
     # Gap against the FedAvg run of the same variant; sigma_eff from the unfrozen run.
