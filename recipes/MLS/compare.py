@@ -30,8 +30,7 @@ from pathlib import Path
 
 from speechbrain_fl.metrics.bootstrap import (
     DEFAULT_NUM_RESAMPLES,
-    align_utterances,
-    paired_bootstrap_wer,
+    paired_bootstrap_details,
     read_utterance_details,
 )
 
@@ -70,22 +69,10 @@ def compare_runs(
     -------
     speechbrain_fl.metrics.bootstrap.PairedWERComparison
     """
-    a = read_utterance_details(details_path(run_a))
-    b = read_utterance_details(details_path(run_b))
-    a, b = align_utterances(a, b, names=(str(run_a), str(run_b)))
-    refs_b = None if (a.num_ref_tokens == b.num_ref_tokens).all() else b.num_ref_tokens
-    if refs_b is not None:
-        print(
-            "warning: reference word counts differ between the runs (different text "
-            "normalisation?); each WER uses its own counts",
-            file=sys.stderr,
-        )
-    return paired_bootstrap_wer(
-        speakers=a.speakers,
-        num_edits_a=a.num_edits,
-        num_edits_b=b.num_edits,
-        num_ref_tokens=a.num_ref_tokens,
-        num_ref_tokens_b=refs_b,
+    return paired_bootstrap_details(
+        read_utterance_details(details_path(run_a)),
+        read_utterance_details(details_path(run_b)),
+        names=(str(run_a), str(run_b)),
         num_resamples=num_resamples,
         confidence=confidence,
         seed=seed,

@@ -546,15 +546,12 @@ def federated_change(details, details_round0, hparams):
     replicate for both) tells whether the federated stage changed the WER beyond speaker
     sampling noise, which two overlapping marginal CIs cannot.
     """
-    from speechbrain_fl.metrics.bootstrap import align_utterances, paired_bootstrap_wer
+    from speechbrain_fl.metrics.bootstrap import paired_bootstrap_details
 
-    final, round0 = align_utterances(details, details_round0, names=("final", "round 0"))
-    paired = paired_bootstrap_wer(
-        speakers=final.speakers,
-        num_edits_a=final.num_edits,
-        num_edits_b=round0.num_edits,
-        num_ref_tokens=final.num_ref_tokens,
-        num_ref_tokens_b=round0.num_ref_tokens,
+    paired = paired_bootstrap_details(
+        details,
+        details_round0,
+        names=("final", "round 0"),
         num_resamples=hparams["bootstrap_resamples"],
         seed=hparams["seed"],
     )

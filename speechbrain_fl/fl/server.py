@@ -21,7 +21,6 @@ append to ``rounds.csv``/``group_norms.csv`` and ``train_log.txt``; save the sta
 from __future__ import annotations
 
 import hashlib
-
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field

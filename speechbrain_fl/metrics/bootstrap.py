@@ -740,6 +740,49 @@ def align_utterances(
     return a, b_aligned
 
 
+def paired_bootstrap_details(
+    a: UtteranceErrors,
+    b: UtteranceErrors,
+    *,
+    names: tuple[str, str] = ("A", "B"),
+    num_resamples: int = DEFAULT_NUM_RESAMPLES,
+    confidence: float = 0.95,
+    seed: int | None = 0,
+) -> PairedWERComparison:
+    """:func:`paired_bootstrap_wer` of ``WER_a - WER_b`` for two systems' per-utterance details.
+
+    The details are aligned first (:func:`align_utterances`: same utterances and speakers, else
+    ``ValueError``). When the reference word counts differ (another text normalisation), each
+    WER keeps its own counts and a warning says so.
+
+    Example
+    -------
+    >>> a = UtteranceErrors(("1", "2"), ("s", "t"), ("", ""), np.array([0, 1]), np.array([4, 4]))
+    >>> b = UtteranceErrors(("2", "1"), ("t", "s"), ("", ""), np.array([2, 2]), np.array([4, 4]))
+    >>> round(paired_bootstrap_details(a, b, num_resamples=200).difference, 3)
+    -0.375
+    """
+    a, b = align_utterances(a, b, names=names)
+    refs_b = None
+    if not np.array_equal(a.num_ref_tokens, b.num_ref_tokens):
+        logger.warning(
+            "reference word counts differ between %s and %s (different text normalisation?); "
+            "each WER uses its own counts",
+            *names,
+        )
+        refs_b = b.num_ref_tokens
+    return paired_bootstrap_wer(
+        speakers=a.speakers,
+        num_edits_a=a.num_edits,
+        num_edits_b=b.num_edits,
+        num_ref_tokens=a.num_ref_tokens,
+        num_ref_tokens_b=refs_b,
+        num_resamples=num_resamples,
+        confidence=confidence,
+        seed=seed,
+    )
+
+
 def write_utterance_details(
     path: str | Path, rows: UtteranceErrors | Iterable[Mapping[str, object]]
 ) -> Path:

@@ -68,7 +68,7 @@ def test_readme_hyperparameter_table_matches_base_yaml():
     rows = re.findall(r"^\| `([a-z_]+)`: [^\n]*\| `([^`]*)`([^|]*)\|$", readme, flags=re.M)
     assert len(rows) > 40, "the README's hyperparameter table was not found"
     wrong = []
-    for key, literal, rest in rows:
+    for key, literal, _rest in rows:
         assert key in base, f"README documents {key!r}, which base.yaml does not have"
         if base[key] is None and literal != "null" or ":" in literal:
             continue  # a !ref/!new value or a mapping, described in words
