@@ -189,8 +189,7 @@ class SpeechLLM(nn.Module):
                 f"encoder expects {expected} (2 * max_source_positions); set chunk_length to "
                 f"{expected * feature_extractor.hop_length / feature_extractor.sampling_rate} s"
             )
-        self.prompt_has_language = "{language}" in prompt
-        self._prompt_ids: dict[str | None, list[int]] = {}
+        self._prompt_ids: dict[tuple[str, str | None], list[int]] = {}
         self.ctc_head = None
         if self.ctc_weight > 0:
             # One extra class: the CTC blank is the last index.
@@ -291,14 +290,16 @@ class SpeechLLM(nn.Module):
         >>> model.tokenizer.decode(model.prompt_ids("dutch"))
         'in dutch'
         """
-        key = language if self.prompt_has_language else None
-        if key is None and self.prompt_has_language:
+        if "{language}" not in self.prompt:
+            language = None
+        elif language is None:
             raise ValueError(
                 f"the prompt {self.prompt!r} names the utterance's {{language}}: pass "
                 "languages=[...] (one per utterance) to forward/transcribe"
             )
+        key = (self.prompt, language)
         if key not in self._prompt_ids:
-            text = self.prompt.format(language=key) if key is not None else self.prompt
+            text = self.prompt if language is None else self.prompt.format(language=language)
             self._prompt_ids[key] = self.tokenizer(text, add_special_tokens=False).input_ids
         return self._prompt_ids[key]
 
