@@ -43,6 +43,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from speechbrain_fl.atomic import atomic_open
+
 RECIPE_DIR = Path(__file__).resolve().parent
 
 #: The hparams files, in the row order of the paper's Table III, with their display names.
@@ -349,9 +351,8 @@ def update_readme(readme: str | os.PathLike, table: str) -> None:
         updated = insert_table(text, table)
     except ValueError as err:
         raise ValueError(f"{readme}: {err}") from err
-    tmp = readme.with_name(readme.name + ".tmp")
-    tmp.write_text(updated, encoding="utf-8")
-    os.replace(tmp, readme)
+    with atomic_open(readme) as handle:
+        handle.write(updated)
 
 
 def _names(values: Sequence[str], *, choices: Sequence[str], option: str) -> list[str]:

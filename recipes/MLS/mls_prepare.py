@@ -34,6 +34,8 @@ import os
 
 import soundfile as sf
 
+from speechbrain_fl.atomic import atomic_open
+
 logger = logging.getLogger(__name__)
 
 MLS_LANGUAGES = (
@@ -277,12 +279,10 @@ def _prepare_split(data_folder, lang_dir, language, split, skipped, *, max_utts)
 
 
 def _write_csv(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="", encoding="utf-8") as handle:
+    with atomic_open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=HEADER)
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def write_train_statistics(rows: list[dict], save_folder: str) -> str:

@@ -48,6 +48,7 @@ sys.path.insert(0, str(RECIPE_DIR))
 
 from mls_prepare import prepare_mls  # noqa: E402
 
+from speechbrain_fl.atomic import atomic_folder, atomic_open  # noqa: E402
 from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def make_dataset(csv_path, data_folder):
 
 def prepare_data(hparams):
     """Corpus (embedded if ``data_folder`` is null), manifests and the client partition."""
-    from speechbrain_fl.fl.partition import partition_manifest
+    from speechbrain_fl.data.partition import partition_manifest
 
     timings = {}
     data_folder = hparams["data_folder"]
@@ -275,9 +276,8 @@ def seed_model_folder(hparams, manifests, data_folder):
         ctc_warmup_steps=hparams["pretrain_ctc_steps"] if hparams["ctc_weight"] > 0 else 0,
         log_every=50,
     )
-    tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    os.replace(tmp, folder)
+    with atomic_folder(folder) as tmp:
+        model.save_pretrained(tmp)
     seconds = time.time() - start
     tail = history["loss"][-20:]
     logger.info(
@@ -722,7 +722,7 @@ def main(argv):
         "%d clients, expected cohort %.1f", num_clients, hparams["sampling_rate"] * num_clients
     )
 
-    from speechbrain_fl.fl.partition import read_manifest
+    from speechbrain_fl.data.partition import read_manifest
     from speechbrain_fl.metrics.bootstrap import write_utterance_details
 
     test_rows = read_manifest(os.path.join(manifests, "test.csv"))
@@ -815,10 +815,8 @@ def main(argv):
 
 
 def _write_json_atomic(path, content):
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_open(path) as handle:
         json.dump(content, handle, indent=2, default=float)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import numpy as np
 import soundfile as sf
 from tqdm.auto import tqdm
 
+from speechbrain_fl.atomic import atomic_folder
 from speechbrain_fl.data.espeak import SAMPLE_RATE, synthesize
 from speechbrain_fl.data.sentences import LANGUAGE_CODES, LANGUAGES, make_sentences
 from speechbrain_fl.data.voices import SpeakerVoice, make_speakers
@@ -273,12 +274,9 @@ def generate_mls_corpus(
     start = time.perf_counter()
     tasks = _plan(options)
     logger.info("Generating the embedded MLS corpus (%d utterances) in %s", len(tasks), out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     durations = {}
-    try:
+    with atomic_folder(out_dir) as tmp:
+        tmp = str(tmp)
         for t in tqdm(tasks, desc="espeak-ng MLS corpus", unit="utt", disable=not progress):
             wav = synthesize(t.text, t.voice.voice(LANGUAGE_CODES[t.language]))
             folder = os.path.join(
@@ -296,11 +294,5 @@ def generate_mls_corpus(
         }
         with open(os.path.join(tmp, STAMP_FILE), "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=2)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("Embedded MLS corpus written in %.1f s.", result["seconds"])
     return {**result, "path": out_dir, "cached": False}

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from speechbrain_fl.atomic import atomic_open
 
 __all__ = ["atomic_torch_save", "capture_rng_states", "load_state", "restore_rng_states"]
 
@@ -39,19 +40,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     >>> torch.load(tmp / "s.pt")["round"]
     1
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb") as handle:
+        torch.save(obj, handle)
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from speechbrain_fl.atomic import atomic_open
 from speechbrain_fl.privacy import Layout
 from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, ROUND_COLUMNS
 
@@ -43,10 +44,8 @@ def _rewrite_upto(path: Path, last_round: int) -> None:
     if not rows:
         return
     kept = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) <= last_round]
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as handle:
+    with atomic_open(path, "w", newline="") as handle:
         csv.writer(handle).writerows(kept)
-    os.replace(tmp, path)
 
 
 class RoundsTelemetry:

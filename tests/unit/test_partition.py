@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speechbrain_fl.fl.partition import (
+from speechbrain_fl.data.partition import (
     iid_partition,
     load_partition,
     partition_manifest,
