@@ -14,7 +14,6 @@ are not covered by the DP guarantee; only the model and epsilon are.
 from __future__ import annotations
 
 import csv
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
