@@ -3,7 +3,7 @@
 
 Each ASR run of this recipe writes ``<output_folder>/test_utterances.csv`` with one row per
 scored test utterance and the columns ``ID,spk_id,language,num_edits,num_ref_tokens``
-(``speechbrain_fl.metrics.bootstrap.write_utterance_details``). This script pairs the two files by
+(``speechbrain_fl.metrics.write_utterance_details``). This script pairs the two files by
 utterance ID, draws the same test speakers with replacement for both runs B times (all
 utterances of a drawn speaker kept together; Bisani & Ney, 2004; the alpha-split paper,
 Section V) and prints WER_A, WER_B, their difference with its percentile confidence interval,
@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from speechbrain_fl.metrics.bootstrap import (
+from speechbrain_fl.metrics import (
     DEFAULT_NUM_RESAMPLES,
     paired_bootstrap_details,
     read_utterance_details,
@@ -67,7 +67,7 @@ def compare_runs(
 
     Returns
     -------
-    speechbrain_fl.metrics.bootstrap.PairedWERComparison
+    speechbrain_fl.metrics.PairedWERComparison
     """
     return paired_bootstrap_details(
         read_utterance_details(details_path(run_a)),

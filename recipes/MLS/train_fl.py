@@ -523,7 +523,7 @@ def profile_norms(settings, hparams, num_clients):
 # ##########################################################################################
 def evaluate_test(brain, test_set, test_rows, hparams):
     """WER on the test split with speaker-level bootstrap CIs, overall and per language."""
-    from speechbrain_fl.metrics.bootstrap import utterance_errors_from_stats, wer_report
+    from speechbrain_fl.metrics import utterance_errors_from_stats, wer_report
 
     brain.evaluate(
         test_set,
@@ -546,7 +546,7 @@ def federated_change(details, details_round0, hparams):
     replicate for both) tells whether the federated stage changed the WER beyond speaker
     sampling noise, which two overlapping marginal CIs cannot.
     """
-    from speechbrain_fl.metrics.bootstrap import paired_bootstrap_details
+    from speechbrain_fl.metrics import paired_bootstrap_details
 
     paired = paired_bootstrap_details(
         details,
@@ -723,7 +723,7 @@ def main(argv):
     )
 
     from speechbrain_fl.data.partition import read_manifest
-    from speechbrain_fl.metrics.bootstrap import write_utterance_details
+    from speechbrain_fl.metrics import write_utterance_details
 
     test_rows = read_manifest(os.path.join(manifests, "test.csv"))
     test_set = make_dataset(os.path.join(manifests, "test.csv"), data_folder)

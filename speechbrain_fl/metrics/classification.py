@@ -1,11 +1,10 @@
 """Classification metrics with speaker-level bootstrap intervals (for the SUPERB-style recipes).
 
 Accuracy, balanced accuracy and macro-F1 are all functions of the confusion matrix, and the
-confusion matrix of a bootstrap replicate is a sum of per-speaker confusion matrices, so the
-replicates are one matrix product ``N @ M`` (``N`` the (B x S) speaker count matrix of
-:func:`speechbrain_fl.metrics.bootstrap.resample_speaker_counts`, ``M`` the (S x K^2)
-per-speaker confusion counts) followed by vectorised metric formulas on (B, K, K). As for WER,
-speakers are the resampling unit (Bisani & Ney, 2004).
+confusion matrix of a bootstrap replicate is a sum of per-speaker confusion matrices: the
+(S x K^2) per-speaker confusion counts go to the speaker-level bootstrap of
+``speechbrain_fl/metrics/resampling.py`` and the metric formulas run vectorised on the (B, K, K)
+resampled matrices. As for WER, speakers are the resampling unit (Bisani & Ney, 2004).
 
 Classes are those present in the labels or predictions; in a replicate, a class with no true
 example is left out of balanced accuracy, and one absent from both labels and predictions is
@@ -18,11 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from speechbrain_fl.metrics.bootstrap import (
+from speechbrain_fl.metrics.resampling import (
     DEFAULT_NUM_RESAMPLES,
     check_bootstrap_settings,
-    percentile_interval,
-    resample_speaker_counts,
+    speaker_bootstrap,
 )
 
 METRICS = ("accuracy", "balanced_accuracy", "macro_f1")
@@ -111,13 +109,18 @@ def bootstrap_classification(
         .astype(np.float64)
     )
     total = per_speaker.sum(axis=0).reshape(k, k)
-    replicates = np.empty((num_resamples, k * k))
-    rng = np.random.default_rng(seed)
-    for start, counts in resample_speaker_counts(s, num_resamples=num_resamples, rng=rng):
-        replicates[start : start + counts.shape[0]] = counts @ per_speaker
-    replicates = replicates.reshape(num_resamples, k, k)
-    out = {}
-    for name in METRICS:
-        low, high = percentile_interval(_FUNCTIONS[name](replicates), confidence)
-        out[name] = {"value": float(_FUNCTIONS[name](total)), "ci": [low, high]}
-    return out
+
+    def metrics(sums: np.ndarray) -> np.ndarray:  # (k*k, n) resampled confusion counts
+        confusion = np.moveaxis(sums, 0, -1).reshape(*sums.shape[1:], k, k)
+        return np.stack([_FUNCTIONS[name](confusion) for name in METRICS])
+
+    boot = speaker_bootstrap(
+        per_speaker, metrics, num_resamples=num_resamples, confidence=confidence, seed=seed
+    )
+    return {
+        name: {
+            "value": float(_FUNCTIONS[name](total)),
+            "ci": [float(boot.ci_low[i]), float(boot.ci_high[i])],
+        }
+        for i, name in enumerate(METRICS)
+    }

@@ -1,7 +1,8 @@
 """Speaker-level bootstrap: checked against the exact bootstrap distribution of a small case.
 
 With S = 4 speakers there are 4^4 = 256 equally likely ordered resamples; enumerating them gives
-the exact distribution that the Monte-Carlo bootstrap approximates.
+the exact distribution that the Monte-Carlo bootstrap approximates. The scipy-based resampling
+is also checked against the count-matrix implementation it replaced (same seed, same intervals).
 """
 
 import itertools
@@ -11,20 +12,21 @@ import numpy as np
 import pytest
 from speechbrain.utils.metric_stats import ErrorRateStats
 
-from speechbrain_fl.metrics import bootstrap as bs
-from speechbrain_fl.metrics.bootstrap import (
+from speechbrain_fl.metrics import (
     UtteranceErrors,
     align_utterances,
     bootstrap_wer,
     paired_bootstrap_wer,
     read_utterance_details,
-    resample_speaker_counts,
+    resampling,
+    speaker_bootstrap,
     utterance_errors_from_stats,
     wer_by_language,
     wer_replicates,
     wer_report,
     write_utterance_details,
 )
+from speechbrain_fl.metrics.classification import bootstrap_classification
 
 # Four speakers with 1-3 utterances each; within-speaker utterances differ a lot, so an
 # utterance-level resampler would produce values outside the speaker-level support.
@@ -145,19 +147,84 @@ def test_paired_clear_difference_is_significant_and_identical_systems_are_not():
     assert same.to_dict()["significant"] is False
 
 
-def test_resample_counts_are_multinomial_rows_and_block_size_invariant(monkeypatch):
-    rng = np.random.default_rng(0)
-    blocks = list(resample_speaker_counts(5, num_resamples=3000, rng=rng))
-    counts = np.concatenate([c for _, c in blocks])
-    assert counts.shape == (3000, 5)
-    assert np.all(counts.sum(axis=1) == 5)
-    # Multinomial(5, 1/5): mean 1, variance 5 * 1/5 * 4/5 = 0.8 per speaker.
-    assert np.allclose(counts.mean(axis=0), 1.0, atol=0.06)
-    assert np.allclose(counts.var(axis=0), 0.8, atol=0.08)
+def _count_matrix_replicates(totals, statistic, *, num_resamples, seed):
+    """The replaced implementation: N @ T with N the (B x S) multinomial speaker counts."""
+    s = totals.shape[0]
+    draws = np.random.default_rng(seed).integers(0, s, size=(num_resamples, s))
+    counts = np.stack([np.bincount(row, minlength=s) for row in draws]).astype(float)
+    return statistic((counts @ totals).T)
+
+
+def test_scipy_resampling_reproduces_the_count_matrix_implementation():
+    """Same seed, same speaker draws: the replicates equal those of the count-matrix
+    implementation that scipy replaced, and the intervals are the numbers it gave on these
+    fixed data (WER, paired difference, classification)."""
+    e, r = _speaker_sums(EDITS_A), _speaker_sums(REFS)
+    totals = np.stack([e, r], axis=1).astype(float)
+    boot = speaker_bootstrap(totals, lambda t: t[0] / t[1], num_resamples=999, seed=4)
+    ref = _count_matrix_replicates(totals, lambda t: t[0] / t[1], num_resamples=999, seed=4)
+    assert np.array_equal(boot.replicates, ref)
+    assert (boot.ci_low, boot.ci_high) == tuple(np.quantile(ref, [0.025, 0.975]))
+
+    kwargs = dict(speakers=SPEAKERS, num_ref_tokens=REFS, num_resamples=10_000, seed=0)
+    ci = bootstrap_wer(num_edits=EDITS_A, **kwargs)
+    assert (ci.ci_low, ci.ci_high) == pytest.approx((0.16666666666666666, 0.37037037037037035))
+    paired = paired_bootstrap_wer(num_edits_a=EDITS_A, num_edits_b=EDITS_B, **kwargs)
+    assert (paired.ci_low, paired.ci_high, paired.p_value, paired.prob_a_better) == (
+        pytest.approx((-0.15, 0.0975609756097561, 0.744, 0.628))
+    )
+    rng = np.random.default_rng(1)
+    speakers = [f"spk{i % 150}" for i in range(1200)]
+    refs = rng.integers(3, 25, 1200)
+    edits_a, edits_b = rng.binomial(refs, 0.2), rng.binomial(refs, 0.22)
+    ci = bootstrap_wer(
+        speakers=speakers,
+        num_edits=edits_a,
+        num_ref_tokens=refs,
+        num_resamples=5000,
+        seed=11,
+        confidence=0.9,
+    )
+    assert (ci.ci_low, ci.ci_high) == pytest.approx((0.19433793846156106, 0.20431329070715235))
+    paired = paired_bootstrap_wer(
+        speakers=speakers,
+        num_edits_a=edits_a,
+        num_edits_b=edits_b,
+        num_ref_tokens=refs,
+        num_ref_tokens_b=refs + 1,
+        num_resamples=5000,
+        seed=12,
+    )
+    assert (paired.ci_low, paired.ci_high, paired.p_value, paired.prob_a_better) == (
+        pytest.approx((-0.008302488798645903, 0.007756990159651525, 0.9152, 0.5424))
+    )
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, 3, 60)
+    predictions = np.where(rng.random(60) < 0.7, labels, rng.integers(0, 3, 60))
+    cls = bootstrap_classification(
+        speakers=[f"s{i % 12}" for i in range(60)],
+        labels=labels,
+        predictions=predictions,
+        num_resamples=3000,
+        seed=4,
+    )
+    assert {k: v["ci"] for k, v in cls.items()} == {
+        "accuracy": pytest.approx([0.7166666666666667, 0.9]),
+        "balanced_accuracy": pytest.approx([0.6925771347675372, 0.8937945632798573]),
+        "macro_f1": pytest.approx([0.6983481952806666, 0.8951327373882073]),
+    }
+
+
+def test_batches_do_not_change_the_draws(monkeypatch):
     kwargs = dict(speakers=SPEAKERS, num_edits=EDITS_A, num_ref_tokens=REFS, num_resamples=999)
     whole = wer_replicates(**kwargs)
-    monkeypatch.setattr(bs, "_BLOCK_ENTRIES", 8)  # forces many small blocks
+    monkeypatch.setattr(resampling, "_BATCH_ENTRIES", 8)  # forces many small batches
     assert np.array_equal(whole, wer_replicates(**kwargs))
+
+
+def test_single_speaker_interval_is_the_point():
+    ci = bootstrap_wer(speakers=["a", "a"], num_edits=[1, 2], num_ref_tokens=[5, 5])
+    assert (ci.wer, ci.ci_low, ci.ci_high) == (0.3, 0.3, 0.3)
 
 
 def test_seed_determinism():

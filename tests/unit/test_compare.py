@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speechbrain_fl.metrics.bootstrap import UtteranceErrors, write_utterance_details
+from speechbrain_fl.metrics import UtteranceErrors, write_utterance_details
 
 SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "compare.py"
 
