@@ -16,11 +16,15 @@ from .accounting import (
 )
 from .budgets import (
     METHODS,
+    BudgetMethod,
     EMABudgetState,
     Pool,
     alpha_split_pools,
+    budget_methods,
     component_budgets,
     compute_budgets,
+    get_budget_method,
+    register_budget_method,
     select_alpha,
 )
 from .clipping import ClipStats, clip_update
@@ -32,6 +36,10 @@ __all__ = [
     "Layout",
     "layout_from_model",
     "METHODS",
+    "BudgetMethod",
+    "budget_methods",
+    "get_budget_method",
+    "register_budget_method",
     "Pool",
     "compute_budgets",
     "alpha_split_pools",

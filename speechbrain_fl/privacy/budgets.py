@@ -1,6 +1,8 @@
 """Per-group clip budgets (DESIGN.md contract 2; alpha-split paper, Section IV).
 
-Every allocator except ``flat`` returns one clip norm ``C_l`` per group with
+The methods live in a registry (:func:`register_budget_method`, :func:`get_budget_method`):
+:func:`compute_budgets` looks the method up by name, so a new allocator is one decorated
+function. Every built-in allocator except ``flat`` returns one clip norm ``C_l`` per group with
 ``sqrt(sum_l C_l^2) == C`` ("Euclidean-tight", paper Eq. 9), so the joint L2 sensitivity of a
 clipped update is at most ``C`` whatever the method (paper Eq. 14) and the server noise and the
 accountant need no change.
@@ -30,13 +32,18 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .layout import Layout, check_names
 
 __all__ = [
     "METHODS",
+    "BudgetMethod",
+    "register_budget_method",
+    "unregister_budget_method",
+    "get_budget_method",
+    "budget_methods",
     "Pool",
     "EMABudgetState",
     "alpha_split_pools",
@@ -47,7 +54,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("flat", "pfl_uniform", "pfl_dim", "pfl_dim_ema", "pfl_unif_ema", "alpha_split")
 ALLOCATORS = ("dim", "uniform", "ema")
 SIGNALS = ("noisy_aggregate", "raw_client_norms")
 
@@ -322,6 +328,172 @@ def _check_pools(layout: Layout, pools: Sequence[Pool]) -> None:
         )
 
 
+@dataclass(frozen=True)
+class BudgetMethod:
+    """A registered budget method: a name and the allocator that computes its budgets.
+
+    Arguments
+    ---------
+    name : str
+        The ``method`` value that selects it (YAML key ``method``, ``--method`` of the CLI).
+    allocate : callable
+        ``allocate(layout, *, clip, alpha, pools, ema_state)`` returning ``C`` (a float, for a
+        flat clip) or ``{group: C_l}``. ``clip`` is already checked; the other arguments are
+        ``None`` when not given.
+    pooled : bool
+        Whether the method takes ``alpha``/``pools`` (for every other method, passing them is
+        an error).
+    ema_base : str or None
+        ``"dim"`` or ``"uniform"`` for a method driven by an :class:`EMABudgetState` with that
+        base allocation; ``None`` otherwise.
+    """
+
+    name: str
+    allocate: Callable[..., float | dict[str, float]]
+    pooled: bool = False
+    ema_base: str | None = None
+
+
+_BUDGET_METHODS: dict[str, BudgetMethod] = {}
+
+
+def register_budget_method(
+    name: str, *, pooled: bool = False, ema_base: str | None = None, replace: bool = False
+) -> Callable:
+    """Decorator registering ``allocate`` as budget method ``name`` (see :class:`BudgetMethod`).
+
+    A new method must keep the Euclidean-tight contract of this module (``sqrt(sum C_l^2) <= C``)
+    so that the server noise and the accountant stay valid; ``tests/unit/test_privacy_budgets.py``
+    checks it for every registered method.
+
+    Example
+    -------
+    >>> @register_budget_method("first_group_only")
+    ... def _first(layout, *, clip, **_):
+    ...     return {g.name: (clip if i == 0 else 0.0) for i, g in enumerate(layout)}
+    >>> from speechbrain_fl.privacy.layout import Group
+    >>> compute_budgets(Layout([Group("a", "x", 1), Group("b", "y", 1)]), method="first_group_only",
+    ...                 clip=1.0)
+    {'a': 1.0, 'b': 0.0}
+    >>> _ = unregister_budget_method("first_group_only")
+    """
+    if ema_base is not None and ema_base not in ("dim", "uniform"):
+        raise ValueError(f"ema_base must be 'dim', 'uniform' or None, got {ema_base!r}")
+
+    def decorator(allocate: Callable) -> Callable:
+        if name in _BUDGET_METHODS and not replace:
+            raise ValueError(f"budget method {name!r} is already registered")
+        _BUDGET_METHODS[name] = BudgetMethod(name, allocate, pooled=pooled, ema_base=ema_base)
+        return allocate
+
+    return decorator
+
+
+def unregister_budget_method(name: str) -> BudgetMethod:
+    """Remove and return a registered method (for tests and plug-ins)."""
+    method = get_budget_method(name)
+    del _BUDGET_METHODS[name]
+    return method
+
+
+def get_budget_method(name: str) -> BudgetMethod:
+    """The registered method ``name``; ``ValueError`` listing the registered ones otherwise.
+
+    Example
+    -------
+    >>> get_budget_method("pfl_dim_ema").ema_base
+    'dim'
+    """
+    try:
+        return _BUDGET_METHODS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown budget method {name!r}; registered methods: {budget_methods()}"
+        ) from None
+
+
+def budget_methods() -> tuple[str, ...]:
+    """Names of the registered budget methods, in registration order."""
+    return tuple(_BUDGET_METHODS)
+
+
+@register_budget_method("flat")
+def _flat(layout: Layout, *, clip: float, **_) -> float:
+    """One clip ``C`` over the concatenated update (paper Eq. 3)."""
+    return clip
+
+
+@register_budget_method("pfl_uniform")
+def _pfl_uniform(layout: Layout, *, clip: float, **_) -> dict[str, float]:
+    """``C_l = C / sqrt(H)``."""
+    c = clip / math.sqrt(len(layout))
+    return {g.name: c for g in layout}
+
+
+@register_budget_method("pfl_dim")
+def _pfl_dim(layout: Layout, *, clip: float, **_) -> dict[str, float]:
+    """``C_l = C * sqrt(p_l / sum_k p_k)`` (Eq. 9)."""
+    total = layout.total_numel
+    return {g.name: clip * math.sqrt(g.numel / total) for g in layout}
+
+
+def _ema_allocator(name: str, base: str) -> Callable[..., dict[str, float]]:
+    def allocate(layout: Layout, *, clip: float, ema_state=None, **_) -> dict[str, float]:
+        """``C_l = C * sqrt(w_l)`` with the EMA weights (Eq. 10-11)."""
+        if ema_state is None:
+            ema_state = EMABudgetState(layout, base=base)
+        elif ema_state.base != base:
+            raise ValueError(
+                f"method {name!r} needs an EMA state with base {base!r}, got {ema_state.base!r}"
+            )
+        elif ema_state.layout.names != layout.names:
+            raise ValueError("the EMA state was built for a different layout")
+        return {k: clip * math.sqrt(w) for k, w in ema_state.weights().items()}
+
+    return allocate
+
+
+register_budget_method("pfl_dim_ema", ema_base="dim")(_ema_allocator("pfl_dim_ema", "dim"))
+register_budget_method("pfl_unif_ema", ema_base="uniform")(
+    _ema_allocator("pfl_unif_ema", "uniform")
+)
+
+
+@register_budget_method("alpha_split", pooled=True)
+def _alpha_split(
+    layout: Layout, *, clip: float, alpha=None, pools=None, ema_state=None
+) -> dict[str, float]:
+    """``C_l = C * sqrt(f_pool) * sqrt(w_l)`` over N pools (Eq. 12-13 for the default two)."""
+    if pools is None:
+        if alpha is None:
+            raise ValueError("alpha_split needs alpha (or explicit pools)")
+        pools = alpha_split_pools(alpha)
+    elif alpha is not None:
+        raise ValueError("give alpha_split either alpha or pools, not both")
+    pools = list(pools)
+    _check_pools(layout, pools)
+    budgets: dict[str, float] = {}
+    for pool in pools:
+        names = [g.name for g in layout if g.component in pool.components]
+        if not names:
+            msg = (
+                f"pool {pool.name!r} ({list(pool.components)}) has no group in the layout; its "
+                f"share {pool.fraction} of C^2 is unused and the budgets are not Euclidean-tight"
+            )
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=3)
+            continue
+        scale = clip * math.sqrt(pool.fraction)
+        for n, w in _pool_weights(layout, pool, names, ema_state).items():
+            budgets[n] = scale * math.sqrt(w)
+    return {n: budgets[n] for n in layout.names}
+
+
+#: The built-in methods (paper Section IV), in the paper's order; :func:`budget_methods` also
+#: lists any registered later.
+METHODS = budget_methods()
+
+
 def compute_budgets(
     layout: Layout,
     *,
@@ -331,14 +503,14 @@ def compute_budgets(
     pools: Sequence[Pool] | None = None,
     ema_state: EMABudgetState | None = None,
 ) -> float | dict[str, float]:
-    """Clip budget(s) for ``layout`` under ``method`` (paper Eq. 3, 9, 11-13).
+    """Clip budget(s) for ``layout`` under the registered ``method`` (paper Eq. 3, 9, 11-13).
 
     Arguments
     ---------
     layout : Layout
         The trainable groups.
     method : str
-        One of :data:`METHODS`.
+        A registered method (:func:`budget_methods`; built-in: :data:`METHODS`).
     clip : float
         Total L2 budget ``C`` > 0.
     alpha : float, optional
@@ -364,55 +536,13 @@ def compute_budgets(
     >>> round(b["e"], 6), round(b["l"], 6)
     (0.2, 0.979796)
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown budget method {method!r}; expected one of {METHODS}")
+    entry = get_budget_method(method)
     clip = check_clip(clip)
-    if method != "alpha_split" and (alpha is not None or pools is not None):
-        raise ValueError(f"alpha/pools only apply to method 'alpha_split', not {method!r}")
-    if method == "flat":
-        return clip
-    if method == "pfl_uniform":
-        c = clip / math.sqrt(len(layout))
-        return {g.name: c for g in layout}
-    if method == "pfl_dim":
-        total = layout.total_numel
-        return {g.name: clip * math.sqrt(g.numel / total) for g in layout}
-    if method in ("pfl_dim_ema", "pfl_unif_ema"):
-        base = "dim" if method == "pfl_dim_ema" else "uniform"
-        if ema_state is None:
-            ema_state = EMABudgetState(layout, base=base)
-        elif ema_state.base != base:
-            raise ValueError(
-                f"method {method!r} needs an EMA state with base {base!r}, got {ema_state.base!r}"
-            )
-        elif ema_state.layout.names != layout.names:
-            raise ValueError("the EMA state was built for a different layout")
-        return {k: clip * math.sqrt(w) for k, w in ema_state.weights().items()}
-
-    # alpha_split
-    if pools is None:
-        if alpha is None:
-            raise ValueError("alpha_split needs alpha (or explicit pools)")
-        pools = alpha_split_pools(alpha)
-    elif alpha is not None:
-        raise ValueError("give alpha_split either alpha or pools, not both")
-    pools = list(pools)
-    _check_pools(layout, pools)
-    budgets: dict[str, float] = {}
-    for pool in pools:
-        names = [g.name for g in layout if g.component in pool.components]
-        if not names:
-            msg = (
-                f"pool {pool.name!r} ({list(pool.components)}) has no group in the layout; its "
-                f"share {pool.fraction} of C^2 is unused and the budgets are not Euclidean-tight"
-            )
-            logger.warning(msg)
-            warnings.warn(msg, UserWarning, stacklevel=2)
-            continue
-        scale = clip * math.sqrt(pool.fraction)
-        for n, w in _pool_weights(layout, pool, names, ema_state).items():
-            budgets[n] = scale * math.sqrt(w)
-    return {n: budgets[n] for n in layout.names}
+    if not entry.pooled and (alpha is not None or pools is not None):
+        raise ValueError(
+            f"alpha/pools only apply to a pooled method such as 'alpha_split', not {method!r}"
+        )
+    return entry.allocate(layout, clip=clip, alpha=alpha, pools=pools, ema_state=ema_state)
 
 
 def component_budgets(layout: Layout, budgets: float | Mapping[str, float]) -> dict[str, float]:

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 
 from .accounting import ACCOUNTANTS, compute_epsilon, noise_multiplier_for_epsilon
-from .budgets import METHODS, component_budgets, compute_budgets
+from .budgets import budget_methods, component_budgets, compute_budgets
 from .layout import Layout
 
 __all__ = ["main", "build_parser"]
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("budgets", help="per-group clip budgets of a layout JSON file")
     b.add_argument("--layout", required=True, help="layout JSON: list of {name, component, numel}")
-    b.add_argument("--method", required=True, choices=METHODS)
+    b.add_argument("--method", required=True, choices=budget_methods())
     b.add_argument("--alpha", type=float, help="encoder budget fraction for alpha_split")
     b.add_argument("--clip", type=float, default=1.0, help="total L2 clip C (default 1.0)")
     b.add_argument(

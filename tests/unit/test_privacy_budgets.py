@@ -15,11 +15,15 @@ from speechbrain_fl.privacy import (
     Layout,
     Pool,
     alpha_split_pools,
+    budget_methods,
     component_budgets,
     compute_budgets,
     effective_noise_multipliers,
+    get_budget_method,
+    register_budget_method,
     select_alpha,
 )
+from speechbrain_fl.privacy.budgets import unregister_budget_method
 
 EXAMPLE = (
     Path(__file__).resolve().parents[2] / "docs" / "examples" / "whisper_tinyllama_layout.json"
@@ -311,3 +315,35 @@ def test_raw_client_norm_signal_warns():
         EMABudgetState(small_layout())  # default signal: silent
     with pytest.raises(ValueError, match="'e1'"):
         EMABudgetState(small_layout()).update({"e1": -1.0, "e2": 1, "l1": 1, "c1": 1})
+
+
+# ----------------------------------------------------------------------------- registry
+def test_registry_lists_the_builtin_methods_and_names_them_on_a_typo():
+    assert budget_methods()[: len(METHODS)] == METHODS == (
+        "flat", "pfl_uniform", "pfl_dim", "pfl_dim_ema", "pfl_unif_ema", "alpha_split"
+    )  # fmt: skip
+    assert get_budget_method("pfl_unif_ema").ema_base == "uniform"
+    assert get_budget_method("alpha_split").pooled and not get_budget_method("pfl_dim").pooled
+    with pytest.raises(ValueError, match=r"unknown budget method 'pfl-dim'.*'pfl_dim'"):
+        get_budget_method("pfl-dim")
+
+
+def test_registered_method_is_used_and_checked_like_the_builtins():
+    @register_budget_method("encoder_only_test")
+    def encoder_only(layout, *, clip, **_):
+        enc = [g.name for g in layout if g.component == "encoder"]
+        return {g.name: (clip / math.sqrt(len(enc)) if g.name in enc else 0.0) for g in layout}
+
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_budget_method("encoder_only_test")(encoder_only)
+        b = compute_budgets(small_layout(), method="encoder_only_test", clip=2.0)
+        assert b == pytest.approx({"e1": math.sqrt(2), "e2": math.sqrt(2), "l1": 0.0, "c1": 0.0})
+        assert tight(b) == pytest.approx(2.0)
+        with pytest.raises(ValueError, match="only apply"):
+            compute_budgets(small_layout(), method="encoder_only_test", clip=1.0, alpha=0.1)
+        with pytest.raises(ValueError, match="positive"):
+            compute_budgets(small_layout(), method="encoder_only_test", clip=0.0)
+    finally:
+        unregister_budget_method("encoder_only_test")
+    assert "encoder_only_test" not in budget_methods()
