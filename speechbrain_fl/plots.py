@@ -10,20 +10,24 @@ They reproduce the diagnostic figures of the alpha-split paper from one run's ow
   axis); second panel: mean update norm per component per round.
 - ``component_clipping.png`` (Fig. 5): per-component clip rate per round; per-component mean
   norm with its pool budget dashed.
-- ``effective_noise.png`` (Fig. 4): ``sigma_eff`` of the encoder pool ``sigma / sqrt(alpha)``
-  and of the LLM + connector pool ``sigma / sqrt(1 - alpha)`` (Section IV-A4) against alpha, the
-  flat-DP reference ``sigma`` and the run's alpha.
+- ``effective_noise.png`` (Fig. 4): ``sigma_eff = sigma / sqrt(f)`` of each alpha-split pool
+  (``speechbrain_fl/privacy/budgets.py``: the first pool has the fraction ``f = alpha``, the
+  second ``1 - alpha``; Section IV-A4) against alpha, the flat-DP reference ``sigma`` and the
+  run's alpha.
 - ``metrics_by_round.png``: every metric column (WER, valid_loss, ...) against the round.
 - ``epsilon_by_round.png``: the privacy spent so far.
 
-A figure whose inputs are absent (a FedAvg run has no budgets, noise or epsilon) is skipped
-with a log line, never an error. Figures are drawn on ``matplotlib.figure.Figure`` objects with
-the Agg canvas, without pyplot, so nothing global (backend, open figures) is touched.
+Component labels and their order come from the run's files (the layout's order), never from a
+fixed list: each label takes the next tab10 color in that order, which for a speech LLM
+(encoder, connector, llm) gives the paper's blue, orange and green. Reading the files is
+:mod:`speechbrain_fl.run_outputs`'s job; this module only draws. A figure whose inputs are absent
+(a FedAvg run has no budgets, noise or epsilon) is skipped with a log line, never an error.
+Figures are drawn on ``matplotlib.figure.Figure`` objects with the Agg canvas, without pyplot,
+so nothing global (backend, open figures) is touched.
 """
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 from collections.abc import Sequence
@@ -35,80 +39,41 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from speechbrain_fl.run_outputs import COMPONENT_PREFIXES, ROUND_COLUMNS
+from speechbrain_fl.privacy import (
+    Group,
+    Layout,
+    alpha_split_pools,
+    compute_budgets,
+    effective_noise_multipliers,
+)
+from speechbrain_fl.run_outputs import (
+    Table,
+    component_labels,
+    has_values,
+    mean_cohort_size,
+    metric_columns,
+    read_group_norms,
+    read_rounds,
+    series,
+)
 
 logger = logging.getLogger(__name__)
 
-# The paper's colors for its components (Fig. 2/3); other labels take the next tab10 colors.
-COMPONENT_COLORS = {"encoder": "tab:blue", "connector": "tab:orange", "llm": "tab:green"}
-_EXTRA_COLORS = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+_PALETTE = tuple(f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown",
+                                     "pink", "gray", "olive", "cyan"))  # fmt: skip
+_POOL_COLORS = ("tab:red", "tab:blue", "tab:green", "tab:purple")
 
 
-def component_color(label: str, labels: Sequence[str] = ()) -> str:
-    """Color of a component label: the paper's for encoder/connector/llm, tab10 otherwise."""
-    if label in COMPONENT_COLORS:
-        return COMPONENT_COLORS[label]
-    others = [lab for lab in labels if lab not in COMPONENT_COLORS] or [label]
-    position = others.index(label) if label in others else len(others)
-    return _EXTRA_COLORS[position % len(_EXTRA_COLORS)]
-
-
-def read_table(path: str | Path, *, text_columns: Sequence[str] = ()) -> dict[str, np.ndarray]:
-    """Read a run CSV into columns: floats (empty cell = NaN) except ``text_columns`` (str).
-
-    Raises ``ValueError`` naming the file, column and row of a non-numeric cell.
+def component_color(label: str, labels: Sequence[str]) -> str:
+    """Color of component ``label``: the tab10 color at its position in ``labels`` (layout order).
 
     Example
     -------
-    >>> import tempfile, os
-    >>> p = os.path.join(tempfile.mkdtemp(), "r.csv")
-    >>> _ = open(p, "w").write("round,WER\\n0,\\n1,0.5\\n")
-    >>> read_table(p)["WER"].tolist()
-    [nan, 0.5]
+    >>> [component_color(c, ["encoder", "connector", "llm"]) for c in ("encoder", "llm")]
+    ['tab:blue', 'tab:green']
     """
-    path = Path(path)
-    with path.open(newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        header = list(reader.fieldnames or [])
-        rows = list(reader)
-    table = {}
-    for column in header:
-        cells = [row.get(column) or "" for row in rows]
-        if column in text_columns:
-            table[column] = np.array(cells, dtype=str)
-            continue
-        values = np.full(len(cells), np.nan)
-        for i, cell in enumerate(cells):
-            if cell.strip():
-                try:
-                    values[i] = float(cell)
-                except ValueError as err:
-                    raise ValueError(
-                        f"{path}: column {column!r}, data row {i + 1}: {cell!r} is not a number"
-                    ) from err
-        table[column] = values
-    return table
-
-
-def _finite(table: dict[str, np.ndarray], column: str) -> bool:
-    return column in table and bool(np.isfinite(table[column]).any())
-
-
-def _components(table: dict[str, np.ndarray], prefix: str) -> list[str]:
-    """Component labels L with a non-empty ``<prefix><L>`` column."""
-    labels = []
-    for column in table:
-        if not column.startswith(prefix) or not _finite(table, column):
-            continue
-        labels.append(column[len(prefix) :])
-    return labels
-
-
-def _series(table, column):
-    """(rounds, values) with the NaN cells of ``column`` dropped."""
-    rounds, values = table["round"], table[column]
-    keep = np.isfinite(values) & np.isfinite(rounds)
-    return rounds[keep], values[keep]
+    position = list(labels).index(label) if label in labels else len(labels)
+    return _PALETTE[position % len(_PALETTE)]
 
 
 def _save(fig: Figure, path: Path, *, integer_x: bool = True) -> Path:
@@ -136,30 +101,41 @@ def noise_floor(*, noise_multiplier: float, clip: float, expected_cohort_size: f
 def effective_noise_curve(
     noise_multiplier: float, alphas: Sequence[float] | np.ndarray
 ) -> dict[str, np.ndarray]:
-    """Per-pool effective noise multipliers of alpha-split (Section IV-A4).
+    """Effective noise multiplier of each alpha-split pool against alpha (Section IV-A4).
 
-    The encoder pool is clipped to ``C sqrt(alpha)`` and the LLM + connector pool to
-    ``C sqrt(1 - alpha)`` while the noise is calibrated to ``C``, so
-    ``sigma_eff_enc = sigma / sqrt(alpha)`` and ``sigma_eff_llm = sigma / sqrt(1 - alpha)``.
+    The pools are those of :func:`speechbrain_fl.privacy.alpha_split_pools`; the budgets come
+    from :func:`~speechbrain_fl.privacy.compute_budgets` and ``sigma_eff = sigma * C / C_pool``
+    from :func:`~speechbrain_fl.privacy.effective_noise_multipliers` (a layout of one group per
+    pool), so this figure repeats neither formula. For the paper's two pools this is
+    ``sigma / sqrt(alpha)`` (encoder) and ``sigma / sqrt(1 - alpha)`` (LLM + connector).
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``"alpha"`` and one curve per pool name.
 
     Example
     -------
     >>> c = effective_noise_curve(0.1, [0.05])
-    >>> round(float(c["encoder"][0]), 3), round(float(c["llm"][0]), 3)
-    (0.447, 0.103)
+    >>> {k: round(float(v[0]), 3) for k, v in c.items()}
+    {'alpha': 0.05, 'encoder': 0.447, 'llm': 0.103}
     """
     alphas = np.asarray(alphas, dtype=np.float64)
-    if np.any((alphas <= 0) | (alphas >= 1)):
-        raise ValueError("alpha must lie strictly between 0 and 1")
-    return {
-        "alpha": alphas,
-        "encoder": noise_multiplier / np.sqrt(alphas),
-        "llm": noise_multiplier / np.sqrt(1.0 - alphas),
-    }
+    curve = {"alpha": alphas}
+    for i, alpha in enumerate(alphas.tolist()):
+        pools = alpha_split_pools(alpha)
+        layout = Layout([Group(p.name, p.components[0], 1) for p in pools])
+        budgets = compute_budgets(layout, method="alpha_split", clip=1.0, pools=pools)
+        sigma_eff = effective_noise_multipliers(
+            layout, budgets, clip=1.0, noise_multiplier=noise_multiplier
+        )
+        for pool in pools:
+            curve.setdefault(pool.name, np.empty(alphas.size))[i] = sigma_eff[pool.components[0]]
+    return curve
 
 
 def plot_group_norms(
-    group_norms: dict[str, np.ndarray],
+    group_norms: Table,
     path: Path,
     *,
     floor: float | None = None,
@@ -189,13 +165,14 @@ def plot_group_norms(
             component_of[name] = str(components[groups == name][0])
             means.append(float(values.mean()))
     order = np.argsort(means)[::-1]
-    labels = list(dict.fromkeys(component_of[names[i]] for i in order))
+    layout_order = list(dict.fromkeys(component_of.values()))  # colors: the layout's order
+    labels = list(dict.fromkeys(component_of[names[i]] for i in order))  # legend: by norm
     fig = Figure(figsize=(max(6.0, min(16.0, 0.12 * len(names) + 4)), 4))
     ax = fig.add_subplot()
     heights = np.maximum(np.array(means)[order], np.finfo(float).tiny)
-    colors = [component_color(component_of[names[i]], labels) for i in order]
+    colors = [component_color(component_of[names[i]], layout_order) for i in order]
     ax.bar(np.arange(len(order)), heights, color=colors, width=0.85)
-    handles = [Patch(color=component_color(label, labels), label=label) for label in labels]
+    handles = [Patch(color=component_color(lab, layout_order), label=lab) for lab in labels]
     if floor is not None and floor > 0:
         ax.axhspan(min(heights.min(), floor) / 2, floor, color="pink", alpha=0.5, zorder=0)
         handles.append(
@@ -209,15 +186,13 @@ def plot_group_norms(
     return _save(fig, path)
 
 
-def plot_clipping_dynamics(
-    rounds: dict[str, np.ndarray], path: Path, *, clip: float | None = None
-) -> Path:
+def plot_clipping_dynamics(rounds: Table, path: Path, *, clip: float | None = None) -> Path:
     """Fig. 3: mean joint norm, clip rate and mean clip ratio per round; component norms below."""
-    components = _components(rounds, "norm_")
+    components = component_labels(rounds, "norm")
     fig = Figure(figsize=(7, 6 if components else 4))
     axes = fig.subplots(2 if components else 1, 1, sharex=True, squeeze=False)[:, 0]
     ax = axes[0]
-    ax.plot(*_series(rounds, "joint_norm_mean"), "k--o", ms=3, label="mean joint norm")
+    ax.plot(*series(rounds, "joint_norm_mean"), "k--o", ms=3, label="mean joint norm")
     if clip:
         ax.axhline(clip, color="grey", ls=":", label=f"C = {clip:g}")
     ax.set_ylabel("mean joint update norm")
@@ -228,12 +203,12 @@ def plot_clipping_dynamics(
             ("clip_rate", "tab:red", "clip rate"),
             ("mean_clip_ratio", "tab:purple", "mean clip ratio r̄"),
         )
-        if _finite(rounds, c)
+        if has_values(rounds, c)
     ]
     if rates:
         right = ax.twinx()
         for column, color, name in rates:
-            right.plot(*_series(rounds, column), "-o", color=color, ms=3, label=name)
+            right.plot(*series(rounds, column), "-o", color=color, ms=3, label=name)
         right.set_ylim(-0.02, 1.05)
         right.set_ylabel("fraction")
         more_handles, more_names = right.get_legend_handles_labels()
@@ -244,7 +219,7 @@ def plot_clipping_dynamics(
         low = axes[1]
         for label in components:
             low.plot(
-                *_series(rounds, f"norm_{label}"),
+                *series(rounds, f"norm_{label}"),
                 "-o",
                 ms=3,
                 color=component_color(label, components),
@@ -257,26 +232,26 @@ def plot_clipping_dynamics(
     return _save(fig, path)
 
 
-def plot_component_clipping(rounds: dict[str, np.ndarray], path: Path) -> Path:
+def plot_component_clipping(rounds: Table, path: Path) -> Path:
     """Fig. 5: per-component clip rate (top); per-component norm with dashed budget (bottom)."""
     labels = list(
         dict.fromkeys(
-            _components(rounds, "clip_rate_")
-            + _components(rounds, "norm_")
-            + _components(rounds, "budget_")
+            component_labels(rounds, "clip_rate")
+            + component_labels(rounds, "norm")
+            + component_labels(rounds, "budget")
         )
     )
     fig = Figure(figsize=(7, 6))
     top, bottom = fig.subplots(2, 1, sharex=True)
     for label in labels:
         color = component_color(label, labels)
-        if _finite(rounds, f"clip_rate_{label}"):
-            top.plot(*_series(rounds, f"clip_rate_{label}"), "-o", ms=3, color=color, label=label)
-        if _finite(rounds, f"norm_{label}"):
-            bottom.plot(*_series(rounds, f"norm_{label}"), "-o", ms=3, color=color, label=label)
-        if _finite(rounds, f"budget_{label}"):
+        if has_values(rounds, f"clip_rate_{label}"):
+            top.plot(*series(rounds, f"clip_rate_{label}"), "-o", ms=3, color=color, label=label)
+        if has_values(rounds, f"norm_{label}"):
+            bottom.plot(*series(rounds, f"norm_{label}"), "-o", ms=3, color=color, label=label)
+        if has_values(rounds, f"budget_{label}"):
             bottom.plot(
-                *_series(rounds, f"budget_{label}"),
+                *series(rounds, f"budget_{label}"),
                 "--",
                 color=color,
                 label=f"budget {label}",
@@ -294,40 +269,39 @@ def plot_component_clipping(rounds: dict[str, np.ndarray], path: Path) -> Path:
 
 
 def plot_effective_noise(path: Path, *, noise_multiplier: float, alpha: float | None) -> Path:
-    """Fig. 4: sigma_eff of the encoder and LLM pools against alpha, flat reference, run's alpha."""
+    """Fig. 4: sigma_eff of each alpha-split pool against alpha, flat reference, run's alpha."""
     curve = effective_noise_curve(noise_multiplier, np.linspace(0.01, 0.99, 197))
+    pools = alpha_split_pools(0.5)
+    fractions = ("α", "(1−α)")  # the fractions of alpha_split_pools' two pools, in order
     fig = Figure(figsize=(6, 4))
     ax = fig.add_subplot()
-    ax.plot(curve["alpha"], curve["encoder"], color="tab:red", label="encoder σ/√α")
-    ax.plot(curve["alpha"], curve["llm"], color="tab:blue", label="LLM + connector σ/√(1−α)")
+    for i, pool in enumerate(pools):
+        formula = f"σ/√{fractions[i]}" if i < len(fractions) else "σ/√f"
+        ax.plot(
+            curve["alpha"],
+            curve[pool.name],
+            color=_POOL_COLORS[i % len(_POOL_COLORS)],
+            label=f"{' + '.join(pool.components)} {formula}",
+        )
     ax.axhline(noise_multiplier, color="k", ls="--", label=f"flat DP σ = {noise_multiplier:g}")
     if alpha is not None and 0.0 < alpha < 1.0:
         point = effective_noise_curve(noise_multiplier, [alpha])
         ax.axvline(alpha, color="grey", ls=":", label=f"this run α = {alpha:g}")
-        ax.plot([alpha, alpha], [point["encoder"][0], point["llm"][0]], "ko", ms=4)
+        ax.plot([alpha] * len(pools), [point[p.name][0] for p in pools], "ko", ms=4)
     ax.set_yscale("log")
-    ax.set_xlabel("encoder budget fraction α")
+    ax.set_xlabel(f"{' + '.join(pools[0].components)} budget fraction α")
     ax.set_ylabel("effective noise multiplier σ_eff")
-    ax.set_title("Per-component effective noise (α-split)")
+    ax.set_title("Per-pool effective noise (α-split)")
     ax.legend(fontsize=8)
     return _save(fig, path, integer_x=False)
 
 
-def metric_columns(rounds: dict[str, np.ndarray]) -> list[str]:
-    """Columns of rounds.csv that hold metrics: neither fixed nor per-component, with data."""
-    return [
-        c
-        for c in rounds
-        if c not in ROUND_COLUMNS and not c.startswith(COMPONENT_PREFIXES) and _finite(rounds, c)
-    ]
-
-
-def plot_metrics(rounds: dict[str, np.ndarray], path: Path, columns: Sequence[str]) -> Path:
+def plot_metrics(rounds: Table, path: Path, columns: Sequence[str]) -> Path:
     """One panel per metric column against the round (round 0 = the starting model)."""
     fig = Figure(figsize=(7, 2.6 * len(columns) + 0.6))
     axes = fig.subplots(len(columns), 1, sharex=True, squeeze=False)[:, 0]
     for ax, column in zip(axes, columns, strict=True):
-        ax.plot(*_series(rounds, column), "-o", ms=3)
+        ax.plot(*series(rounds, column), "-o", ms=3)
         ax.set_ylabel(column)
         ax.grid(alpha=0.3)
     axes[0].set_title("Metrics by round")
@@ -335,11 +309,11 @@ def plot_metrics(rounds: dict[str, np.ndarray], path: Path, columns: Sequence[st
     return _save(fig, path)
 
 
-def plot_epsilon(rounds: dict[str, np.ndarray], path: Path) -> Path:
+def plot_epsilon(rounds: Table, path: Path) -> Path:
     """Privacy spent (epsilon at the run's delta) after each round."""
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot()
-    ax.plot(*_series(rounds, "epsilon"), "-o", ms=3, color="tab:red")
+    ax.plot(*series(rounds, "epsilon"), "-o", ms=3, color="tab:red")
     ax.set_xlabel("round")
     ax.set_ylabel("ε so far")
     ax.set_title("Privacy spent")
@@ -383,49 +357,37 @@ def write_run_plots(
     plots = folder / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    rounds = None
-    rounds_csv = folder / "rounds.csv"
-    if rounds_csv.is_file():
-        rounds = read_table(rounds_csv)
-        if "round" not in rounds:
-            raise ValueError(f"{rounds_csv}: no 'round' column; header is {list(rounds)}")
-    else:
-        _skip("round figures", f"{rounds_csv} not found")
+    rounds = read_rounds(folder)
+    if rounds is None:
+        _skip("round figures", f"{folder / 'rounds.csv'} not found")
+    elif expected_cohort_size is None:
+        expected_cohort_size = mean_cohort_size(rounds)
 
-    if expected_cohort_size is None and rounds is not None and "cohort_size" in rounds:
-        sizes = rounds["cohort_size"][(rounds["round"] >= 1) & np.isfinite(rounds["cohort_size"])]
-        expected_cohort_size = float(sizes.mean()) if sizes.size and sizes.mean() > 0 else None
-
-    group_csv = folder / "group_norms.csv"
-    if not group_csv.is_file():
-        _skip("group_norms.png", f"{group_csv} not found")
+    table = read_group_norms(folder)
+    if table is None:
+        _skip("group_norms.png", f"{folder / 'group_norms.csv'} not found")
+    elif not has_values(table, "mean_norm"):
+        _skip("group_norms.png", "no mean_norm values")
     else:
-        table = read_table(group_csv, text_columns=("group", "component"))
-        missing = [c for c in ("group", "component", "mean_norm") if c not in table]
-        if missing:
-            raise ValueError(f"{group_csv}: missing column(s) {missing}")
-        if not _finite(table, "mean_norm"):
-            _skip("group_norms.png", "no mean_norm values")
+        floor = None
+        if noise_multiplier and clip and expected_cohort_size:
+            floor = noise_floor(
+                noise_multiplier=noise_multiplier,
+                clip=clip,
+                expected_cohort_size=expected_cohort_size,
+            )
         else:
-            floor = None
-            if noise_multiplier and clip and expected_cohort_size:
-                floor = noise_floor(
-                    noise_multiplier=noise_multiplier,
-                    clip=clip,
-                    expected_cohort_size=expected_cohort_size,
-                )
-            else:
-                _skip("noise floor band", "needs noise_multiplier, clip and a cohort size")
-            written.append(plot_group_norms(table, plots / "group_norms.png", floor=floor))
+            _skip("noise floor band", "needs noise_multiplier, clip and a cohort size")
+        written.append(plot_group_norms(table, plots / "group_norms.png", floor=floor))
 
     if rounds is not None:
-        if _finite(rounds, "joint_norm_mean"):
+        if has_values(rounds, "joint_norm_mean"):
             written.append(
                 plot_clipping_dynamics(rounds, plots / "clipping_dynamics.png", clip=clip)
             )
         else:
             _skip("clipping_dynamics.png", "no joint_norm_mean values")
-        if _components(rounds, "clip_rate_") or _components(rounds, "budget_"):
+        if component_labels(rounds, "clip_rate") or component_labels(rounds, "budget"):
             written.append(plot_component_clipping(rounds, plots / "component_clipping.png"))
         else:
             _skip("component_clipping.png", "no clip_rate_<component>/budget_<component> values")
@@ -434,7 +396,7 @@ def write_run_plots(
             written.append(plot_metrics(rounds, plots / "metrics_by_round.png", metrics))
         else:
             _skip("metrics_by_round.png", "no metric columns with values")
-        if _finite(rounds, "epsilon"):
+        if has_values(rounds, "epsilon"):
             written.append(plot_epsilon(rounds, plots / "epsilon_by_round.png"))
         else:
             _skip("epsilon_by_round.png", "no epsilon values (run without DP)")

@@ -455,7 +455,7 @@ def profile_norms(settings, hparams, num_clients):
     The profiling rounds clip with a budget no update reaches (C = 1e6, sigma = 0), so the
     engine records the pre-clip norms without changing any update.
     """
-    from speechbrain_fl.plots import read_table
+    from speechbrain_fl.run_outputs import read_table
     from speechbrain_fl.privacy import select_alpha
 
     folder = os.path.join(hparams["output_folder"], "profile")
@@ -572,7 +572,7 @@ def privacy_section(hparams, result):
     budgets move between rounds, so the *largest* budget a pool had in any round (its smallest
     sigma_eff) is reported, a conservative figure.
     """
-    from speechbrain_fl.plots import read_table
+    from speechbrain_fl.run_outputs import read_table
     from speechbrain_fl.privacy import compute_epsilon
 
     section = {
@@ -770,7 +770,7 @@ def main(argv):
         "significant" if change["significant"] else "not significant",
     )
 
-    from speechbrain_fl.metrics.results_table import format_results_table
+    from speechbrain_fl.run_outputs import format_results_table
     from speechbrain_fl.plots import write_run_plots
 
     timings["total"] = time.time() - start_all

@@ -21,14 +21,13 @@ from typing import Any
 
 from speechbrain_fl.atomic import atomic_open
 from speechbrain_fl.privacy import Layout
-from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, ROUND_COLUMNS
+from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, GROUP_COLUMNS, ROUND_COLUMNS
 
 from .strategy import RoundReport
 
 __all__ = ["RoundsTelemetry", "progress_line"]
 
 BASE_COLUMNS = [*ROUND_COLUMNS, "train_loss"]
-GROUP_COLUMNS = ["round", "group", "component", "numel", "mean_norm", "budget", "clip_rate"]
 
 
 def _cell(value: Any) -> Any:

@@ -46,6 +46,7 @@ __all__ = [
     "budget_methods",
     "Pool",
     "EMABudgetState",
+    "ALPHA_SPLIT_POOLS",
     "alpha_split_pools",
     "compute_budgets",
     "component_budgets",
@@ -55,7 +56,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ALLOCATORS = ("dim", "uniform", "ema")
-SIGNALS = ("noisy_aggregate", "raw_client_norms")
+#: What the EMA budgets are adapted from; the same words as the YAML key ``ema_signal`` and
+#: ``FLConfig.ema_signal`` (``speechbrain_fl/fl/config.py``).
+SIGNALS = ("noisy", "raw")
 
 
 def check_clip(clip) -> float:
@@ -128,8 +131,14 @@ class Pool:
             )
 
 
+#: The paper's two alpha-split pools (Section IV-A1): name and component labels. The only
+#: place the pools are defined; the first gets the fraction alpha, the second 1 - alpha.
+ALPHA_SPLIT_POOLS = (("encoder", ("encoder",)), ("llm", ("llm", "connector")))
+
+
 def alpha_split_pools(alpha: float, *, allocator: str = "dim") -> list[Pool]:
-    """The paper's two pools: ``{encoder}`` with ``alpha``, ``{llm, connector}`` with ``1 - alpha``.
+    """The paper's two pools (:data:`ALPHA_SPLIT_POOLS`): ``{encoder}`` with ``alpha``,
+    ``{llm, connector}`` with ``1 - alpha``.
 
     Arguments
     ---------
@@ -148,9 +157,10 @@ def alpha_split_pools(alpha: float, *, allocator: str = "dim") -> list[Pool]:
     [('encoder', 0.25), ('llm', 0.75)]
     """
     alpha = check_alpha(alpha)
+    (first, first_components), (second, second_components) = ALPHA_SPLIT_POOLS
     return [
-        Pool("encoder", ("encoder",), alpha, allocator),
-        Pool("llm", ("llm", "connector"), 1.0 - alpha, allocator),
+        Pool(first, first_components, alpha, allocator),
+        Pool(second, second_components, 1.0 - alpha, allocator),
     ]
 
 
@@ -178,10 +188,10 @@ class EMABudgetState:
         ``w = (1 - floor) w^adapt + floor w^base``; 0 (the paper) lets a group whose signal is
         zero get a zero budget, which with the noisy-aggregate signal can keep it at zero.
     signal : str
-        What ``observed`` will be: ``"noisy_aggregate"`` (default: per-group norms of the
-        released noisy aggregate, e.g. :func:`~speechbrain_fl.privacy.noisy_norm_signal`;
-        post-processing, no extra privacy cost) or ``"raw_client_norms"`` (the paper's mean
-        raw client norms; *outside* the DP guarantee, warns).
+        What ``observed`` will be: ``"noisy"`` (default: per-group norms of the released noisy
+        aggregate, e.g. :func:`~speechbrain_fl.privacy.noisy_norm_signal`; post-processing, no
+        extra privacy cost) or ``"raw"`` (the paper's mean raw client norms; *outside* the DP
+        guarantee, warns).
 
     Example
     -------
@@ -202,7 +212,7 @@ class EMABudgetState:
         gamma: float = 0.75,
         warmup_rounds: int = 3,
         floor: float = 0.0,
-        signal: str = "noisy_aggregate",
+        signal: str = "noisy",
     ):
         if not 0.0 < beta <= 1.0:
             raise ValueError(f"beta must lie in (0, 1], got {beta!r}")
@@ -218,7 +228,7 @@ class EMABudgetState:
             raise ValueError(f"floor must lie in [0, 1), got {floor!r}")
         if signal not in SIGNALS:
             raise ValueError(f"unknown signal {signal!r}; expected one of {SIGNALS}")
-        if signal == "raw_client_norms":
+        if signal == "raw":
             msg = (
                 "EMA budgets adapted from raw client norms (the paper's variant) use private "
                 "statistics that are NOT covered by the DP guarantee; use the noisy-aggregate "
@@ -572,7 +582,7 @@ def select_alpha(
     *,
     clip: float,
     kappa: float = 2.0,
-    encoder_components: Sequence[str] = ("encoder",),
+    encoder_components: Sequence[str] = ALPHA_SPLIT_POOLS[0][1],
 ) -> float:
     """Choose alpha so the encoder pool budget is ``kappa`` times the observed encoder norm.
 
@@ -598,7 +608,7 @@ def select_alpha(
     kappa : float
         Target ratio of encoder pool budget to observed encoder norm (default 2).
     encoder_components : sequence of str
-        Labels forming the encoder pool.
+        Labels forming the encoder pool (default: the first pool of :data:`ALPHA_SPLIT_POOLS`).
 
     Returns
     -------

@@ -8,12 +8,13 @@ import pytest
 from matplotlib.image import imread
 
 from speechbrain_fl.plots import (
+    component_color,
     effective_noise_curve,
-    metric_columns,
     noise_floor,
-    read_table,
     write_run_plots,
 )
+from speechbrain_fl.privacy import alpha_split_pools
+from speechbrain_fl.run_outputs import component_labels, metric_columns, read_table
 
 COMPONENTS = ("encoder", "connector", "llm")
 BASE_COLUMNS = [
@@ -135,3 +136,36 @@ def test_effective_noise_curve_matches_paper():
     assert curve["encoder"][1] == pytest.approx(curve["llm"][1])
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         effective_noise_curve(0.1, [0.0])
+
+
+def test_component_labels_come_from_the_files_not_a_fixed_list(tmp_path):
+    """A SUPERB-like layout (layers and exits): every figure is drawn, colors follow file order."""
+    labels = ("layer1", "layer2", "exit1")
+    header = BASE_COLUMNS + [f"{p}{c}" for c in labels for p in ("norm_", "clip_rate_", "budget_")]
+    rows = [{"round": 0, "valid_loss": 3.0}]
+    for r in range(1, 4):
+        row = {"round": r, "cohort_size": 4, "joint_norm_mean": 1.0 / r, "epsilon": 0.3 * r,
+               "clip_rate": 0.5, "valid_loss": 3 - r * 0.5}  # fmt: skip
+        row |= {f"{p}{c}": 0.1 * (i + 1) / r for i, c in enumerate(labels) for p in
+                ("norm_", "clip_rate_", "budget_")}  # fmt: skip
+        rows.append(row)
+    _write(tmp_path / "rounds.csv", header, rows)
+    groups = [
+        {"round": r, "group": f"g{i}", "component": c, "mean_norm": 0.1 * (i + 1)}
+        for r in (1, 2, 3)
+        for i, c in enumerate(labels)
+    ]
+    _write(tmp_path / "group_norms.csv", list(groups[0]), groups)
+    paths = write_run_plots(tmp_path, noise_multiplier=0.1, clip=1.0)
+    assert len(paths) == 6
+    table = read_table(tmp_path / "rounds.csv")
+    assert component_labels(table, "budget") == list(labels)
+    assert [component_color(c, labels) for c in labels] == ["tab:blue", "tab:orange", "tab:green"]
+
+
+def test_effective_noise_curve_is_keyed_by_the_alpha_split_pools():
+    pools = alpha_split_pools(0.3)
+    curve = effective_noise_curve(0.2, [0.3])
+    assert list(curve) == ["alpha", *(p.name for p in pools)]
+    for pool in pools:
+        assert curve[pool.name][0] == pytest.approx(0.2 / np.sqrt(pool.fraction))

@@ -309,10 +309,12 @@ def test_bad_groups_and_pools():
 
 def test_raw_client_norm_signal_warns():
     with pytest.warns(UserWarning, match="NOT covered by the DP guarantee"):
-        EMABudgetState(small_layout(), signal="raw_client_norms")
+        EMABudgetState(small_layout(), signal="raw")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         EMABudgetState(small_layout())  # default signal: silent
+    with pytest.raises(ValueError, match="unknown signal 'noisy_aggregate'"):
+        EMABudgetState(small_layout(), signal="noisy_aggregate")
     with pytest.raises(ValueError, match="'e1'"):
         EMABudgetState(small_layout()).update({"e1": -1.0, "e2": 1, "l1": 1, "c1": 1})
 

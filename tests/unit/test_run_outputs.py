@@ -1,8 +1,15 @@
-"""The results table printed at the end of a run and written into recipe READMEs."""
+"""Run outputs: the results table printed at the end of a run (and written into recipe
+READMEs) and the readers of rounds.csv / group_norms.csv."""
 
 import pytest
 
-from speechbrain_fl.metrics.results_table import format_results_table, results_rows
+from speechbrain_fl.run_outputs import (
+    format_results_table,
+    mean_cohort_size,
+    read_group_norms,
+    read_rounds,
+    results_rows,
+)
 
 ALPHA = {
     "method": "alpha_split",
@@ -34,3 +41,25 @@ def test_text_style_and_errors():
         results_rows([ALPHA, {"method": "broken", "test": {}}])
     with pytest.raises(ValueError, match="style must be"):
         format_results_table(ALPHA, style="html")
+
+
+def test_sigma_eff_columns_are_the_union_of_the_runs_pools():
+    layers = {"method": "pfl_dim", "test": {"WER": 0.5},
+              "privacy": {"sigma_eff": {"layer1": 0.12, "exit1": 0.3}}}  # fmt: skip
+    header, rows = results_rows([ALPHA, layers, FEDAVG])
+    pools = [h for h in header if h.startswith("σ_eff")]
+    assert pools == ["σ_eff encoder", "σ_eff llm", "σ_eff layer1", "σ_eff exit1"]
+    assert rows[1][-4:] == ["-", "-", "0.120", "0.300"]
+    assert rows[2][-4:] == ["-"] * 4
+
+
+def test_readers_of_the_csv_files(tmp_path):
+    assert read_rounds(tmp_path) is None and read_group_norms(tmp_path) is None
+    (tmp_path / "rounds.csv").write_text("round,cohort_size\n0,\n1,4\n2,6\n")
+    assert mean_cohort_size(read_rounds(tmp_path)) == 5.0
+    (tmp_path / "group_norms.csv").write_text("round,group,component\n1,g,enc\n")
+    with pytest.raises(ValueError, match=r"group_norms\.csv: missing column\(s\) \['mean_norm'\]"):
+        read_group_norms(tmp_path)
+    (tmp_path / "rounds.csv").write_text("WER\n0.5\n")
+    with pytest.raises(ValueError, match="no 'round' column"):
+        read_rounds(tmp_path)
