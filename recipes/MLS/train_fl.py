@@ -455,8 +455,8 @@ def profile_norms(settings, hparams, num_clients):
     The profiling rounds clip with a budget no update reaches (C = 1e6, sigma = 0), so the
     engine records the pre-clip norms without changing any update.
     """
-    from speechbrain_fl.run_outputs import read_table
     from speechbrain_fl.privacy import select_alpha
+    from speechbrain_fl.run_outputs import read_table
 
     folder = os.path.join(hparams["output_folder"], "profile")
     config = fl_config(
@@ -572,8 +572,8 @@ def privacy_section(hparams, result):
     budgets move between rounds, so the *largest* budget a pool had in any round (its smallest
     sigma_eff) is reported, a conservative figure.
     """
-    from speechbrain_fl.run_outputs import read_table
     from speechbrain_fl.privacy import compute_epsilon
+    from speechbrain_fl.run_outputs import read_table
 
     section = {
         "epsilon": result.epsilon,
@@ -770,8 +770,8 @@ def main(argv):
         "significant" if change["significant"] else "not significant",
     )
 
-    from speechbrain_fl.run_outputs import format_results_table
     from speechbrain_fl.plots import write_run_plots
+    from speechbrain_fl.run_outputs import format_results_table
 
     timings["total"] = time.time() - start_all
     results = {
