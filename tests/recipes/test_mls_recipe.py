@@ -1,93 +1,58 @@
-"""Every MLS hparams file runs end to end in ``--debug`` mode on a tiny embedded corpus.
+"""MLS-only checks of the MLS recipe runs.
 
-Like SpeechBrain's ``tests/recipes/<Dataset>.csv`` runs: the real script, the real
-HyperPyYAML files, Flower's Simulation Engine (Ray) and the real privacy mechanisms, shrunk by
-``--debug`` (2 rounds, 2 local epochs of 2 batches) and command-line overrides (2 languages,
-2 training speakers each). The corpus and the seed model are generated once into a shared cache.
+The generic debug run of every MLS hparams file (outputs present, results.json keys, rounds.csv
+length) is a row of ``tests/recipes/recipes.csv``, run by ``tests/recipes/test_recipes.py``.
+Here: the privacy section of each method's run (the same runs, through the session fixture
+``recipe_run``), the frozen encoder, the norm profile with ``alpha: auto``, and the arguments
+refused before any work. Corpus and seed model come from the session's MLS cache folder.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.recipes.runner import ROOT, ROWS, run_script
+
 SCRIPT = ROOT / "recipes" / "MLS" / "train_fl.py"
-HPARAMS = sorted(
-    p.name for p in (ROOT / "recipes" / "MLS" / "hparams").glob("*.yaml") if p.name != "base.yaml"
-)
-TINY_CORPUS = [
-    "--languages", "[english, german]",
-    "--corpus_speakers_per_language", "2",
-    "--corpus_utterances_per_speaker", "4",
-    "--corpus_public_speakers_per_language", "1",
-    "--corpus_public_utterances_per_speaker", "8",
-    "--corpus_eval_utterances_per_speaker", "2",
-]  # fmt: skip
+MLS_ROWS = {Path(row.hparams).stem: row for row in ROWS if row.recipe == "MLS"}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("mls_cache")
-
-
-def run_recipe(hparams, out, cache, *extra, cwd=ROOT):
-    cmd = [sys.executable, str(SCRIPT), hparams, "--debug", "--output_folder", str(out),
-           "--cache_folder", str(cache), *TINY_CORPUS, *extra]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+def _run(out, recipe_cache, *extra, hparams="flat", cwd=ROOT):
+    proc = run_script(MLS_ROWS[hparams], out, recipe_cache("MLS"), *extra, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 
-def test_hparams_files_found():
-    assert HPARAMS == sorted(
-        f"{m}.yaml"
-        for m in ("fedavg", "flat", "pfl_uniform", "pfl_dim", "pfl_dim_ema", "pfl_unif_ema",
-                  "alpha_split")
-    )  # fmt: skip
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("hparams", HPARAMS)
-def test_recipe_debug(hparams, tmp_path, cache):
-    out = tmp_path / "out"
-    proc = run_recipe(f"hparams/{hparams}", out, cache)
-    results = json.loads((out / "results.json").read_text())
-    method = hparams[: -len(".yaml")]
-    assert results["method"] == method
-    assert 0.0 <= results["test"]["WER"] and len(results["test"]["WER_ci95"]) == 2
+@pytest.mark.parametrize("method", sorted(MLS_ROWS))
+def test_privacy_section(method, recipe_run):
+    run = recipe_run(MLS_ROWS[method].id)
+    results = json.loads((run.output_folder / "results.json").read_text())
     assert set(results["test"]["per_language"]) == {"english", "german"}
-    rounds = (out / "rounds.csv").read_text().splitlines()
-    assert rounds[1].startswith("0,") and len(rounds) == 1 + 1 + 2  # header, round 0, 2 rounds
     privacy = results["privacy"]
     if method == "fedavg":
         assert privacy["epsilon"] is None
-    else:
-        assert privacy["epsilon"] > 0 and math.isfinite(privacy["epsilon"])
-        assert set(privacy["sigma_eff"]) >= {"encoder", "llm"}
-        # Every per-layer method calibrates noise to C: no pool is noisier-than-sigma-free.
-        assert min(privacy["sigma_eff"].values()) >= privacy["noise_multiplier"] * (1 - 1e-9)
+        return
+    assert privacy["epsilon"] > 0 and math.isfinite(privacy["epsilon"])
+    assert set(privacy["sigma_eff"]) >= {"encoder", "llm"}
+    # Every per-layer method calibrates noise to C: no pool is noisier-than-sigma-free.
+    assert min(privacy["sigma_eff"].values()) >= privacy["noise_multiplier"] * (1 - 1e-9)
     if method == "alpha_split":
         assert privacy["sigma_eff"]["encoder"] == pytest.approx(0.1 / math.sqrt(0.05))
         assert privacy["sigma_eff"]["llm"] == pytest.approx(0.1 / math.sqrt(0.95))
-    assert (out / "plots" / "metrics_by_round.png").is_file()
-    assert (out / "test_utterances.csv").is_file()
-    assert "WER" in proc.stdout
 
 
 @pytest.mark.slow
-def test_recipe_frozen_encoder_from_recipe_dir(tmp_path, cache):
+def test_recipe_frozen_encoder_from_recipe_dir(tmp_path, recipe_cache):
     """Run from recipes/MLS/ with the encoder frozen: no encoder group is trained or clipped."""
     out = tmp_path / "out"
-    run_recipe("hparams/flat.yaml", out, cache, "--freeze_encoder", "True",
-               cwd=ROOT / "recipes" / "MLS")  # fmt: skip
+    _run(out, recipe_cache, "--freeze_encoder", "True", cwd=ROOT / "recipes" / "MLS")
     groups = (out / "group_norms.csv").read_text().splitlines()
     assert not any(",encoder," in line for line in groups[1:])
     assert json.loads((out / "results.json").read_text())["freeze_encoder"] is True
@@ -115,11 +80,11 @@ def test_unknown_preset_fails_before_work(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_norm_profile_and_auto_alpha(tmp_path, cache):
+def test_recipe_norm_profile_and_auto_alpha(tmp_path, recipe_cache):
     """--profile_rounds measures component norms without DP and alpha: auto uses them."""
     out = tmp_path / "out"
-    proc = run_recipe("hparams/alpha_split.yaml", out, cache, "--profile_rounds", "1",
-                      "--alpha", "auto")  # fmt: skip
+    proc = _run(out, recipe_cache, "--profile_rounds", "1", "--alpha", "auto",
+                hparams="alpha_split")  # fmt: skip
     profile = json.loads((out / "profile" / "profile.json").read_text())
     assert profile["per_matrix_mean_norm"]["encoder"] > 0
     assert profile["recommendation"]["method"] in ("alpha_split", "pfl_dim_ema")

@@ -1,0 +1,109 @@
+"""``tests/recipes/recipes.csv``: its rows, the run of one row and the grammar of its checks.
+
+``recipes.csv`` holds one row per recipe hparams file, as SpeechBrain's
+``tests/recipes/<Dataset>.csv``: the script, the hparams file, the ``--debug`` flags (with a
+``{cache}`` placeholder for the session's cache folder of the recipe) and the checks of its
+outputs. The fixtures that run rows once per session are in ``tests/recipes/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES_CSV = Path(__file__).with_name("recipes.csv")
+COLUMNS = ("recipe", "script", "hparams", "flags", "checks")
+
+
+@dataclass(frozen=True)
+class RecipeRow:
+    """One row of ``recipes.csv``."""
+
+    recipe: str
+    script: str
+    hparams: str
+    flags: str
+    checks: str
+
+    @property
+    def id(self) -> str:
+        """``<recipe>/<hparams file stem>``, the pytest id of the row."""
+        return f"{self.recipe}/{Path(self.hparams).stem}"
+
+
+def load_rows(path: Path = RECIPES_CSV) -> list[RecipeRow]:
+    """The rows of ``recipes.csv``; ``ValueError`` naming the file and row when malformed."""
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        if tuple(reader.fieldnames or ()) != COLUMNS:
+            raise ValueError(f"{path}: header must be {','.join(COLUMNS)}, got {reader.fieldnames}")
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            if any(not row[c] for c in ("recipe", "script", "hparams")):
+                raise ValueError(f"{path}, line {line}: recipe, script and hparams are required")
+            rows.append(RecipeRow(**{c: row[c] or "" for c in COLUMNS}))
+    ids = [r.id for r in rows]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ValueError(f"{path}: rows {duplicates} appear more than once")
+    return rows
+
+
+ROWS = load_rows()
+
+
+@dataclass(frozen=True)
+class RecipeRun:
+    """The outcome of one row: its output folder and the script's captured output."""
+
+    row: RecipeRow
+    output_folder: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_script(row: RecipeRow, output_folder: Path, cache: Path, *extra: str, cwd=ROOT):
+    """Run ``row``'s script on its hparams with its flags (``{cache}`` filled) in a subprocess."""
+    flags = [arg.replace("{cache}", str(cache)) for arg in shlex.split(row.flags)]
+    cmd = [sys.executable, str(ROOT / row.script), row.hparams, *flags,
+           "--output_folder", str(output_folder), *extra]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+CHECK = re.compile(r"(\w+)=\[([^\]]*)\]")
+KINDS = ("file_exists", "json_keys", "json_equals", "csv_rows", "stdout")
+
+
+def parse_checks(cell: str) -> dict[str, list[str]]:
+    """``"file_exists=[a,b] stdout=[WER]"`` -> ``{"file_exists": ["a", "b"], "stdout": ["WER"]}``.
+
+    Raises ``ValueError`` naming an unknown check kind or text that is not ``kind=[...]``.
+    """
+    checks: dict[str, list[str]] = {}
+    for kind, items in CHECK.findall(cell):
+        if kind not in KINDS:
+            raise ValueError(f"unknown check {kind!r} in {cell!r}; known: {KINDS}")
+        checks.setdefault(kind, []).extend(i.strip() for i in items.split(",") if i.strip())
+    leftover = CHECK.sub("", cell).strip()
+    if leftover:
+        raise ValueError(f"cannot parse {leftover!r} in the checks {cell!r}")
+    return checks
+
+
+def lookup(results: dict, dotted: str):
+    """The value at a dotted key of a nested dict (``KeyError`` naming the key when absent)."""
+    value = results
+    for key in dotted.split("."):
+        if not isinstance(value, dict) or key not in value:
+            raise KeyError(dotted)
+        value = value[key]
+    return value
