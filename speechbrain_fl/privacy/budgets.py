@@ -1,4 +1,4 @@
-"""Per-group clip budgets (DESIGN.md contract 2; alpha-split paper, Section IV).
+"""Per-group clip budgets (docs/api.md, `speechbrain_fl.privacy`; alpha-split paper, Section IV).
 
 The methods live in a registry (:func:`register_budget_method`, :func:`get_budget_method`):
 :func:`compute_budgets` looks the method up by name, so a new allocator is one decorated
