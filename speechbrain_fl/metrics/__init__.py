@@ -7,9 +7,10 @@
   test section, and the paired comparison of two runs' utterances.
 - ``classification.py``: accuracy, balanced accuracy and macro-F1 with intervals.
 
-The public names of the first three are importable from here.
+Their public names are importable from here.
 """
 
+from speechbrain_fl.metrics.classification import METRICS, bootstrap_classification
 from speechbrain_fl.metrics.resampling import (
     DEFAULT_NUM_RESAMPLES,
     SpeakerBootstrap,
@@ -39,6 +40,8 @@ from speechbrain_fl.metrics.wer import (
 )
 
 __all__ = [
+    "METRICS",
+    "bootstrap_classification",
     "DEFAULT_NUM_RESAMPLES",
     "SpeakerBootstrap",
     "check_bootstrap_settings",
