@@ -373,8 +373,8 @@ def register_budget_method(
     """Decorator registering ``allocate`` as budget method ``name`` (see :class:`BudgetMethod`).
 
     A new method must keep the Euclidean-tight contract of this module (``sqrt(sum C_l^2) <= C``)
-    so that the server noise and the accountant stay valid; ``tests/unit/test_privacy_budgets.py``
-    checks it for every registered method.
+    so that the server noise and the accountant stay valid (``tests/unit/test_privacy_budgets.py``
+    checks it for the built-in methods; a new one needs the same property test).
 
     Example
     -------
