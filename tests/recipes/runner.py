@@ -71,9 +71,14 @@ class RecipeRun:
 
 
 def run_script(row: RecipeRow, output_folder: Path, cache: Path, *extra: str, cwd=ROOT):
-    """Run ``row``'s script on its hparams with its flags (``{cache}`` filled) in a subprocess."""
+    """Run ``row``'s script on its hparams with its flags (``{cache}`` filled) in a subprocess.
+
+    The hparams path is given relative to ``cwd`` (``hparams/x.yaml`` from the recipe folder),
+    as a user would type it.
+    """
     flags = [arg.replace("{cache}", str(cache)) for arg in shlex.split(row.flags)]
-    cmd = [sys.executable, str(ROOT / row.script), row.hparams, *flags,
+    hparams = os.path.relpath(ROOT / row.hparams, cwd)
+    cmd = [sys.executable, str(ROOT / row.script), hparams, *flags,
            "--output_folder", str(output_folder), *extra]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
