@@ -10,7 +10,8 @@ effective bandwidth as a fraction of a plain torch copy of the same bytes (``dst
 one contiguous, preallocated buffer of the update's size, i.e. ``time_copy / time_clip``) and
 of ``tensor.clone()`` of every update tensor (which, like clipping, writes fresh memory). The
 same methods are also timed with ``inplace=True`` (no new buffer: the path the engine's client
-uses on its own delta; "vs flat" is then against flat in place). Targets: per-group methods
+uses on its own delta; "vs flat" is then against flat in place), and on a *packed* update
+(``pack_update``: views of one buffer, as the server decodes replies). Targets: per-group methods
 <= 1.3x flat, >= 40 % of copy bandwidth.
 
 Run::
@@ -35,6 +36,7 @@ from speechbrain_fl.privacy import (
     clip_update,
     compute_budgets,
 )
+from speechbrain_fl.privacy.clipping import pack_update
 
 
 def table1_layout() -> Layout:
@@ -134,6 +136,34 @@ def bench(name: str, layout: Layout, *, repeats: int, device: str) -> list[str]:
         rows.append(
             f"| {name} | {method}, in place | {t * 1e3:.1f} | {t / inplace['flat']:.2f} | {t_copy / t:.0%} | {t_clone / t:.0%} |"
         )
+    # Packed (``pack_update``: the tensors are views of one buffer, as the server decodes a
+    # reply): one norm and one multiply over the buffer instead of one per tensor.
+    packed = pack_update(update)
+    work = torch.empty(sum(t.numel() for t in tensors), device=device)
+    src_flat = torch.cat([t.reshape(-1) for t in tensors])
+    work_views = dict(zip(update, torch.split(work, [t.numel() for t in tensors]), strict=True))
+    for mode in ("packed", "packed, in place"):
+        best_of = {}
+        for method in METHODS:
+            b = budgets_for(layout, method)
+            best = math.inf
+            for _ in range(repeats + 1):
+                work.copy_(src_flat)
+                sync()
+                t0 = time.perf_counter()
+                if mode == "packed":
+                    out = clip_update(packed, b, layout=layout)
+                else:
+                    out = clip_update(work_views, b, layout=layout, inplace=True)
+                sync()
+                best = min(best, time.perf_counter() - t0)
+                del out
+            best_of[method] = best
+        for method in METHODS:
+            t = best_of[method]
+            rows.append(
+                f"| {name} | {method}, {mode} | {t * 1e3:.1f} | {t / best_of['flat']:.2f} | {t_copy / t:.0%} | {t_clone / t:.0%} |"
+            )
     rows.append(f"| {name} | *copy_ of {nbytes / 1e6:.0f} MB* | {t_copy * 1e3:.1f} | | 100% | |")
     rows.append(f"| {name} | *clone of each tensor* | {t_clone * 1e3:.1f} | | | 100% |")
     return rows
