@@ -66,11 +66,16 @@ def _last_round(folder):
     return int(rows[-1][0]) if rows else -1
 
 
-def _resume_point(folder, settings):
+def _resume_point(folder, settings, done):
     """Resume ``folder`` in this process and stop before the next round (max_epsilon below it):
     the round, epsilon and parameters a resumed run starts from."""
     context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
-    overrides = {**settings, "output_folder": str(folder), "max_epsilon": 1e-9}
+    overrides = {
+        **settings,
+        "output_folder": str(folder),
+        "max_epsilon": 1e-9,
+        "num_rounds": done + 1,  # not a privacy setting: one more round to stop before
+    }
     return run_server(None, toy_server(context, toy_settings(overrides=overrides)))
 
 
@@ -78,7 +83,7 @@ def _check_resume_point(folder, settings):
     state = torch.load(folder / "server_state.pt", weights_only=False)
     done = state["round"]
     rows_before = (folder / "rounds.csv").read_text()
-    result = _resume_point(folder, settings)
+    result = _resume_point(folder, settings, done)
     assert result.last_round == done and result.stopped_early
     assert state["strategy"]["accountant"]["rounds"] == done
     eps = compute_epsilon(
