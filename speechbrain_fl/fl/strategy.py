@@ -486,6 +486,8 @@ class DPFedAvg(FedAvg):
                 updates.append(parse_train_reply(message, expected_shapes=shapes))
             except ReplyRejected as err:
                 failures.append(str(err))
+            except Exception as err:  # defence in depth: no reply may crash the round
+                failures.append(f"node {node}: unreadable reply ({type(err).__name__}: {err})")
         for node in sorted(sampled - replied):
             failures.append(f"node {node}: no reply within {self.config.round_timeout:g} s")
         for reason in failures + ignored:
