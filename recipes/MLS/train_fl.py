@@ -695,6 +695,8 @@ def main(argv):
         hparams["pretrain_steps"] = min(4, hparams["pretrain_steps"])
         hparams["pretrain_ctc_steps"] = min(2, hparams["pretrain_ctc_steps"])
         hparams["profile_rounds"] = min(1, hparams["profile_rounds"])
+        # the EMA methods must leave their warm-up within the 2 debug rounds
+        hparams["ema_warmup_rounds"] = min(1, hparams["ema_warmup_rounds"])
         hparams["bootstrap_resamples"] = min(200, hparams["bootstrap_resamples"])
 
     data_folder, manifests, prep_report, partition, t = prepare_data(hparams)

@@ -8,6 +8,7 @@ HyperPyYAML files, Flower's Simulation Engine (Ray) and the real privacy mechani
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -74,6 +75,18 @@ def test_recipe_debug(hparams, tmp_path, cache):
         assert set(privacy["sigma_eff"]) >= {"encoder", "llm"}
         # Every per-layer method calibrates noise to C: no pool is noisier-than-sigma-free.
         assert min(privacy["sigma_eff"].values()) >= privacy["noise_multiplier"] * (1 - 1e-9)
+        # what the epsilon covers: nothing outside it in a default run, telemetry labelled
+        assert "add/remove" in privacy["guarantee"] and privacy["caveats"] == []
+        assert privacy["epsilon_covers_everything"] is True
+        assert {"rounds.csv", "group_norms.csv"} <= set(privacy["outside_guarantee"])
+        assert "Privacy: epsilon is client-level" in proc.stdout
+    if method.endswith("_ema"):
+        assert privacy["ema_signal"]["signal"] == "noisy_aggregate"
+        rows = list(csv.DictReader(rounds))  # the EMA left its warm-up: round 2's budgets moved
+        budget = [
+            {k: r[k] for k in r if k.startswith("budget_")} for r in rows if r["round"] != "0"
+        ]
+        assert budget[0] and budget[0] != budget[1]
     if method == "alpha_split":
         assert privacy["sigma_eff"]["encoder"] == pytest.approx(0.1 / math.sqrt(0.05))
         assert privacy["sigma_eff"]["llm"] == pytest.approx(0.1 / math.sqrt(0.95))
@@ -129,3 +142,10 @@ def test_recipe_norm_profile_and_auto_alpha(tmp_path, cache):
     assert 0.0 < alpha < 1.0
     assert results["privacy"]["sigma_eff"]["encoder"] == pytest.approx(0.1 / math.sqrt(alpha))
     assert "Privacy caveat" in proc.stdout
+    # the reported epsilon is labelled as not covering the profiling rounds and the alpha
+    privacy = results["privacy"]
+    assert privacy["epsilon_covers_everything"] is False
+    assert "profile.json" in privacy["outside_guarantee"]
+    assert any("profiling" in c for c in privacy["caveats"])
+    assert any("alpha: auto" in c for c in privacy["caveats"])
+    assert "NOT covered by epsilon" in proc.stdout
