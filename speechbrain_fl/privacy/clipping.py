@@ -228,7 +228,7 @@ def _row_length(numels: list[int]) -> int:
 
 def _buffer_norms(buffer: torch.Tensor, numels: list[int], rows: int) -> list[float]:
     """Per-tensor L2 norms of consecutive segments of ``buffer`` (row norms, float64 sums)."""
-    row_norms = torch.linalg.vector_norm(buffer.view(-1, rows), dim=1).to(torch.float64)
+    row_norms = torch.linalg.vector_norm(buffer.view(-1, rows), dim=1).to("cpu", torch.float64)
     index = torch.repeat_interleave(
         torch.arange(len(numels)), torch.tensor([n // rows for n in numels])
     )
