@@ -290,8 +290,9 @@ def clip_update(
         check_names(update.keys(), layout.parameter_names, what="update")
     try:
         tensors = [update[p] for p in plan.param_keys]
-        ok = all(t.is_floating_point() and t.numel() > 0 for t in tensors)
-    except AttributeError:
+        numels = [t.numel() for t in tensors]
+        ok = 0 not in numels and all(map(torch.is_floating_point, tensors))
+    except (AttributeError, TypeError):
         ok = False
     if not ok:
         for k, t in update.items():
@@ -303,6 +304,7 @@ def clip_update(
                 )
             if t.numel() == 0:
                 raise ValueError(f"update[{k!r}] is empty (zero elements)")
+        numels = [t.numel() for t in tensors]
     group_names = plan.group_names
     n_groups = len(group_names)
     flat = not isinstance(budgets, Mapping)
@@ -319,7 +321,6 @@ def clip_update(
 
     # 1) per-tensor norms: one pass over a shared buffer, else one foreach pass over the small
     #    tensors and row-chunked large ones
-    numels = [t.numel() for t in tensors]
     buffer = _shared_buffer(tensors)
     rows = _row_length(numels) if buffer is not None else 0
     with torch.no_grad():
@@ -330,9 +331,9 @@ def clip_update(
                 norms_t = torch._foreach_norm(tensors)
             else:
                 norms_t = torch._foreach_norm([tensors[i] for i in small])
-            if len({(n.dtype, n.device) for n in norms_t}) == 1:
+            try:  # one transfer; float32 norms promote exactly to a float64 stack
                 values = torch.stack(norms_t).tolist()
-            else:
+            except RuntimeError:  # norms on several devices
                 values = [float(n) for n in norms_t]
             for i, v in zip(small, values, strict=True):
                 norms[i] = v
@@ -401,7 +402,12 @@ def clip_update(
                         clipped[keys[i]] = scaled[offset : offset + n].view(tensors[i].shape)
                     offset += n
     elif sel:
-        scales = [factors[plan.member_index[i]] * _margin(tensors[i].dtype) for i in sel]
+        dtypes = {tensors[i].dtype for i in sel}
+        if len(dtypes) == 1:
+            margin = _margin(dtypes.pop())
+            scales = [factors[plan.member_index[i]] * margin for i in sel]
+        else:
+            scales = [factors[plan.member_index[i]] * _margin(tensors[i].dtype) for i in sel]
         with torch.no_grad():
             if inplace:
                 torch._foreach_mul_([tensors[i] for i in sel], scales)
