@@ -10,7 +10,8 @@ effective bandwidth as a fraction of a plain torch copy of the same bytes (``dst
 one contiguous, preallocated buffer of the update's size, i.e. ``time_copy / time_clip``) and
 of ``tensor.clone()`` of every update tensor (which, like clipping, writes fresh memory). The
 same methods are also timed with ``inplace=True`` (no new buffer: the path the engine's client
-uses on its own delta; "vs flat" is then against flat in place). Targets: per-group methods
+uses on its own delta; "vs flat" is then against flat in place), and on a *packed* update
+(``pack_update``: views of one buffer, as the server decodes replies). Targets: per-group methods
 <= 1.3x flat, >= 40 % of copy bandwidth.
 
 Run::
@@ -35,6 +36,7 @@ from speechbrain_fl.privacy import (
     clip_update,
     compute_budgets,
 )
+from speechbrain_fl.privacy.clipping import pack_update
 
 
 def table1_layout() -> Layout:
@@ -67,75 +69,75 @@ def budgets_for(layout: Layout, method: str):
     return compute_budgets(layout, method=method, clip=1.0)
 
 
-def timed(fn, repeats: int, sync) -> float:
-    fn()  # warm-up
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # best of N: the least disturbed run (timeit's convention)
+MODES = ("", "in place", "packed", "packed, in place")
 
 
 def bench(name: str, layout: Layout, *, repeats: int, device: str) -> list[str]:
+    """Time every (method, mode) and the two baselines, interleaved round-robin, best of N.
+
+    Each timed call is preceded by an untimed restore of the update it scales in place, so every
+    call clips a fully over-budget update; interleaving makes machine load hit every variant and
+    the ``copy_`` baseline alike (read the ratios).
+    """
     gen = torch.Generator(device=device).manual_seed(0)
     update = {g.name: torch.randn(g.numel, generator=gen, device=device) * 10.0 for g in layout}
-    nbytes = sum(t.numel() * t.element_size() for t in update.values())
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    src = torch.empty(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    t_copy = timed(lambda: dst.copy_(src), repeats, sync)
-    src = dst = None  # free the copy buffers before the clipping runs
     tensors = list(update.values())
-    # round-robin over methods (and the clone baseline) so that allocator state and machine
-    # load affect every method alike; best of N per method
-    fns = {"clone": lambda: [t.clone() for t in tensors]}
+    total = sum(t.numel() for t in tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    src = torch.empty(total, device=device)
+    dst = torch.empty_like(src)
+    own = {k: torch.empty_like(t) for k, t in update.items()}  # separate tensors, scaled in place
+    own_list = list(own.values())
+    packed_src = pack_update(update)  # views of one buffer, never written
+    packed_own = pack_update(update)  # views of one buffer, scaled in place
+    packed_own_list = list(packed_own.values())
+
+    def nothing():
+        return None
+
+    variants = {
+        "copy_": (nothing, lambda: dst.copy_(src)),
+        "clone": (nothing, lambda: [t.clone() for t in tensors]),
+    }
     for method in METHODS:
         b = budgets_for(layout, method)
-        fns[method] = lambda b=b: clip_update(update, b, layout=layout)
-    results = {k: math.inf for k in fns}
-    for f in fns.values():
-        f()  # warm-up
-    for _ in range(repeats):
-        for k, f in fns.items():
+        variants[(method, "")] = (nothing, lambda b=b: clip_update(update, b, layout=layout))
+        variants[(method, "in place")] = (
+            lambda: torch._foreach_copy_(own_list, tensors),
+            lambda b=b: clip_update(own, b, layout=layout, inplace=True),
+        )
+        variants[(method, "packed")] = (
+            nothing,
+            lambda b=b: clip_update(packed_src, b, layout=layout),
+        )
+        variants[(method, "packed, in place")] = (
+            lambda: torch._foreach_copy_(packed_own_list, tensors),
+            lambda b=b: clip_update(packed_own, b, layout=layout, inplace=True),
+        )
+    best = {k: math.inf for k in variants}
+    for _ in range(repeats + 1):  # the first pass is a warm-up like the others: best of N+1
+        for key, (prepare, fn) in variants.items():
+            prepare()
             sync()
             t0 = time.perf_counter()
-            out = f()
+            out = fn()
             sync()
-            results[k] = min(results[k], time.perf_counter() - t0)
+            best[key] = min(best[key], time.perf_counter() - t0)
             del out
-    t_clone = results["clone"]
+    t_copy, t_clone = best["copy_"], best["clone"]
     rows = []
-    for method in METHODS:
-        t = results[method]
-        rows.append(
-            f"| {name} | {method} | {t * 1e3:.1f} | {t / results['flat']:.2f} | {t_copy / t:.0%} | {t_clone / t:.0%} |"
-        )
-    # In place (``inplace=True``, what the engine's client does with its own fresh delta): the
-    # update is restored from a copy before each run, outside the timed region.
-    work = [torch.empty_like(t) for t in tensors]
-    owned = dict(zip(update, work, strict=True))
-    inplace = {}
-    for method in METHODS:
-        b = budgets_for(layout, method)
-        best = math.inf
-        for _ in range(repeats + 1):
-            torch._foreach_copy_(work, tensors)
-            sync()
-            t0 = time.perf_counter()
-            clip_update(owned, b, layout=layout, inplace=True)
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        inplace[method] = best
-    for method in METHODS:
-        t = inplace[method]
-        rows.append(
-            f"| {name} | {method}, in place | {t * 1e3:.1f} | {t / inplace['flat']:.2f} | {t_copy / t:.0%} | {t_clone / t:.0%} |"
-        )
-    rows.append(f"| {name} | *copy_ of {nbytes / 1e6:.0f} MB* | {t_copy * 1e3:.1f} | | 100% | |")
-    rows.append(f"| {name} | *clone of each tensor* | {t_clone * 1e3:.1f} | | | 100% |")
+    for mode in MODES:
+        flat = best[("flat", mode)]
+        for method in METHODS:
+            t = best[(method, mode)]
+            label = f"{method}, {mode}" if mode else method
+            rows.append(
+                f"| {name} | {label} | {t * 1e3:.2f} | {t / flat:.2f} | {t_copy / t:.0%} "
+                f"| {t_clone / t:.0%} |"
+            )
+    rows.append(f"| {name} | *copy_ of {nbytes / 1e6:.0f} MB* | {t_copy * 1e3:.2f} | | 100% | |")
+    rows.append(f"| {name} | *clone of each tensor* | {t_clone * 1e3:.2f} | | | 100% |")
     return rows
 
 

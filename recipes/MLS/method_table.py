@@ -197,10 +197,15 @@ def _joined(values: Sequence) -> str:
 
 
 def _epsilon_cell(runs: Sequence[Mapping | None]) -> str:
-    values = [_get(r, "privacy", "epsilon") for r in runs if r is not None]
+    runs = [r for r in runs if r is not None]
+    values = [_get(r, "privacy", "epsilon") for r in runs]
     if not values:
         return _MISSING
-    return _joined([None if v is None else f"{v:.4g}" for v in values])
+    # *: results.json privacy.caveats lists what this epsilon does not cover
+    marks = ["*" if _get(r, "privacy", "epsilon_covers_everything") is False else "" for r in runs]
+    return _joined(
+        [None if v is None else f"{v:.4g}{m}" for v, m in zip(values, marks, strict=True)]
+    )
 
 
 def _sigma_cell(runs: Sequence[Mapping | None]) -> str:
@@ -260,8 +265,10 @@ def _legend() -> str:
         "federated stage did not improve on the seed model). §: the change from round 0 is "
         "significant (paired speaker-level bootstrap 95% CI of final - round-0 WER excludes 0). "
         "‡: stopped early (max_epsilon or "
-        "too few clients). epsilon: (epsilon, delta)-DP of the whole run from Opacus's RDP "
-        "accountant, one value when both variants agree, else frozen / unfrozen. sigma_eff: "
+        "too few clients). epsilon: joint client-level (epsilon, delta)-DP of the whole run from "
+        "Opacus's RDP accountant, one value when both variants agree, else frozen / unfrozen; "
+        "*: not covered by it (profiling rounds, alpha: auto, a raw EMA signal or test-only "
+        "seeds; see results.json privacy.caveats). sigma_eff: "
         "effective noise multiplier of the encoder pool and of the LLM + connector pool, from "
         "the unfrozen run when there is one (a frozen encoder has no encoder pool; for the EMA "
         "methods the smallest value any round had)."

@@ -370,6 +370,7 @@ def build_server(context, *, settings, fl_config):
         config=fl_config,
         layout=component_layout(brain),
         evaluate=evaluate,
+        num_partitions=len(settings["clients"]),
     )
 
 
@@ -563,7 +564,7 @@ def federated_change(details, details_round0, hparams):
     }
 
 
-def privacy_section(hparams, result):
+def privacy_section(hparams, result, *, alpha_from_profile=False):
     """Epsilon (Opacus RDP), effective noise and epsilon per pool of the finished run.
 
     The joint epsilon comes from the engine's accountant. Per pool (encoder; LLM + connector),
@@ -587,6 +588,15 @@ def privacy_section(hparams, result):
         "sigma_eff": {},
         "epsilon_per_component": {},
     }
+    from speechbrain_fl.fl.disclosure import privacy_disclosure
+
+    section.update(
+        privacy_disclosure(
+            fl_config(hparams),
+            profile_rounds=hparams["profile_rounds"],
+            alpha_from_profile=alpha_from_profile,
+        )
+    )
     if hparams["method"] == "fedavg":
         section.update(epsilon=None, delta=None, accountant=None, noise_multiplier=0.0, clip=None)
         return section
@@ -685,6 +695,8 @@ def main(argv):
         hparams["pretrain_steps"] = min(4, hparams["pretrain_steps"])
         hparams["pretrain_ctc_steps"] = min(2, hparams["pretrain_ctc_steps"])
         hparams["profile_rounds"] = min(1, hparams["profile_rounds"])
+        # the EMA methods must leave their warm-up within the 2 debug rounds
+        hparams["ema_warmup_rounds"] = min(1, hparams["ema_warmup_rounds"])
         hparams["bootstrap_resamples"] = min(200, hparams["bootstrap_resamples"])
 
     data_folder, manifests, prep_report, partition, t = prepare_data(hparams)
@@ -734,6 +746,7 @@ def main(argv):
     logger.info("Round-0 (seed model) test WER %.4f", test_round0["WER"])
 
     profile = None
+    alpha_from_profile = hparams["alpha"] == "auto"
     if hparams["profile_rounds"] > 0:
         start = time.time()
         profile = profile_norms(settings, hparams, num_clients)
@@ -782,7 +795,7 @@ def main(argv):
         "test": test_report,
         "test_round0": {"WER": test_round0["WER"], "WER_ci95": test_round0["WER_ci95"]},
         "test_change_from_round0": change,
-        "privacy": privacy_section(hparams, result),
+        "privacy": privacy_section(hparams, result, alpha_from_profile=alpha_from_profile),
         "data": {
             "data_folder": data_folder,
             "embedded_corpus": hparams["data_folder"] is None,
@@ -806,6 +819,9 @@ def main(argv):
         test_stats={"WER": test_report["WER"], "round0_WER": test_round0["WER"]},
     )
     print("\n" + format_results_table(results, style="text"))
+    from speechbrain_fl.fl.disclosure import format_disclosure
+
+    print(format_disclosure(results["privacy"]))
     print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
     print(
         f"Results: {os.path.join(hparams['output_folder'], 'results.json')}; "

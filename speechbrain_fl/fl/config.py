@@ -70,9 +70,16 @@ class FLConfig:
     max_retries : int
         Times a round with fewer than ``min_clients`` valid replies is re-sampled.
     seed : int, optional
-        Seed of the cohort sampler; ``None`` seeds from the OS.
+        Seed of the clients' per-round training seeds, and of the cohort sampler of a
+        non-private run; ``None`` seeds from the OS.
     noise_seed : int, optional
-        Seed of the noise generator; for tests only (logged as such).
+        Seed of the noise generator; for tests only (warns, recorded in results.json).
+    population_size : int, optional
+        The declared population K of a private run (n = qK in the noise and the accountant);
+        default the number of partitions. Fewer connected nodes only warn.
+    sampler_seed : int, optional
+        Seed of a private run's cohort sampler; for tests only (warns, recorded). Private runs
+        otherwise draw it from the OS; ``seed`` then seeds only the clients' training.
 
     Example
     -------
@@ -103,6 +110,8 @@ class FLConfig:
     max_retries: int = 0
     seed: int | None = None
     noise_seed: int | None = None
+    population_size: int | None = None
+    sampler_seed: int | None = None
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -130,6 +139,12 @@ class FLConfig:
             raise bad("max_retries", "must be >= 0")
         if self.round_timeout <= 0:
             raise bad("round_timeout", "must be > 0")
+        if self.population_size is not None and (
+            isinstance(self.population_size, bool)
+            or not isinstance(self.population_size, int)
+            or self.population_size < 1
+        ):
+            raise bad("population_size", "must be an integer >= 1")
 
     @property
     def private(self) -> bool:

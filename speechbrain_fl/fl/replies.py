@@ -1,18 +1,27 @@
-"""Validation of client replies (fault handling, issue item 4).
+"""Validation of client replies: one bad client cannot crash a round.
 
-A reply is rejected, with a reason naming the node and the offending tensor, when the ClientApp
-raised (Flower turns the exception into an error reply), when it carries no ArrayRecord or
-MetricRecord, when its tensor names or shapes differ from the global trainable parameters, or
-when any tensor or reported statistic is non-finite. A client that exceeded the round timeout
-sends no reply at all; the server counts it from the cohort (see
+A reply is rejected, with a reason naming the node and the offending tensor or metric, when the
+ClientApp raised (Flower turns the exception into an error reply), when it carries no ArrayRecord
+or MetricRecord, when its tensor names, shapes or dtypes differ from the global trainable
+parameters, when an array's bytes do not decode (corrupt data, a non-native byte order, an
+unsupported serialisation), when a metric is not a finite number where one belongs (a list, a
+string) or not a list of finite numbers where a list belongs, or when any tensor is non-finite.
+A client that exceeded the round timeout sends no reply at all; the server counts it from the
+cohort, and takes one reply per sampled node only (see
 :func:`speechbrain_fl.fl.strategy.DPFedAvg.aggregate_train`). Rejected replies never reach the
 aggregate, so nothing non-finite can reach the global model through them.
+
+The decoded tensors of a reply with one dtype are views of one buffer
+(:func:`speechbrain_fl.privacy.clipping.pack_update`'s layout), which the server's re-clipping
+measures and scales with one operation each.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import Message
 
@@ -60,22 +69,72 @@ def parse_train_reply(
         raise ReplyRejected(
             f"node {node}: wrong tensor names (missing {missing}, unexpected {extra})"
         )
-    delta: dict[str, torch.Tensor] = {}
-    for name, tensor in arrays.to_torch_state_dict().items():
-        if tuple(tensor.shape) != tuple(expected_shapes[name]):
+    decoded = {}
+    for name in expected_shapes:  # the parameter order, whatever the reply's order
+        try:
+            array = arrays[name].numpy()
+        except Exception as err:  # corrupt bytes, another serialisation: any decode error
             raise ReplyRejected(
-                f"node {node}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"node {node}: tensor {name!r} cannot be decoded ({type(err).__name__}: {err})"
+            ) from None
+        if tuple(array.shape) != tuple(expected_shapes[name]):
+            raise ReplyRejected(
+                f"node {node}: tensor {name!r} has shape {tuple(array.shape)}, "
                 f"expected {tuple(expected_shapes[name])}"
             )
-        if not torch.is_floating_point(tensor):
-            raise ReplyRejected(f"node {node}: tensor {name!r} has dtype {tensor.dtype}")
+        if array.dtype.kind != "f" or array.dtype.itemsize not in (2, 4, 8):
+            raise ReplyRejected(f"node {node}: tensor {name!r} has dtype {array.dtype}")
+        if not array.dtype.isnative:
+            raise ReplyRejected(
+                f"node {node}: tensor {name!r} has non-native byte order ({array.dtype.str})"
+            )
+        decoded[name] = array
+    delta = _to_tensors(decoded)
+    for name, tensor in delta.items():
         if not bool(torch.isfinite(tensor).all()):
             raise ReplyRejected(f"node {node}: tensor {name!r} has non-finite values")
-        delta[name] = tensor
     for key, value in metrics.items():
-        values = value if isinstance(value, list) else [value]
-        if not all(math.isfinite(float(v)) for v in values):
-            raise ReplyRejected(f"node {node}: metric {key!r} is non-finite ({value})")
-    if float(metrics.get("num-examples", 1)) <= 0:
+        problem = _metric_problem(key, value)
+        if problem:
+            raise ReplyRejected(f"node {node}: metric {key!r} {problem} (got {value!r:.80})")
+    if metrics.get("num-examples", 1) <= 0:
         raise ReplyRejected(f"node {node}: num-examples must be > 0, got {metrics['num-examples']}")
     return ClientUpdate(node_id=node, delta=delta, metrics=metrics)
+
+
+#: Metrics that must be one number, and metrics that must be a list of numbers.
+SCALAR_METRICS = ("num-examples", "train-loss", "joint-norm", "clip-ratio", "partition-id")
+LIST_METRICS = ("group-norms", "group-clipped", "component-norms", "component-clipped")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _metric_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the metric ``key`` (``None`` when it can)."""
+    if key in LIST_METRICS or (key not in SCALAR_METRICS and isinstance(value, list)):
+        if not isinstance(value, list) or not all(_is_number(v) for v in value):
+            return "must be a list of finite numbers"
+        return None
+    if not _is_number(value):
+        return "must be a finite number"
+    if key == "partition-id" and (value < 0 or not float(value).is_integer()):
+        return "must be an integer >= 0"
+    return None
+
+
+def _to_tensors(decoded: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Torch tensors of ``decoded``: views of one buffer when they share a dtype (one copy)."""
+    dtypes = {a.dtype for a in decoded.values()}
+    if len(dtypes) != 1:
+        return {k: torch.from_numpy(np.array(a)) for k, a in decoded.items()}
+    dtype = torch.from_numpy(np.empty(0, dtype=dtypes.pop())).dtype
+    buffer = torch.empty(sum(a.size for a in decoded.values()), dtype=dtype)
+    out, offset = {}, 0
+    for name, array in decoded.items():
+        view = buffer[offset : offset + array.size].view(array.shape)
+        view.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+        out[name] = view
+        offset += array.size
+    return out

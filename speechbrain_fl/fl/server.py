@@ -11,11 +11,14 @@ few replies, or to stop before a round that would exceed ``max_epsilon``. It cal
 exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
 ``aggregate_train``), so any :class:`flwr.serverapp.strategy.Strategy` hook behaviour is kept.
 
-Per round: refuse to start if the accountant says it would exceed ``max_epsilon``; train (retry
-up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then stop with the reason);
+Per round: refuse to start if the accountant says it would exceed ``max_epsilon``; train (a
+non-private run retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then
+stops with the reason; a private run releases every draw and never retries);
 evaluate every ``eval_every`` rounds and at the last round (round 0 is always evaluated);
 append to ``rounds.csv``/``group_norms.csv`` and ``train_log.txt``; save the state atomically
-(:mod:`.state`); log a progress line.
+(:mod:`.state`); log a progress line. A resume whose privacy settings (C, delta, q, sigma, clip
+method and its settings, layout, declared population) differ from the saved ones is refused
+with an error naming the key, both values and the state file.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class ServerTask:
         ``evaluate(brain) -> {metric: value}``; replaces the default evaluation.
     min_available_nodes : int
         Nodes to wait for before the first sampling (deployment).
+    num_partitions : int, optional
+        The number of client partitions: the declared population K of a private run when the
+        config has no ``population_size``.
     """
 
     brain: sb.Brain
@@ -75,6 +81,7 @@ class ServerTask:
     valid_loader_kwargs: dict[str, Any] = field(default_factory=dict)
     evaluate: Callable[[sb.Brain], dict[str, float]] | None = None
     min_available_nodes: int = 1
+    num_partitions: int | None = None
 
     def __post_init__(self) -> None:
         if getattr(self.brain, "checkpointer", None) is not None:
@@ -161,15 +168,25 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     out = Path(cfg.output_folder)
     out.mkdir(parents=True, exist_ok=True)
     layout = task.layout or default_layout(task.brain)
-    strategy = DPFedAvg(config=cfg, layout=layout, min_available_nodes=task.min_available_nodes)
+    strategy = DPFedAvg(
+        config=cfg,
+        layout=layout,
+        min_available_nodes=task.min_available_nodes,
+        population_size=task.num_partitions,
+    )
     params = {
         n: p.detach().cpu().clone() for n, p in trainable_parameters(task.brain.modules).items()
     }
     initial_fingerprint = params_fingerprint(params)
     state = load_state(out / STATE_FILE)
     train_logger = FileTrainLogger(str(out / "train_log.txt"))
-    if cfg.noise_seed is not None:
-        log(WARNING, "noise_seed=%s is fixed: for testing only, not private", cfg.noise_seed)
+    if cfg.private and cfg.max_retries > 0:
+        log(
+            WARNING,
+            "max_retries=%d is ignored: a private run releases every Poisson draw (a round "
+            "with too few replies is released with its noise, never re-sampled)",
+            cfg.max_retries,
+        )
     if state is None:
         for stale in ("rounds.csv", "group_norms.csv"):
             (out / stale).unlink(missing_ok=True)
@@ -193,6 +210,10 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
             ),
         )
     else:
+        # the privacy settings first: a changed C, delta, q, sigma, method, layout or K is named
+        strategy.check_privacy_settings(
+            state["strategy"].get("privacy"), source=str(out / STATE_FILE)
+        )
         if set(state["params"]) != set(params):
             raise ValueError(
                 f"{out / STATE_FILE} holds parameters {sorted(state['params'])[:5]}..., "
@@ -207,7 +228,7 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
             )
         start = int(state["round"])
         params = state["params"]
-        strategy.load_state_dict(state["strategy"])
+        strategy.load_state_dict(state["strategy"], source=str(out / STATE_FILE))
         restore_rng_states(state["rng"])
         metric_names = state["metric_names"]
         telemetry = RoundsTelemetry(out, layout, metric_names)

@@ -10,16 +10,27 @@ Poisson sampling with a fixed denominator n = qK (contract 4) and an RDP account
 subsampling (contract 5). The structure is the same as Flower's wrapper: keep the global arrays
 seen in ``configure_train``, clip every reply, aggregate, add noise once, return global + update.
 
-One round, for replies u_1..u_m of a cohort drawn with rate q from K nodes (n = qK):
+One round, for replies u_1..u_m of a cohort drawn with rate q from the declared population K
+(``population_size``, default the number of partitions; n = qK):
 
-1. reject faulty replies (:mod:`.replies`); fewer than ``min_clients`` valid -> :class:`RoundFailed`;
-2. re-clip: u_i <- clip(u_i, C_l) per group, so a client that skipped clipping cannot raise the
+1. take one reply per sampled node, reject faulty ones (:mod:`.replies`), each with a log line;
+2. a non-private round with fewer than ``min_clients`` valid replies -> :class:`RoundFailed` (the
+   server may re-sample it); a private round is *always* released, whoever replied (possibly
+   nobody): every Poisson draw is one application of the sampled Gaussian mechanism, and a
+   re-sampled round would release a cohort that is no longer Poisson(q);
+3. re-clip: u_i <- clip(u_i, C_l) per group, so a client that skipped clipping cannot raise the
    sensitivity above C (contract 3);
-3. aggregate with the rule (default DP rule sum_i u_i / n, McMahan et al. 2018, Alg. 1);
-4. add N(0, (sigma C / n)^2 I) once (contract 4), one accountant step;
-5. EMA budgets: update from ``noisy_norm_signal`` of the released aggregate (post-processing) or,
+4. aggregate with the rule (default DP rule sum_i u_i / n, McMahan et al. 2018, Alg. 1);
+5. add N(0, (sigma C / n)^2 I) once (contract 4) to every parameter, one accountant step;
+6. EMA budgets: update from ``noisy_norm_signal`` of the released aggregate (post-processing) or,
    with ``ema_signal="raw"``, from the clients' reported norms (outside the DP guarantee);
-6. theta <- theta + update; a non-finite result raises instead of being applied.
+7. theta <- theta + update; a non-finite result raises instead of being applied.
+
+Randomness (DESIGN.md "Privacy invariants"): a private run draws the cohort sampler's and the
+noise's seeds from the OS and keeps them in memory only; ``seed`` seeds the clients' training
+only. :meth:`DPFedAvg.state_dict` holds the accountant, the EMA budgets and the privacy settings,
+nothing from which past cohorts or noise could be derived; a resume with other privacy settings
+is refused (:meth:`DPFedAvg.load_state_dict`).
 
 Clients receive their budgets in the round's ConfigRecord as JSON (``clip-budgets``: a float
 for ``flat`` or ``{group: C_l}``), not the method and EMA state: clients then need no privacy
@@ -51,20 +62,64 @@ from speechbrain_fl.privacy import (
     clip_update,
     component_budgets,
     compute_budgets,
-    noise_std,
     noisy_norm_signal,
 )
 
 from .aggregation import ClientUpdate, get_rule
 from .config import EMA_METHODS, FLConfig
+from .disclosure import privacy_disclosure
 from .replies import ReplyRejected, parse_train_reply
 from .sampling import PoissonSampler
 
-__all__ = ["DPFedAvg", "RoundFailed", "RoundReport"]
+__all__ = ["DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
+
+#: FLConfig fields a resumed run must not change (the privacy settings of its earlier rounds).
+PRIVACY_KEYS = (
+    "noise_multiplier",
+    "clip",
+    "delta",
+    "sampling_rate",
+    "accountant",
+    "clip_method",
+    "alpha",
+    "ema_beta",
+    "ema_gamma",
+    "ema_warmup_rounds",
+    "ema_signal",
+)
 
 
 class RoundFailed(RuntimeError):
-    """Fewer than ``min_clients`` valid replies; the round may be retried."""
+    """Fewer than ``min_clients`` valid replies in a non-private run; the round may be retried."""
+
+
+def partition_id_of(metrics: Any) -> int | None:
+    """The integer ``partition-id`` of a query reply's metrics, or ``None`` when absent or bad.
+
+    Example
+    -------
+    >>> partition_id_of({"partition-id": 2}), partition_id_of({"partition-id": [2]})
+    (2, None)
+    """
+    value = metrics.get("partition-id") if hasattr(metrics, "get") else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not (math.isfinite(value) and float(value).is_integer() and value >= 0):
+        return None
+    return int(value)
+
+
+def _layout_rows(layout: Layout) -> list[list[Any]]:
+    return [[g.name, g.component, g.numel, list(g.parameter_names)] for g in layout]
+
+
+def _layout_difference(old: list, new: list) -> str:
+    if len(old) != len(new):
+        return f"{len(old)} groups -> {len(new)} groups"
+    for a, b in zip(old, new, strict=True):
+        if list(a) != list(b):
+            return f"group {list(a)} -> {list(b)} (name, component, numel, members)"
+    return "same groups"
 
 
 @dataclass
@@ -88,6 +143,8 @@ class RoundReport:
     component_norms: dict[str, float] = field(default_factory=dict)
     component_clip_rates: dict[str, float] = field(default_factory=dict)
     component_budgets: dict[str, float] = field(default_factory=dict)
+    connected: int | None = None
+    ignored: list[str] = field(default_factory=list)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -104,18 +161,28 @@ class DPFedAvg(FedAvg):
     layout : speechbrain_fl.privacy.Layout
         Trainable groups of the model (names, components, sizes).
     min_available_nodes : int
-        Nodes to wait for before sampling (the population K is the connected set).
+        Nodes to wait for before sampling.
+    population_size : int, optional
+        The number of partitions, the default of ``config.population_size`` (the declared K).
 
     Example
     -------
     >>> from speechbrain_fl.privacy import Group, Layout
-    >>> cfg = FLConfig(output_folder="out", sampling_rate=0.5, noise_multiplier=1.0, clip=1.0)
+    >>> cfg = FLConfig(output_folder="out", sampling_rate=0.5, noise_multiplier=1.0, clip=1.0,
+    ...                population_size=4)
     >>> strategy = DPFedAvg(config=cfg, layout=Layout([Group("w", "all", 3)]))
-    >>> strategy.budgets()
-    1.0
+    >>> strategy.budgets(), strategy.expected_cohort_size()
+    (1.0, 2.0)
     """
 
-    def __init__(self, *, config: FLConfig, layout: Layout, min_available_nodes: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        config: FLConfig,
+        layout: Layout,
+        min_available_nodes: int = 1,
+        population_size: int | None = None,
+    ) -> None:
         super().__init__(
             fraction_train=config.sampling_rate,
             fraction_evaluate=0.0,
@@ -131,8 +198,30 @@ class DPFedAvg(FedAvg):
                 "dp_sensitivity_bounded=True, so the noise would not cover its sensitivity; "
                 "use 'uniform' for private runs"
             )
-        self.sampler = PoissonSampler(config.sampling_rate, seed=config.seed)
+        self.population_size = config.population_size or population_size
+        if config.private and self.population_size is None:
+            raise ValueError(
+                "a private run needs a declared population K (n = qK in the noise and the "
+                "accountant): set population_size in the federated config, or give the "
+                "ServerTask its num_partitions"
+            )
+        if config.private:
+            sampler_seed = config.sampler_seed
+            for key in ("sampler_seed", "noise_seed"):
+                if getattr(config, key) is not None:
+                    log(
+                        WARNING,
+                        "%s=%s is fixed: cohorts or noise are predictable; for testing only, "
+                        "not private (recorded in results.json privacy.caveats)",
+                        key,
+                        getattr(config, key),
+                    )
+        else:  # no privacy claim: the public seed gives reproducible cohorts
+            sampler_seed = config.seed if config.sampler_seed is None else config.sampler_seed
+        self.sampler = PoissonSampler(config.sampling_rate, seed=sampler_seed)
         self.seed_rng = np.random.default_rng(None if config.seed is None else config.seed + 1)
+        self._draws: dict[int, int] = {}
+        self._population_warned: int | None = None
         self.noise = (
             GaussianNoise(
                 noise_multiplier=config.noise_multiplier, clip=config.clip, seed=config.noise_seed
@@ -158,6 +247,7 @@ class DPFedAvg(FedAvg):
                 beta=config.ema_beta,
                 gamma=config.ema_gamma,
                 warmup_rounds=config.ema_warmup_rounds,
+                signal=config.ema_signal,
             )
             if config.ema_signal == "raw":
                 log(
@@ -188,40 +278,131 @@ class DPFedAvg(FedAvg):
         """Return epsilon spent so far (``None`` for a non-private run)."""
         return None if self.accountant is None else float(self.accountant.epsilon())
 
+    def expected_cohort_size(self) -> float:
+        """Return n = qK with the declared population K (``None`` K: not a private run)."""
+        if self.population_size is None:
+            raise ValueError("no declared population: set population_size")
+        return self.sampler.expected_cohort_size(self.population_size)
+
+    def disclosure(self, *, profile_rounds: int = 0, alpha_from_profile: bool = False) -> dict:
+        """What the run's epsilon covers and what it does not (for results.json ``privacy``).
+
+        See :func:`speechbrain_fl.fl.disclosure.privacy_disclosure`.
+        """
+        return privacy_disclosure(
+            self.config, profile_rounds=profile_rounds, alpha_from_profile=alpha_from_profile
+        )
+
+    def privacy_settings(self) -> dict[str, Any]:
+        """The settings a resumed run must keep: C, delta, q, sigma, method, layout, K."""
+        settings = {key: getattr(self.config, key) for key in PRIVACY_KEYS}
+        settings["aggregation"] = self.config.aggregation_rule_name
+        settings["population_size"] = self.population_size
+        settings["layout"] = _layout_rows(self.layout)
+        return settings
+
     def state_dict(self) -> dict[str, Any]:
-        """Return everything a resumed run needs to continue identically."""
+        """Return what a resumed run needs: accountant, EMA budgets, settings, training seeds.
+
+        Never the sampler's or the noise's seed or generator state (nothing from which past
+        cohorts or noise could be derived).
+        """
         return {
-            "sampler": self.sampler.state_dict(),
+            "privacy": self.privacy_settings(),
             "seed_rng": self.seed_rng.bit_generator.state,
             "noise": None if self.noise is None else self.noise.state_dict(),
             "accountant": None if self.accountant is None else self.accountant.state_dict(),
             "ema": None if self.ema is None else self.ema.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self.sampler.load_state_dict(state["sampler"])
+    def check_privacy_settings(self, saved: dict[str, Any] | None, *, source: str) -> None:
+        """Raise ``ValueError`` naming the first privacy setting that differs from ``saved``."""
+        if saved is None:
+            raise ValueError(
+                f"{source} records no privacy settings (written by an earlier version, which "
+                "also stored the noise seed): it cannot be resumed safely; delete it to restart"
+            )
+        current = self.privacy_settings()
+        for key, new in current.items():
+            old = saved.get(key)
+            if old == new:
+                continue
+            if key == "layout":
+                raise ValueError(
+                    f"{source}: resuming would change the layout ({_layout_difference(old, new)})"
+                    "; the earlier rounds were clipped and accounted with the old one. Restore "
+                    "it, or start a new run in another output_folder"
+                )
+            raise ValueError(
+                f"{source}: resuming would change {key} from {old!r} to {new!r}; the earlier "
+                "rounds were noised and accounted with the old value. Restore it, or start a "
+                "new run in another output_folder"
+            )
+
+    def load_state_dict(self, state: dict[str, Any], *, source: str = "saved server state") -> None:
+        """Restore what :meth:`state_dict` saved, refusing changed privacy settings.
+
+        Arguments
+        ---------
+        state : dict
+            The saved state.
+        source : str
+            The state file, named in errors.
+        """
+        self.check_privacy_settings(state.get("privacy"), source=source)
         self.seed_rng.bit_generator.state = state["seed_rng"]
         for name in ("noise", "accountant", "ema"):
             obj = getattr(self, name)
             if (obj is None) != (state[name] is None):
                 raise ValueError(
-                    f"saved server state has {name}={state[name] is not None}, "
+                    f"{source} has {name}={state[name] is not None}, "
                     f"but the config gives {obj is not None}: config changed?"
                 )
             if obj is not None:
                 obj.load_state_dict(state[name])
 
+    def check_population(self, connected: int) -> None:
+        """Warn (once per count) when the connected nodes differ from the declared K."""
+        if self.population_size is None or connected == self.population_size:
+            return
+        if self._population_warned != connected:
+            self._population_warned = connected
+            log(
+                WARNING,
+                "population_size=%d is declared but %d nodes connected: the noise and the "
+                "accountant use the declared K (n = qK = %.4g); %s",
+                self.population_size,
+                connected,
+                self.expected_cohort_size(),
+                "missing nodes count as non-replies"
+                if connected < self.population_size
+                else "raise population_size if these nodes belong to the population",
+            )
+
+    def _next_draw(self, server_round: int) -> tuple[int, int]:
+        """Key of the next cohort draw of ``server_round``; a private run draws once a round."""
+        attempt = self._draws.get(server_round, 0)
+        if attempt and self.config.private:
+            raise RuntimeError(
+                f"round {server_round} was already drawn: a private run releases every Poisson "
+                "draw and is never re-sampled"
+            )
+        self._draws = {server_round: attempt + 1}
+        return server_round, attempt
+
     def _connected_nodes(self, grid: Grid) -> list[int]:
         """Return the connected nodes, waiting until ``min_available_nodes`` are."""
+        polls = 0
         while len(nodes := list(grid.get_node_ids())) < self.min_available_nodes:
-            log(
-                INFO,
-                "waiting for nodes: %d connected, %d needed",
-                len(nodes),
-                self.min_available_nodes,
-            )
-            time.sleep(1.0)
+            if polls % 20 == 0:
+                log(
+                    INFO,
+                    "waiting for nodes: %d connected, %d needed",
+                    len(nodes),
+                    self.min_available_nodes,
+                )
+            polls += 1
+            time.sleep(0.1)
         return nodes
 
     def learn_node_order(self, grid: Grid, timeout: float) -> None:
@@ -237,12 +418,17 @@ class DPFedAvg(FedAvg):
             Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n)
             for n in unknown
         ]
+        asked = set(unknown)
         for reply in grid.send_and_receive(messages, timeout=timeout):
-            if reply.has_error() or not reply.content.metric_records:
+            node = reply.metadata.src_node_id
+            if node not in asked or reply.has_error() or not reply.content.metric_records:
                 continue
-            metrics = next(iter(reply.content.metric_records.values()))
-            if "partition-id" in metrics:
-                self.node_order[reply.metadata.src_node_id] = int(metrics["partition-id"])
+            asked.discard(node)  # one answer per node
+            partition = partition_id_of(next(iter(reply.content.metric_records.values())))
+            if partition is None:
+                log(WARNING, "node %d: query reply without an integer partition-id", node)
+            else:
+                self.node_order[node] = partition
 
     # ------------------------------------------------------------------ Flower hooks
     def configure_train(
@@ -252,13 +438,16 @@ class DPFedAvg(FedAvg):
         self.current_arrays = arrays
         node_ids = self._connected_nodes(grid)
         self.population = len(node_ids)
-        self.cohort = self.sampler.sample(node_ids, order=self.node_order)
+        self.check_population(self.population)
+        draw = self._next_draw(server_round)
+        self.cohort = self.sampler.sample(node_ids, order=self.node_order, draw=draw)
         log(
             INFO,
-            "configure_train: Poisson cohort of %d (q=%.4g, K=%d)",
+            "configure_train: Poisson cohort of %d (q=%.4g, %d connected, K=%s)",
             len(self.cohort),
             self.config.sampling_rate,
             self.population,
+            self.population_size if self.population_size is not None else self.population,
         )
         budgets = self.budgets()
         config = ConfigRecord(dict(config))
@@ -283,53 +472,73 @@ class DPFedAvg(FedAvg):
         shapes = {k: tuple(v.shape) for k, v in global_params.items()}
         updates: list[ClientUpdate] = []
         failures: list[str] = []
-        replied = set()
+        ignored: list[str] = []
+        sampled, replied = set(self.cohort), set()
         for message in replies:
-            replied.add(message.metadata.src_node_id)
+            node = message.metadata.src_node_id
+            if node not in sampled:
+                ignored.append(f"node {node}: not sampled this round, reply ignored")
+                continue
+            if node in replied:
+                ignored.append(f"node {node}: a second reply this round, ignored")
+                continue
+            replied.add(node)
             try:
                 updates.append(parse_train_reply(message, expected_shapes=shapes))
             except ReplyRejected as err:
                 failures.append(str(err))
-        for node in sorted(set(self.cohort) - replied):
+            except Exception as err:  # defence in depth: no reply may crash the round
+                failures.append(f"node {node}: unreadable reply ({type(err).__name__}: {err})")
+        for node in sorted(sampled - replied):
             failures.append(f"node {node}: no reply within {self.config.round_timeout:g} s")
-        for reason in failures:
+        for reason in failures + ignored:
             log(WARNING, "round %d: dropped %s", server_round, reason)
         # a fixed summation order makes the float sum independent of reply arrival order
         updates.sort(key=lambda u: (u.metrics.get("partition-id", u.node_id), u.node_id))
+        private = self.config.private
         if len(updates) < self.config.min_clients:
-            raise RoundFailed(
+            summary = (
                 f"round {server_round}: {len(updates)} valid replies from a cohort of "
-                f"{len(self.cohort)} (K={self.population}), fewer than min_clients="
+                f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
                 f"{self.config.min_clients}"
+            )
+            if not private:
+                raise RoundFailed(summary)
+            log(
+                WARNING,
+                "%s; released anyway (noise and an accountant step): a private run releases "
+                "every Poisson draw",
+                summary,
             )
         report = RoundReport(
             round=server_round,
             cohort_size=len(self.cohort),
-            population=self.population,
+            population=self.population_size if private else self.population,
             num_replied=len(updates),
             num_failed=len(failures),
             failures=failures,
             train_loss=_mean(
                 [u.metrics["train-loss"] for u in updates if "train-loss" in u.metrics]
             ),
+            connected=self.population,
+            ignored=ignored,
         )
         budgets = self.budgets()
-        if budgets is not None:
+        if budgets is not None and updates:
             self._client_statistics(updates, budgets, report)
             for update in updates:  # server-side enforcement of the budgets (contract 3)
-                update.delta, _ = clip_update(update.delta, budgets, layout=self.layout)
-        if self.config.private:
-            n = self.sampler.expected_cohort_size(self.population)
-        else:
-            n = float(len(updates))
-        aggregate = self.rule(updates, expected_cohort_size=n)
+                update.delta, _ = clip_update(
+                    update.delta, budgets, layout=self.layout, inplace=True
+                )
+        n = self.expected_cohort_size() if private else float(len(updates))
+        aggregate = self.rule(updates, expected_cohort_size=n) if updates else {}
         if self.noise is not None:
-            aggregate = self.noise.add(aggregate, expected_cohort_size=n)
-            report.noise_std = noise_std(
-                noise_multiplier=self.config.noise_multiplier,
-                clip=self.config.clip,
-                expected_cohort_size=n,
-            )
+            # every parameter is released with noise, also one no reply (or the rule) left out
+            for name, value in global_params.items():
+                if name not in aggregate:
+                    aggregate[name] = torch.zeros(value.shape, dtype=torch.float64)
+            report.noise_std = self.noise.std(n)
+            aggregate = self.noise.add(aggregate, expected_cohort_size=n, draw=server_round)
             self.accountant.step()
         new_params = {}
         for name, value in global_params.items():
@@ -347,6 +556,7 @@ class DPFedAvg(FedAvg):
             self._update_ema(updates, aggregate, report)
         self.last_report = report
         metrics = MetricRecord({"num-replied": len(updates), "cohort-size": len(self.cohort)})
+        self.current_arrays = None  # one release per configured draw
         if report.train_loss is not None:
             metrics["train-loss"] = report.train_loss
         if self.accountant is not None:
@@ -390,6 +600,9 @@ class DPFedAvg(FedAvg):
     ) -> None:
         if self.config.ema_signal == "raw":
             observed = report.group_norms
+            if not updates:
+                log(WARNING, "round %d: no replies, the raw EMA signal is skipped", report.round)
+                return
             if not observed:
                 raise ValueError("ema_signal='raw' needs the clients' 'group-norms' metric")
         else:

@@ -6,9 +6,12 @@ evaluation metric columns, then ``norm_<L>, clip_rate_<L>, budget_<L>`` per comp
 ``group_norms.csv`` has one row per (round, group). Round 0 is the starting model (evaluation
 only). Empty cells where a value does not apply.
 
-Norms and clip rates are the *pre-clip* values the clients report (the paper's Fig. 3 and 5
-quantities): they are diagnostics for the operator, computed from raw client statistics, and
-are not covered by the DP guarantee; only the model and epsilon are.
+Norms, clip rates and the train loss are means of the *pre-clip* values the clients report (the
+paper's Fig. 3 and 5 quantities), and the cohort columns reveal who took part: diagnostics for
+the operator, computed from raw client statistics, **outside the DP guarantee** (only the
+models and epsilon are covered). results.json lists these files under
+``privacy.outside_guarantee`` (:data:`speechbrain_fl.fl.disclosure.OUTSIDE_GUARANTEE`); keep
+them with the operator.
 """
 
 from __future__ import annotations

@@ -124,6 +124,7 @@ def toy_server(context: Context, settings: dict[str, Any] | None = None) -> Serv
         valid_set=_data(settings, 10_000, int(settings["valid_examples"])),
         valid_loader_kwargs={"batch_size": 64, "collate_fn": PaddedBatch},
         min_available_nodes=int(settings["num_partitions"]),
+        num_partitions=int(settings["num_partitions"]),
     )
 
 

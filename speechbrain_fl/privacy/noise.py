@@ -8,8 +8,13 @@ Decisions
 ---------
 - Noise is drawn with a dedicated ``torch.Generator`` per device, seeded from ``os.urandom`` by
   default; a fixed seed makes the noise predictable and is for tests only (a warning is
-  logged). The generator state is in :meth:`GaussianNoise.state_dict` so a resumed run does not
-  reuse noise; a checkpoint holding that state must be protected like the noise itself.
+  logged). The seed lives in memory only: :meth:`GaussianNoise.state_dict` holds the public
+  settings (sigma, C) and nothing from which past noise could be regenerated, so a saved
+  server state cannot be used to strip the noise from released models; a resumed run draws
+  from a fresh OS seed.
+- ``add(..., draw=k)`` derives the generator of draw ``k`` (the round) from the seed (SHA-256 of
+  seed, draw and device; our choice): with a test-only fixed seed a resumed run then adds the
+  same noise as an uninterrupted one, without any generator state on disk.
 - ``torch.randn`` uses floating-point sampling, which is not hardened against the
   floating-point attacks on the Gaussian mechanism (Mironov 2012 style); like Opacus's default
   (non-secure) mode this is acceptable for research, not for adversarial deployments.
@@ -89,12 +94,17 @@ class GaussianNoise:
                 seed,
             )
             self._seed = int(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[tuple[str, int | None], torch.Generator] = {}
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
+    def _generator(self, device: torch.device, draw: int | None) -> torch.Generator:
+        key = (str(device), None if draw is None else int(draw))
         if key not in self._generators:
-            digest = hashlib.sha256(f"{self._seed}:{key}".encode()).digest()
+            if draw is not None:  # a draw key is used for one release: forget older keyed ones
+                self._generators = {
+                    k: g for k, g in self._generators.items() if k[1] is None or k[1] == key[1]
+                }
+            label = key[0] if draw is None else f"{key[0]}|draw={key[1]}"
+            digest = hashlib.sha256(f"{self._seed}:{label}".encode()).digest()
             gen = torch.Generator(device=device)
             gen.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
             self._generators[key] = gen
@@ -109,7 +119,11 @@ class GaussianNoise:
         )
 
     def add(
-        self, aggregate: Mapping[str, torch.Tensor], *, expected_cohort_size: float
+        self,
+        aggregate: Mapping[str, torch.Tensor],
+        *,
+        expected_cohort_size: float,
+        draw: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Return new tensors ``aggregate + N(0, std^2)``; ``aggregate`` is not modified.
 
@@ -119,6 +133,8 @@ class GaussianNoise:
             The mean of the clipped updates.
         expected_cohort_size : float
             ``n = q * K`` under Poisson sampling.
+        draw : int, optional
+            Key of this draw (the round); default the next draw of one running stream.
         """
         std = self.std(expected_cohort_size)
         out = {}
@@ -126,29 +142,30 @@ class GaussianNoise:
             if not t.is_floating_point():
                 raise ValueError(f"aggregate[{name!r}] has dtype {t.dtype}; floating point needed")
             noise = torch.randn(
-                t.shape, generator=self._generator(t.device), dtype=t.dtype, device=t.device
+                t.shape,
+                generator=self._generator(t.device, draw),
+                dtype=t.dtype,
+                device=t.device,
             )
             out[name] = t.detach() + noise.mul_(std)
         return out
 
     def state_dict(self) -> dict:
-        """Seed and generator states (protect a checkpoint holding them like the noise)."""
-        return {
-            "noise_multiplier": self.noise_multiplier,
-            "clip": self.clip,
-            "seed": self._seed,
-            "generators": {k: g.get_state() for k, g in self._generators.items()},
-        }
+        """The public settings (sigma, C); never the seed or a generator state."""
+        return {"noise_multiplier": self.noise_multiplier, "clip": self.clip}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore :meth:`state_dict` output so a resumed run continues the noise stream."""
-        self.noise_multiplier = _check_sigma(state["noise_multiplier"])
-        self.clip = float(state["clip"])
-        self._seed = int(state["seed"])
-        self._generators = {}
-        for key, gstate in state["generators"].items():
-            gen = self._generator(torch.device(key))
-            gen.set_state(gstate)
+        """Check that a saved state has this mechanism's settings (it restores no randomness).
+
+        Raises ``ValueError`` naming the setting that differs: a resumed run must not change
+        the noise scale of a run whose earlier rounds were accounted at the old one.
+        """
+        for key in ("noise_multiplier", "clip"):
+            if float(state[key]) != getattr(self, key):
+                raise ValueError(
+                    f"saved noise state has {key}={state[key]!r} but this mechanism uses "
+                    f"{getattr(self, key)!r}"
+                )
 
 
 def noisy_norm_signal(

@@ -24,6 +24,19 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def _wait_for_port(port, proc, log_path, timeout=120):
+    """Poll until the SuperLink accepts connections (a fixed sleep fails on a loaded machine)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.time() < deadline, f"no SuperLink on port {port} after {timeout} s"
+            time.sleep(0.1)
+
+
 def _start(cmd, log, env):
     # own session and process group, so cleanup reaches the SuperExec/app children too
     return subprocess.Popen(
@@ -70,7 +83,7 @@ def test_two_supernodes_two_rounds(tmp_path):
                 env,
             )
         )
-        time.sleep(3)
+        _wait_for_port(link_port, procs[0], tmp_path / "superlink.log")
         for pid in range(2):
             log = open(tmp_path / f"supernode{pid}.log", "w")
             logs.append(log)
@@ -103,7 +116,7 @@ def test_two_supernodes_two_rounds(tmp_path):
         deadline = time.time() + 60  # the state is written before the ServerApp returns
         while _round(out) < 2:
             assert time.time() < deadline, (tmp_path / "superlink.log").read_text()[-3000:]
-            time.sleep(1)
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:

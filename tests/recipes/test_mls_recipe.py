@@ -9,6 +9,7 @@ refused before any work. Corpus and seed model come from the session's MLS cache
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import subprocess
@@ -43,6 +44,19 @@ def test_privacy_section(method, recipe_run):
     assert set(privacy["sigma_eff"]) >= {"encoder", "llm"}
     # Every per-layer method calibrates noise to C: no pool is noisier-than-sigma-free.
     assert min(privacy["sigma_eff"].values()) >= privacy["noise_multiplier"] * (1 - 1e-9)
+    # what the epsilon covers: nothing outside it in a default run, telemetry labelled
+    assert "add/remove" in privacy["guarantee"] and privacy["caveats"] == []
+    assert privacy["epsilon_covers_everything"] is True
+    assert {"rounds.csv", "group_norms.csv"} <= set(privacy["outside_guarantee"])
+    assert "Privacy: epsilon is client-level" in run.stdout
+    if method.endswith("_ema"):
+        assert privacy["ema_signal"]["signal"] == "noisy"
+        with open(run.output_folder / "rounds.csv", newline="", encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))  # the EMA left its warm-up: round 2's budgets moved
+        budget = [
+            {k: r[k] for k in r if k.startswith("budget_")} for r in rows if r["round"] != "0"
+        ]
+        assert budget[0] and budget[0] != budget[1]
     if method == "alpha_split":
         assert privacy["sigma_eff"]["encoder"] == pytest.approx(0.1 / math.sqrt(0.05))
         assert privacy["sigma_eff"]["llm"] == pytest.approx(0.1 / math.sqrt(0.95))
@@ -94,3 +108,10 @@ def test_recipe_norm_profile_and_auto_alpha(tmp_path, recipe_cache):
     assert 0.0 < alpha < 1.0
     assert results["privacy"]["sigma_eff"]["encoder"] == pytest.approx(0.1 / math.sqrt(alpha))
     assert "Privacy caveat" in proc.stdout
+    # the reported epsilon is labelled as not covering the profiling rounds and the alpha
+    privacy = results["privacy"]
+    assert privacy["epsilon_covers_everything"] is False
+    assert "profile.json" in privacy["outside_guarantee"]
+    assert any("profiling" in c for c in privacy["caveats"])
+    assert any("alpha: auto" in c for c in privacy["caveats"])
+    assert "NOT covered by epsilon" in proc.stdout

@@ -1,4 +1,4 @@
-"""Poisson cohort sampling: binomial statistics, determinism, resumable state."""
+"""Poisson cohort sampling: binomial statistics, keyed draws, OS seeding."""
 
 import numpy as np
 import pytest
@@ -25,17 +25,29 @@ def test_each_node_included_with_probability_q():
     assert np.all(np.abs(counts / 4000 - 0.3) < 0.03)
 
 
-def test_state_resumes_same_cohorts_and_order_key():
-    a = PoissonSampler(0.5, seed=3)
-    a.sample(range(20))
-    b = PoissonSampler(0.5, seed=99)
-    b.load_state_dict(a.state_dict())
-    assert [a.sample(range(20)) for _ in range(5)] == [b.sample(range(20)) for _ in range(5)]
-    # the cohort follows the order key, not the node id: relabelled nodes, same partitions
+def test_draw_keys_reproduce_cohorts_without_saved_state():
+    # a fixed (public or test-only) seed: the cohort of a draw key is the same in any process,
+    # so a resumed run needs no sampler state on disk
+    a, b = PoissonSampler(0.5, seed=3), PoissonSampler(0.5, seed=3)
+    a.sample(range(20), draw=(1, 0))
+    assert [a.sample(range(20), draw=(r, 0)) for r in range(2, 7)] == [
+        b.sample(range(20), draw=(r, 0)) for r in range(2, 7)
+    ]
+    assert a.sample(range(20), draw=(2, 0)) != a.sample(range(20), draw=(2, 1))  # a retry
+    assert not hasattr(a, "state_dict")
+    # OS-seeded samplers are independent of each other (P(equal) = 2^-100 here)
+    assert PoissonSampler(0.5).sample(range(100), draw=(1, 0)) != PoissonSampler(0.5).sample(
+        range(100), draw=(1, 0)
+    )
+    assert PoissonSampler(0.5).seeded_from_os and not a.seeded_from_os
+
+
+def test_cohort_follows_the_order_key_not_the_node_id():
+    # relabelled nodes, same partitions: the same partitions are drawn
     c, d = PoissonSampler(0.5, seed=4), PoissonSampler(0.5, seed=4)
     ids_c, ids_d = [11, 7, 3], [100, 5, 42]  # partition 0, 1, 2 in each run
-    got_c = c.sample(ids_c, order={11: 0, 7: 1, 3: 2})
-    got_d = d.sample(ids_d, order={100: 0, 5: 1, 42: 2})
+    got_c = c.sample(ids_c, order={11: 0, 7: 1, 3: 2}, draw=(1, 0))
+    got_d = d.sample(ids_d, order={100: 0, 5: 1, 42: 2}, draw=(1, 0))
     to_part_c, to_part_d = {11: 0, 7: 1, 3: 2}, {100: 0, 5: 1, 42: 2}
     assert [to_part_c[n] for n in got_c] == [to_part_d[n] for n in got_d]
 

@@ -7,6 +7,7 @@ non-compliant or broken client.
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig, RoundFailed, train_round
 from speechbrain_fl.fl.toy import toy_client, toy_settings
-from speechbrain_fl.privacy import GaussianNoise, Group, Layout
+from speechbrain_fl.privacy import Group, Layout
 
 
 @pytest.fixture(autouse=True)
@@ -59,32 +60,89 @@ def _set_round(strategy, cohort, population):
     strategy.cohort, strategy.population = list(cohort), population
 
 
-def test_server_reclips_noncompliant_client_and_adds_noise_once(tmp_path):
-    sigma, clip, q, k = 0.5, 1.0, 0.5, 4
-    strategy = _strategy(tmp_path, sampling_rate=q, noise_multiplier=sigma, clip=clip, noise_seed=7)
+def test_dp_mean_divides_by_qk_not_the_realised_cohort(tmp_path):
+    # q = 0.5 of K = 6 declared clients: n = qK = 3, while only 2 were sampled and replied
+    q, k, clip = 0.5, 6, 1.0
+    strategy = _strategy(
+        tmp_path, sampling_rate=q, noise_multiplier=1e-9, clip=clip, population_size=k
+    )
     _set_round(strategy, [1, 2], k)
     big = {"model.weight": torch.full((1, 4), 10.0), "model.bias": torch.full((1,), 10.0)}
     small = {"model.weight": torch.full((1, 4), 0.1), "model.bias": torch.zeros(1)}
     replies = [_reply(1, big, {"num-examples": 5}), _reply(2, small, {"num-examples": 50})]
-    arrays, metrics = strategy.aggregate_train(1, replies)
+    arrays, _ = strategy.aggregate_train(1, replies)
     new = arrays.to_torch_state_dict()
-    # expected: (clip(big) + small) / n with n = qK = 2, plus one draw of the seeded noise
-    norm_big = torch.sqrt(torch.tensor(5 * 100.0, dtype=torch.float64))
-    n = q * k
-    mean = {p: (big[p].double() * clip / norm_big + small[p].double()) / n for p in big}
-    noisy = GaussianNoise(noise_multiplier=sigma, clip=clip, seed=7).add(
-        mean, expected_cohort_size=n
-    )
+    # the non-compliant reply is re-clipped to C; the sum is divided by qK = 3 (not by 2)
+    norm_big = math.sqrt(5 * 100.0)
     for name in GLOBAL:
-        torch.testing.assert_close(new[name], noisy[name].float(), rtol=0, atol=1e-6)
+        expected = (big[name].double() * clip / norm_big + small[name].double()) / 3.0
+        torch.testing.assert_close(new[name].double(), expected, rtol=0, atol=1e-6)
     assert strategy.accountant.rounds == 1
-    assert strategy.last_report.noise_std == pytest.approx(sigma * clip / (q * k))
-    assert metrics["epsilon"] > 0
-    # a second aggregate of the same round would draw new noise: the result is not reproduced
-    twice = GaussianNoise(noise_multiplier=sigma, clip=clip, seed=7)
-    twice.add(mean, expected_cohort_size=n)
-    again = twice.add(mean, expected_cohort_size=n)
-    assert not torch.allclose(again["model.weight"].float(), new["model.weight"])
+
+
+def test_noise_std_is_sigma_clip_over_qk(tmp_path):
+    """One noise draw of std sigma C / (qK) per round, the formula written out here."""
+    sigma, clip, q, k = 0.8, 1.5, 0.25, 8
+    expected_std = sigma * clip / (q * k)  # 0.6
+    layout = Layout([Group("w", "all", 400_000)])
+    cfg = FLConfig(
+        output_folder=str(tmp_path),
+        sampling_rate=q,
+        noise_multiplier=sigma,
+        clip=clip,
+        population_size=k,
+    )
+    strategy = DPFedAvg(config=cfg, layout=layout)
+    params = {"w": torch.zeros(400_000)}
+    draws = []
+    for server_round in (1, 2):
+        strategy.current_arrays = ArrayRecord({"w": params["w"].clone()})
+        _set_round(strategy, [1], k)
+        zero = _reply(1, {"w": torch.zeros(400_000)}, {"num-examples": 1})
+        arrays, _ = strategy.aggregate_train(server_round, [zero])
+        new = arrays.to_torch_state_dict()["w"].double()
+        draws.append(new - params["w"].double())
+        params = {"w": new.float()}
+    for noise in draws:  # 400k draws: the std estimate is within 0.3% (5 standard errors)
+        assert float(noise.std()) == pytest.approx(expected_std, rel=0.006)
+        assert abs(float(noise.mean())) < 5 * expected_std / math.sqrt(noise.numel())
+    assert not torch.equal(draws[0], draws[1])  # a fresh draw each round
+    assert strategy.last_report.noise_std == pytest.approx(expected_std, rel=1e-12)
+    assert strategy.accountant.rounds == 2
+
+
+def test_ema_budgets_are_updated_by_the_strategy(tmp_path):
+    """After the warm-up, the EMA budgets follow the released aggregate's group norms."""
+    layout = Layout([Group("a", "all", 2000), Group("b", "all", 2000)])
+    cfg = FLConfig(
+        output_folder=str(tmp_path),
+        sampling_rate=1.0,
+        noise_multiplier=1e-3,
+        clip=1.0,
+        clip_method="pfl_unif_ema",
+        ema_warmup_rounds=2,
+        ema_beta=0.5,
+        population_size=2,
+    )
+    strategy = DPFedAvg(config=cfg, layout=layout)
+    base = strategy.budgets()
+    assert base["a"] == pytest.approx(base["b"])  # uniform base weights
+    params = {"a": torch.zeros(2000), "b": torch.zeros(2000)}
+    history = []
+    for server_round in (1, 2, 3):
+        strategy.current_arrays = ArrayRecord({k: v.clone() for k, v in params.items()})
+        _set_round(strategy, [1, 2], 2)
+        # group a moves 20x more than group b
+        delta = {"a": torch.full((2000,), 0.02), "b": torch.full((2000,), 0.001)}
+        replies = [_reply(n, delta, {"num-examples": 1}) for n in (1, 2)]
+        arrays, _ = strategy.aggregate_train(server_round, replies)
+        params = arrays.to_torch_state_dict()
+        history.append(strategy.budgets())
+    assert strategy.ema.round == 3
+    assert history[0] == pytest.approx(base)  # still in the warm-up after one observation
+    assert history[-1]["a"] > 1.5 * history[-1]["b"]  # the budgets followed the norms
+    total = math.sqrt(sum(v * v for v in history[-1].values()))
+    assert total == pytest.approx(1.0, rel=1e-9)  # still a split of C
 
 
 def test_weighted_mean_for_plain_fedavg(tmp_path):
@@ -177,3 +235,28 @@ def test_client_round_clips_with_sent_budgets_and_reports_stats():
     # same round seed -> same update (reproducible rounds)
     again = train_round(task, content, partition_id=0)["arrays"].to_torch_state_dict()
     assert torch.equal(again["model.weight"], delta["model.weight"])
+
+
+def test_strategy_accounts_with_the_chosen_accountant(tmp_path):
+    """accountant='prv' reaches the strategy's accountant (PRV < RDP at these settings)."""
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    eps = {}
+    for name in ("rdp", "prv"):
+        strategy = _strategy(
+            tmp_path,
+            sampling_rate=0.5,
+            noise_multiplier=2.0,
+            clip=1.0,
+            population_size=2,
+            accountant=name,
+        )
+        _set_round(strategy, [1], 2)
+        good = {k: torch.ones_like(v) for k, v in GLOBAL.items()}
+        _, metrics = strategy.aggregate_train(1, [_reply(1, good, {"num-examples": 1})])
+        eps[name] = metrics["epsilon"]
+    for name, cls in (("rdp", RDPAccountant), ("prv", PRVAccountant)):
+        reference = cls()
+        reference.history = [(2.0, 0.5, 1)]
+        assert eps[name] == pytest.approx(reference.get_epsilon(delta=1e-5), rel=1e-9), name
+    assert eps["prv"] < 0.95 * eps["rdp"]

@@ -129,3 +129,60 @@ def test_bad_input(tmp_path):
         partition_manifest(str(good), str(tmp_path / "p"), method="kmeans")
     with pytest.raises(FileNotFoundError, match="missing.csv"):
         read_manifest(str(tmp_path / "missing.csv"))
+
+
+def _rows(sizes_by_speaker, language_of=None):
+    rows = []
+    for spk, size in sizes_by_speaker.items():
+        lang = (language_of or {}).get(spk, "en")
+        rows += [{"ID": f"{spk}_{u}", "spk_id": spk, "language": lang} for u in range(size)]
+    return rows
+
+
+def test_speakers_balanced_by_utterances():
+    """Largest speakers first, each to the lightest client (longest-processing-time)."""
+    sizes = {"a": 10, "b": 9, "c": 8, "d": 1, "e": 1, "f": 1, "g": 1, "h": 1}
+    part = speaker_partition(_rows(sizes), num_clients=3, seed=0)
+    # 10 | 9 | 8, then the five 1s fill the lightest: loads 10, 11, 11 (any seed)
+    assert sorted(len(v) for v in part.values()) == [10, 11, 11]
+    owner = {u.split("_")[0]: c for c, ids in part.items() for u in ids}
+    assert len({owner["a"], owner["b"], owner["c"]}) == 3  # the three large speakers apart
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 30), min_size=2, max_size=15), data=st.data())
+def test_greedy_balance_bound(sizes, data):
+    """Each speaker goes to the lightest client, so loads differ by at most the largest speaker."""
+    k = data.draw(st.integers(1, len(sizes)))
+    part = speaker_partition(
+        _rows({f"s{i}": n for i, n in enumerate(sizes)}),
+        num_clients=k,
+        seed=data.draw(st.integers(0, 99)),
+    )
+    loads = [len(v) for v in part.values()]
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+def test_language_shares_follow_speaker_counts():
+    """K clients shared by speaker count: 1 each, the rest by largest remainder."""
+    langs = {f"en{i}": "en" for i in range(8)} | {f"de{i}": "de" for i in range(4)}
+    langs |= {f"pl{i}": "pl" for i in range(4)}
+    rows = _rows({s: 2 for s in langs}, langs)
+
+    def shares(k):
+        part = speaker_partition(rows, num_clients=k, seed=1, stratify_by_language=True)
+        out = {}
+        for ids in part.values():
+            lang = langs[ids[0].split("_")[0]]
+            out[lang] = out.get(lang, 0) + 1
+        return out
+
+    # speaker shares de 0.25, en 0.5, pl 0.25; quota_g = 1 + (k - 3) * share_g
+    # k=8: de 2.25, en 3.5, pl 2.25 -> 2, 3, 2 and the last client to en (remainder 0.5)
+    assert shares(8) == {"de": 2, "en": 4, "pl": 2}
+    # k=10: de 2.75, en 4.5, pl 2.75 -> 2, 4, 2 and one more to de and pl (remainder 0.75)
+    assert shares(10) == {"de": 3, "en": 4, "pl": 3}
+    # k=6: de 1.75, en 2.5, pl 1.75 -> 1, 2, 1, then de and pl
+    assert shares(6) == {"de": 2, "en": 2, "pl": 2}
+    # k=3: one client per language, whatever the counts
+    assert shares(3) == {"de": 1, "en": 1, "pl": 1}

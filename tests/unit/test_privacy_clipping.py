@@ -181,3 +181,54 @@ def test_inplace_clipping_matches_and_writes_the_callers_tensors():
     assert stats_inplace.group_norms == stats.group_norms
     assert not torch.equal(owned["a"], update["a"])  # clipped group written in place
     assert torch.equal(owned["b"], update["b"])  # in-budget group untouched
+
+
+@pytest.mark.parametrize("exponent", [24, 26])
+def test_clipped_norm_exact_on_large_tensors(exponent):
+    """Norms accumulated in float32 drift by ~1e-3 at 2^24 elements; the bound must hold to 1e-6
+    relative (float64 measurement) up to 2^26 elements, on both sides of the budget."""
+    gen = torch.Generator().manual_seed(exponent)
+    big = torch.randn(2**exponent, generator=gen) * 10.0
+    budget = 1.0
+    out, stats = clip_update({"w": big}, budget)
+    measured = norm64(out["w"])
+    assert abs(measured - budget) <= 1e-6 * budget
+    assert measured <= budget * (1 + 1e-9)  # never above the budget beyond the measurement
+    assert stats.joint_norm == pytest.approx(norm64(big), rel=1e-7)
+    del out
+    # per-group path: one large and one small group, each clipped to its own budget
+    lay = Layout([Group("w", "llm", 2**exponent), Group("s", "encoder", 3)])
+    out, stats = clip_update({"w": big, "s": torch.ones(3)}, {"w": 0.5, "s": 0.1}, layout=lay)
+    assert abs(norm64(out["w"]) - 0.5) <= 1e-6 * 0.5
+    assert abs(norm64(out["s"]) - 0.1) <= 1e-6 * 0.1
+    assert stats.group_norms["w"] == pytest.approx(norm64(big), rel=1e-7)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_packed_update_matches_separate_tensors(inplace):
+    """An update packed into one buffer takes the one-operation path with the same results."""
+    from speechbrain_fl.privacy.clipping import pack_update
+
+    lay = Layout(
+        [Group(f"e{i}", "encoder", 3 * 128) for i in range(3)]
+        + [Group(f"l{i}", "llm", 2 * 128) for i in range(2)]
+    )
+    gen = torch.Generator().manual_seed(0)
+    sep = {g.name: torch.randn(g.numel, generator=gen) * (i + 1) for i, g in enumerate(lay)}
+    packed = pack_update(sep)
+    assert packed["l1"].untyped_storage().data_ptr() == packed["e0"].untyped_storage().data_ptr()
+    budgets = {"e0": 100.0, "e1": 1.0, "e2": 0.5, "l0": 100.0, "l1": 0.25}
+    ref, ref_stats = clip_update(sep, budgets, layout=lay)
+    work = {k: v.clone() for k, v in packed.items()} if not inplace else packed
+    if not inplace:
+        work = pack_update(work)
+    got, stats = clip_update(work, budgets, layout=lay, inplace=inplace)
+    for name in sep:  # the norms are summed in another order: equal up to float32 rounding
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=0)
+        assert norm64(got[name]) <= budgets[name] * (1 + SLACK)
+    assert got["e0"] is work["e0"]  # inside its budget: the caller's tensor
+    assert stats.clipped == ref_stats.clipped
+    for name, value in ref_stats.group_norms.items():
+        assert stats.group_norms[name] == pytest.approx(value, rel=1e-6)
+    if not inplace:
+        assert torch.equal(work["e1"], packed["e1"])  # not written

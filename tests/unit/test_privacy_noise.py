@@ -1,4 +1,4 @@
-"""Gaussian mechanism: calibration, seeding, checkpoint resume, the noisy norm signal."""
+"""Gaussian mechanism: calibration, seeding, no secret in the state, the noisy norm signal."""
 
 import logging
 import math
@@ -54,15 +54,28 @@ def test_os_seeded_generators_differ_and_do_not_warn(caplog):
     )
 
 
-def test_state_dict_resumes_the_noise_stream():
+def test_state_dict_holds_no_seed_and_keyed_draws_reproduce():
     a = GaussianNoise(noise_multiplier=1.0, clip=1.0)
     x = {"w": torch.zeros(8)}
-    a.add(x, expected_cohort_size=1)
+    first = a.add(x, expected_cohort_size=1, draw=1)["w"]
     state = a.state_dict()
-    nxt = a.add(x, expected_cohort_size=1)["w"]
+    assert state == {"noise_multiplier": 1.0, "clip": 1.0}  # nothing to regenerate the noise
     b = GaussianNoise(noise_multiplier=1.0, clip=1.0)
     b.load_state_dict(state)
-    assert torch.equal(b.add(x, expected_cohort_size=1)["w"], nxt)
+    assert not torch.equal(b.add(x, expected_cohort_size=1, draw=1)["w"], first)  # fresh seed
+    # a changed noise scale is refused, not silently adopted
+    with pytest.raises(ValueError, match="clip"):
+        GaussianNoise(noise_multiplier=1.0, clip=4.0).load_state_dict(state)
+    # test-only fixed seed: draw k is the same in any process (a resumed test run)
+    c, d = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=5), None
+    c.add(x, expected_cohort_size=1, draw=1)
+    d = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=5)
+    assert torch.equal(
+        c.add(x, expected_cohort_size=1, draw=2)["w"], d.add(x, expected_cohort_size=1, draw=2)["w"]
+    )
+    assert not torch.equal(
+        d.add(x, expected_cohort_size=1, draw=3)["w"], d.add(x, expected_cohort_size=1, draw=4)["w"]
+    )
 
 
 def test_noisy_norm_signal_is_unbiased():

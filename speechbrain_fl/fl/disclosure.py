@@ -1,0 +1,150 @@
+"""What a run's epsilon covers, and what it does not (results.json ``privacy``).
+
+The guarantee is client-level (epsilon, delta)-DP of the released global models under add/remove
+adjacency: one client (a speaker partition) joins or leaves the population, its whole clipped
+update counts, and the joint epsilon of the accountant at (q, sigma, T) bounds what any
+observer of the models learns about it. :func:`privacy_disclosure` returns that statement with
+everything the run computed from raw client data outside the mechanism (telemetry, profiling,
+a raw EMA signal) and every test-only setting that voids it, for the recipe to copy into
+results.json and print under its results table (DESIGN.md "Privacy invariants" 1 and 4).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import EMA_METHODS, FLConfig
+
+__all__ = [
+    "EPSILON_PER_COMPONENT_NOTE",
+    "GUARANTEE",
+    "OUTSIDE_GUARANTEE",
+    "format_disclosure",
+    "privacy_disclosure",
+]
+
+GUARANTEE = (
+    "client-level (epsilon, delta)-DP of the released global models: one client (a speaker "
+    "partition) is added to or removed from the population (add/remove adjacency) and its whole "
+    "clipped update counts; the joint epsilon (accountant at q, sigma and the rounds run) is the "
+    "guarantee"
+)
+EPSILON_PER_COMPONENT_NOTE = (
+    "covers that component's sub-vector of the update only (what an observer of that part "
+    "alone learns); it is not a guarantee for the client: the joint epsilon is"
+)
+#: Files holding raw client statistics (means over the cohort, not noised): outside the DP
+#: guarantee. They are diagnostics for the operator and must not be published with the model.
+OUTSIDE_GUARANTEE = {
+    "rounds.csv": (
+        "columns joint_norm_mean, clip_rate, mean_clip_ratio, train_loss, norm_<L> and "
+        "clip_rate_<L> are means of the clients' raw statistics (cohort_size, num_replied and "
+        "num_failed reveal who took part)"
+    ),
+    "group_norms.csv": "mean_norm and clip_rate are means of the clients' raw group norms",
+    "train_log.txt": "the train loss is the mean of the clients' raw losses",
+}
+PROFILE_NOTE = (
+    "profiling rounds (profile_rounds > 0) ran without noise on the training clients; "
+    "profile.json holds their raw norms, and the reported epsilon does not cover them"
+)
+ALPHA_NOTE = (
+    "alpha: auto was derived from raw client norms of the profiling rounds: the choice of "
+    "alpha is outside the DP guarantee"
+)
+RAW_EMA_NOTE = (
+    "ema_signal: raw sets the EMA clip budgets from the clients' raw norms, outside the DP "
+    "guarantee: the released models depend on non-noised client statistics"
+)
+NOISY_EMA_NOTE = (
+    "the EMA budgets follow the noisy released aggregate (post-processing, inside the guarantee)"
+)
+
+
+def privacy_disclosure(
+    config: FLConfig, *, profile_rounds: int = 0, alpha_from_profile: bool = False
+) -> dict[str, Any]:
+    """The labels results.json's ``privacy`` section carries for a run with ``config``.
+
+    Arguments
+    ---------
+    config : FLConfig
+        The run's federated and privacy settings.
+    profile_rounds : int
+        Non-private profiling rounds run on the training clients before the private run.
+    alpha_from_profile : bool
+        Whether alpha came from those rounds (``alpha: auto``).
+
+    Returns
+    -------
+    dict
+        ``guarantee`` (``None`` for a non-private run), ``epsilon_covers_everything`` (False
+        when anything below voids or bypasses the guarantee), ``caveats`` (list of str),
+        ``ema_signal`` (``None`` or ``{"signal", "private", "note"}``),
+        ``epsilon_per_component_note`` and ``outside_guarantee`` (file -> what in it).
+
+    Example
+    -------
+    >>> cfg = FLConfig(output_folder="out", noise_multiplier=1.0, clip=1.0, noise_seed=0)
+    >>> out = privacy_disclosure(cfg)
+    >>> out["epsilon_covers_everything"], out["caveats"][0][:14]
+    (False, 'noise_seed=0 i')
+    """
+    private = config.private
+    caveats: list[str] = []
+    if private:
+        for key, what in (("sampler_seed", "cohorts"), ("noise_seed", "noise")):
+            value = getattr(config, key)
+            if value is not None:
+                caveats.append(
+                    f"{key}={value} is fixed (testing only): the {what} are predictable, so the "
+                    "run is NOT differentially private"
+                )
+    ema = None
+    if config.clip is not None and config.clip_method in EMA_METHODS:
+        raw = config.ema_signal == "raw"
+        ema = {
+            "signal": config.ema_signal,  # "noisy" (the released aggregate) or "raw"
+            "private": not raw,
+            "note": RAW_EMA_NOTE if raw else NOISY_EMA_NOTE,
+        }
+        if raw and private:
+            caveats.append(RAW_EMA_NOTE)
+    outside = dict(OUTSIDE_GUARANTEE)
+    if profile_rounds > 0:
+        outside["profile.json"] = "raw per-component update norms of the profiling rounds"
+        if private:
+            caveats.append(PROFILE_NOTE)
+    if alpha_from_profile and private:
+        caveats.append(ALPHA_NOTE)
+    return {
+        "guarantee": GUARANTEE if private else None,
+        "epsilon_covers_everything": private and not caveats,
+        "caveats": caveats,
+        "ema_signal": ema,
+        "epsilon_per_component_note": EPSILON_PER_COMPONENT_NOTE,
+        "outside_guarantee": outside,
+    }
+
+
+def format_disclosure(disclosure: dict[str, Any]) -> str:
+    """Lines to print under a results table: the guarantee, its caveats, what it leaves out.
+
+    Example
+    -------
+    >>> cfg = FLConfig(output_folder="out", noise_multiplier=1.0, clip=1.0)
+    >>> print(format_disclosure(privacy_disclosure(cfg)).splitlines()[0][:30])
+    Privacy: epsilon is client-lev
+    """
+    if not disclosure.get("guarantee"):
+        return "Privacy: not a private run (no noise, no epsilon)."
+    lines = [f"Privacy: epsilon is {disclosure['guarantee']}."]
+    if disclosure["caveats"]:
+        lines.append("  NOT covered by epsilon:")
+        lines += [f"  - {c}" for c in disclosure["caveats"]]
+    lines.append(
+        "  Outside the guarantee (raw client statistics, keep private): "
+        + ", ".join(disclosure["outside_guarantee"])
+    )
+    lines.append(f"  epsilon_per_component {disclosure['epsilon_per_component_note']}.")
+    return "\n".join(lines)

@@ -1,0 +1,342 @@
+"""Privacy invariants of the server strategy (DESIGN.md "Privacy invariants").
+
+Secret cohort sampling, every Poisson draw released and accounted, nothing on disk from which
+past noise or cohorts can be derived, a resume refusing changed privacy settings, a declared
+population, one client unable to crash a round, and honest labels. Replies are real Flower
+Messages; the resume refusals run the real :func:`run_server` on the toy task up to the point
+where a round would start (a ``max_epsilon`` below one round's epsilon stops it there, so no
+Grid is needed).
+"""
+
+import functools
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from speechbrain_fl.fl import DPFedAvg, FLConfig, RoundFailed
+from speechbrain_fl.fl.disclosure import OUTSIDE_GUARANTEE, privacy_disclosure
+from speechbrain_fl.fl.server import run_server
+from speechbrain_fl.fl.state import STATE_FILE
+from speechbrain_fl.fl.toy import toy_server, toy_settings
+from speechbrain_fl.privacy import Group, Layout
+
+
+@pytest.fixture(autouse=True)
+def _server_identity():
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+LAYOUT = Layout([Group("model.weight", "all", 4), Group("model.bias", "all", 1)])
+GLOBAL = {"model.weight": torch.zeros(1, 4), "model.bias": torch.zeros(1)}
+PRIVATE = dict(sampling_rate=0.5, noise_multiplier=1.0, clip=1.0, population_size=4)
+
+
+def _strategy(tmp_path, layout=LAYOUT, **kw):
+    strategy = DPFedAvg(config=FLConfig(output_folder=str(tmp_path), **kw), layout=layout)
+    strategy.current_arrays = ArrayRecord({k: v.clone() for k, v in GLOBAL.items()})
+    return strategy
+
+
+def _reply(node, delta=None, metrics=None):
+    out = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+    content = RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
+    return Message(content, reply_to=out)
+
+
+def _ones():
+    return {k: torch.ones_like(v) for k, v in GLOBAL.items()}
+
+
+def _leaves(obj, path=""):
+    """Every (path, value) of a nested dict/list state."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{path}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+# ----------------------------------------------------------------------------- 1. secret sampling
+def test_private_cohorts_do_not_follow_the_public_seed(tmp_path, caplog):
+    nodes = list(range(200))
+    cfg = dict(PRIVATE, population_size=200, seed=1234)
+    with caplog.at_level(logging.WARNING):
+        a, b = _strategy(tmp_path, **cfg), _strategy(tmp_path, **cfg)
+    assert not any("testing only" in r.getMessage() for r in caplog.records)
+    # P(equal cohorts of 200 independent Bernoulli(0.5) draws) = 2^-200
+    assert a.sampler.sample(nodes, draw=(1, 0)) != b.sampler.sample(nodes, draw=(1, 0))
+    # the non-private run keeps the recipe seed: reproducible cohorts
+    c, d = (
+        _strategy(tmp_path, sampling_rate=0.5, seed=7),
+        _strategy(tmp_path, sampling_rate=0.5, seed=7),
+    )
+    assert c.sampler.sample(nodes, draw=(1, 0)) == d.sampler.sample(nodes, draw=(1, 0))
+
+
+def test_fixed_sampler_and_noise_seeds_warn_and_are_recorded(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        strategy = _strategy(tmp_path, **PRIVATE, sampler_seed=3, noise_seed=4)
+    text = caplog.text
+    assert "sampler_seed=3" in text and "noise_seed=4" in text and "testing only" in text
+    caveats = strategy.disclosure()["caveats"]
+    assert any("sampler_seed" in c for c in caveats) and any("noise_seed" in c for c in caveats)
+    again = _strategy(tmp_path, **PRIVATE, sampler_seed=3, noise_seed=4)
+    assert strategy.sampler.sample(range(50), draw=(2, 0)) == again.sampler.sample(
+        range(50), draw=(2, 0)
+    )
+    assert _strategy(tmp_path, **PRIVATE).disclosure()["caveats"] == []
+
+
+# ----------------------------------------------------------------------------- 3. every draw
+def test_private_empty_cohort_is_released_and_accounted(tmp_path):
+    strategy = _strategy(tmp_path, **PRIVATE, min_clients=2)
+    strategy.cohort, strategy.population = [], 4
+    arrays, metrics = strategy.aggregate_train(1, [])
+    new = arrays.to_torch_state_dict()
+    assert strategy.accountant.rounds == 1 and metrics["epsilon"] > 0
+    # pure noise of std sigma C / (qK) = 0.5 on every parameter: not the unchanged model
+    assert all(not torch.equal(new[k], GLOBAL[k]) for k in GLOBAL)
+    assert strategy.last_report.num_replied == 0 and strategy.last_report.noise_std == 0.5
+
+
+def test_private_round_below_min_clients_is_released_not_resampled(tmp_path, caplog):
+    strategy = _strategy(tmp_path, **PRIVATE, min_clients=3)
+    strategy.cohort, strategy.population = [1, 2], 4
+    with caplog.at_level(logging.WARNING):
+        strategy.aggregate_train(1, [_reply(1, _ones(), {"num-examples": 1})])
+    assert strategy.accountant.rounds == 1
+    assert "released" in caplog.text
+    # a second draw for the same round would be a re-sample: refused in a private run
+    strategy._draws[1] = 1
+    with pytest.raises(RuntimeError, match="re-sampl"):
+        strategy._next_draw(1)
+    # a non-private run still fails the round so that it can be retried
+    plain = _strategy(tmp_path, min_clients=3)
+    plain.cohort, plain.population = [1, 2], 2
+    with pytest.raises(RoundFailed):
+        plain.aggregate_train(1, [_reply(1, _ones(), {"num-examples": 1})])
+    assert plain._next_draw(1) == (1, 0) and plain._next_draw(1) == (1, 1)
+
+
+# ----------------------------------------------------------------------------- 4. no secret
+def test_state_holds_nothing_that_regenerates_noise_or_cohorts(tmp_path):
+    strategy = _strategy(tmp_path, **PRIVATE)
+    strategy.cohort, strategy.population = [1], 4
+    strategy.aggregate_train(1, [_reply(1, _ones(), {"num-examples": 1})])
+    state = strategy.state_dict()
+    for path, value in _leaves(state):
+        if path.startswith("/seed_rng"):
+            continue  # the clients' training seeds (from the public recipe seed): no DP role
+        low = path.lower()
+        assert not any(word in low for word in ("sampler", "seed", "generator", "rng")), path
+        assert not isinstance(value, torch.Tensor), path  # no generator state tensors
+    assert "sampler" not in state and "seed" not in (state.get("noise") or {})
+    # a resumed strategy continues the accountant but draws fresh noise
+    resumed = _strategy(tmp_path, **PRIVATE)
+    resumed.load_state_dict(state, source="test state")
+    assert resumed.accountant.rounds == 1
+    x = {"w": torch.zeros(64)}
+    assert not torch.equal(
+        strategy.noise.add(x, expected_cohort_size=2, draw=2)["w"],
+        resumed.noise.add(x, expected_cohort_size=2, draw=2)["w"],
+    )
+
+
+# ----------------------------------------------------------------------------- 2. resume refusals
+def _toy(tmp_path, **changes):
+    settings = toy_settings(
+        overrides={
+            "output_folder": str(tmp_path),
+            "num_rounds": 3,
+            "sampling_rate": 0.5,
+            "noise_multiplier": 1.0,
+            "clip": 1.0,
+            "max_epsilon": 1e-3,  # below one round: run_server stops before round 1
+            **changes,
+        }
+    )
+    context = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    return functools.partial(toy_server, context, settings)
+
+
+@pytest.mark.parametrize(
+    "key,old,new",
+    [
+        ("clip", 1.0, 4.0),
+        ("delta", 1e-5, 1e-6),
+        ("sampling_rate", 0.5, 0.25),
+        ("noise_multiplier", 1.0, 2.0),
+        ("clip_method", "flat", "pfl_dim"),
+        ("population_size", 4, 8),
+        ("ema_warmup_rounds", 3, 5),
+    ],
+)
+def test_resume_refuses_changed_privacy_settings(tmp_path, key, old, new):
+    base = {"clip_method": "pfl_dim_ema"} if key == "ema_warmup_rounds" else {}
+    result = run_server(None, _toy(tmp_path, **base, **{key: old})())
+    assert result.stopped_early and result.last_round == 0
+    with pytest.raises(ValueError) as err:
+        run_server(None, _toy(tmp_path, **base, **{key: new})())
+    text = str(err.value)
+    assert key in text and repr(old) in text and repr(new) in text
+    assert str(tmp_path / STATE_FILE) in text
+    run_server(None, _toy(tmp_path, **base, **{key: old})())  # unchanged: resumes
+
+
+def test_resume_refuses_a_changed_layout(tmp_path):
+    run_server(None, _toy(tmp_path)())
+    task = _toy(tmp_path)()
+    task.layout = Layout([Group("model.weight", "w", 4), Group("model.bias", "b", 1)])
+    with pytest.raises(ValueError, match="layout"):
+        run_server(None, task)
+
+
+# ----------------------------------------------------------------------------- 9. population
+def test_declared_population_sets_the_denominator(tmp_path):
+    # K = 4 declared, only 2 nodes connected this round: n = qK = 2, not q * 2 = 1
+    strategy = _strategy(tmp_path, **dict(PRIVATE, noise_multiplier=1e-9))
+    strategy.cohort, strategy.population = [1, 2], 2
+    ones = _ones()
+    arrays, _ = strategy.aggregate_train(
+        1, [_reply(1, ones, {"num-examples": 1}), _reply(2, ones, {"num-examples": 1})]
+    )
+    clipped = 1.0 / math.sqrt(5.0)  # each reply re-clipped to C = 1 over its 5 entries
+    new = arrays.to_torch_state_dict()
+    torch.testing.assert_close(
+        new["model.bias"], torch.full((1,), 2 * clipped / 2.0), atol=1e-6, rtol=0
+    )
+    assert strategy.last_report.population == 4 and strategy.last_report.connected == 2
+
+
+def test_population_warns_and_private_run_needs_one(tmp_path, caplog):
+    strategy = _strategy(tmp_path, **PRIVATE)
+    with caplog.at_level(logging.WARNING):
+        strategy.check_population(3)
+    assert "population_size=4" in caplog.text and "3 nodes connected" in caplog.text
+    with pytest.raises(ValueError, match="population_size"):
+        _strategy(tmp_path, **dict(PRIVATE, population_size=None))
+    assert (
+        DPFedAvg(
+            config=FLConfig(output_folder=str(tmp_path), **dict(PRIVATE, population_size=None)),
+            layout=LAYOUT,
+            population_size=6,
+        ).population_size
+        == 6
+    )
+
+
+# ----------------------------------------------------------------------------- 7. robust replies
+def _big_endian_reply(node):
+    from flwr.app import Array
+
+    arrays = ArrayRecord(
+        {
+            "model.weight": Array(np.zeros((1, 4), dtype=">f4")),
+            "model.bias": Array(np.zeros(1, dtype=">f4")),
+        }
+    )
+    out = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+    content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})})
+    return Message(content, reply_to=out)
+
+
+def _corrupt_reply(node):
+    message = _reply(node, _ones(), {"num-examples": 1})
+    array = next(iter(message.content.array_records.values()))["model.weight"]
+    array.data = array.data[:-3]
+    return message
+
+
+def _bad_metric_reply(node, key, value):
+    message = _reply(node, _ones(), {"num-examples": 1})
+    metrics = next(iter(message.content.metric_records.values()))
+    metrics._data[key] = value  # bypass Flower's type check, as a hostile client's bytes could
+    return message
+
+
+def test_malformed_replies_are_rejected_with_a_log_line(tmp_path, caplog):
+    strategy = _strategy(tmp_path, clip=1.0, min_clients=1)
+    strategy.cohort, strategy.population = [1, 2, 3, 4, 5, 6, 7], 7
+    replies = [
+        _reply(1, _ones(), {"num-examples": 1}),
+        _corrupt_reply(2),
+        _big_endian_reply(3),
+        _bad_metric_reply(4, "num-examples", [1.0, 2.0]),
+        _bad_metric_reply(5, "train-loss", "0.5"),
+        _bad_metric_reply(6, "group-norms", 3.0),
+        _bad_metric_reply(7, "partition-id", [0, 1]),
+    ]
+    with caplog.at_level(logging.WARNING):
+        arrays, _ = strategy.aggregate_train(1, replies)
+    for node in (2, 3, 4, 5, 6, 7):
+        assert f"node {node}:" in caplog.text, node
+    assert strategy.last_report.num_replied == 1 and strategy.last_report.num_failed == 6
+    assert torch.isfinite(arrays.to_torch_state_dict()["model.weight"]).all()
+
+
+def test_reply_taken_once_and_only_from_a_sampled_node(tmp_path, caplog):
+    strategy = _strategy(tmp_path, min_clients=1)
+    strategy.cohort, strategy.population = [1], 3
+    ones = _ones()
+    twice = {k: 2 * v for k, v in ones.items()}
+    replies = [
+        _reply(1, ones, {"num-examples": 1}),
+        _reply(1, twice, {"num-examples": 1}),  # a second reply of node 1
+        _reply(9, twice, {"num-examples": 1}),  # node 9 was not sampled
+    ]
+    with caplog.at_level(logging.WARNING):
+        arrays, _ = strategy.aggregate_train(1, replies)
+    assert torch.equal(arrays.to_torch_state_dict()["model.weight"], torch.ones(1, 4))
+    assert "node 1: a second reply" in caplog.text and "node 9: not sampled" in caplog.text
+    assert strategy.last_report.num_replied == 1
+
+
+def test_partition_id_of_a_query_reply_must_be_an_integer(tmp_path):
+    from speechbrain_fl.fl.strategy import partition_id_of
+
+    assert partition_id_of(MetricRecord({"partition-id": 3})) == 3
+    assert partition_id_of(MetricRecord({"partition-id": [3, 4]})) is None
+    assert partition_id_of(MetricRecord({"partition-id": 2.5})) is None
+    assert partition_id_of(MetricRecord({})) is None
+
+
+# ----------------------------------------------------------------------------- 5/6. labels
+def test_disclosure_labels_what_the_epsilon_does_not_cover(tmp_path):
+    cfg = FLConfig(output_folder=str(tmp_path), **PRIVATE, clip_method="pfl_dim_ema")
+    out = privacy_disclosure(cfg)
+    assert "add/remove" in out["guarantee"] and "joint" in out["guarantee"]
+    assert out["ema_signal"] == {
+        "signal": "noisy",
+        "private": True,
+        "note": out["ema_signal"]["note"],
+    }
+    assert "sub-vector" in out["epsilon_per_component_note"]
+    assert set(OUTSIDE_GUARANTEE) <= set(out["outside_guarantee"])
+    assert (
+        "rounds.csv" in out["outside_guarantee"] and "group_norms.csv" in out["outside_guarantee"]
+    )
+    assert out["caveats"] == [] and out["epsilon_covers_everything"] is True
+    raw = privacy_disclosure(
+        FLConfig(
+            output_folder=str(tmp_path), **PRIVATE, clip_method="pfl_dim_ema", ema_signal="raw"
+        ),
+        profile_rounds=2,
+        alpha_from_profile=True,
+    )
+    assert raw["ema_signal"]["signal"] == "raw" and not raw["ema_signal"]["private"]
+    assert "profile.json" in raw["outside_guarantee"]
+    assert raw["epsilon_covers_everything"] is False
+    assert len(raw["caveats"]) == 3 and any("profile" in c for c in raw["caveats"])
+    assert any("alpha" in c for c in raw["caveats"]) and any("raw" in c for c in raw["caveats"])
+    assert privacy_disclosure(FLConfig(output_folder=str(tmp_path)))["guarantee"] is None
