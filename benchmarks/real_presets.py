@@ -287,7 +287,9 @@ def run_preset(args) -> dict:
             alpha=alpha,
             sigma=hparams["noise_multiplier"],
         )
-        budgets = compute_budgets(layout, method=hparams["method"], clip=hparams["clip"], alpha=alpha)
+        budgets = compute_budgets(
+            layout, method=hparams["method"], clip=hparams["clip"], alpha=alpha
+        )
         counts: dict = {}
         for name, param in model.named_parameters():
             c = counts.setdefault(model.component_of(name), {"total": 0, "trainable": 0})
@@ -402,7 +404,9 @@ def results_table(results: list[dict]) -> str:
             continue
         for row in res["settings"]:
             c = row["counts"]
-            parts = [c.get(k, {"total": 0, "trainable": 0}) for k in ("encoder", "connector", "llm")]
+            parts = [
+                c.get(k, {"total": 0, "trainable": 0}) for k in ("encoder", "connector", "llm")
+            ]
             total = " / ".join(_fmt_m(p["total"]) for p in parts)
             train = " / ".join(_fmt_m(p["trainable"]) for p in parts)
             enc = "frozen" if row["freeze_encoder"] else "LoRA (-e)"

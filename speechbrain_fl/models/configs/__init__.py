@@ -122,9 +122,7 @@ def _reduce_layers(values: dict, num_layers: int) -> dict:
     return out
 
 
-def model_config(
-    model_id: str, *, num_layers: int | None = None, root: str | Path | None = None
-):
+def model_config(model_id: str, *, num_layers: int | None = None, root: str | Path | None = None):
     """The transformers config built from ``config.json`` (``AutoConfig.for_model``).
 
     Arguments
