@@ -420,6 +420,12 @@ def results_table(results: list[dict]) -> str:
                     f"| {step.get('peak_rss_gib', '-')} | {row['load']['seconds']} "
                     f"| {row['load']['peak_rss_gib']} |"
                 )
+    lines += ["", "Trainable layout (recipe's component_layout) vs the paper's Table I:"]
+    for res in results:
+        for row in res.get("settings", []):
+            enc = "frozen" if row["freeze_encoder"] else "LoRA (-e)"
+            for diff in row["layout"]["differences"] or ["identical"]:
+                lines.append(f"- {res['preset']}, encoder {enc}: {diff}")
     return "\n".join(lines)
 
 
