@@ -72,6 +72,11 @@ PRESETS: dict[str, dict] = {
     "voxtral": {
         "kind": "voxtral",
         "model": "mistralai/Voxtral-Mini-3B-2507",
+        # Keep Voxtral's pretrained projector (stacking k=4 + 2-layer MLP): without these keys
+        # build_speech_llm would replace it by a fresh linear connector unless the caller
+        # passed connector="mlp" (checked by speechbrain_fl.models.configs.check_preset).
+        "connector": "mlp",
+        "downsample_k": 4,
         "prompt": DEFAULT_PROMPT,
         "max_new_tokens": 256,
     },

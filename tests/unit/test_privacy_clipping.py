@@ -232,3 +232,21 @@ def test_packed_update_matches_separate_tensors(inplace):
         assert stats.group_norms[name] == pytest.approx(value, rel=1e-6)
     if not inplace:
         assert torch.equal(work["e1"], packed["e1"])  # not written
+
+
+def test_large_float32_tensor_just_above_budget_is_clipped():
+    """Real-size regression: a 15.7M-entry float32 group (Voxtral's projector) 0.1% above its
+    budget is clipped; float32-accumulated norms were 0.27% low here and left it unclipped."""
+    gen = torch.Generator().manual_seed(0)
+    n = 15_728_640
+    x = (
+        1e-4
+        * torch.sign(torch.randn(n, generator=gen))
+        * (1 + 0.01 * torch.randn(n, generator=gen))
+    )
+    true = float(x.double().norm())
+    budget = 0.999 * true
+    out, stats = clip_update({"w": x}, {"w": budget})
+    assert stats.clipped["w"]
+    assert abs(stats.group_norms["w"] / true - 1) < 1e-9
+    assert float(out["w"].double().norm()) <= budget
