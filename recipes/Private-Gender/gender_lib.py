@@ -168,17 +168,18 @@ def privileged_tokens(rows, *, fields, buckets: int, max_tokens: int) -> torch.T
     return hash_tokens(records, buckets=buckets, max_tokens=max_tokens)
 
 
-def build_model(hparams: dict, *, num_classes: int, privileged: bool, prefix: str = "") -> GenderClassifier:
-    """A :class:`GenderClassifier` from the hparams (``prefix`` e.g. ``"student_"``)."""
+def build_model(hparams: dict, *, num_classes: int, privileged: bool) -> GenderClassifier:
+    """A :class:`GenderClassifier` from the hparams."""
     return GenderClassifier(
         n_mels=hparams["n_mels"],
         num_classes=num_classes,
-        dsaf=hparams[f"{prefix}dsaf"],
+        dsaf=hparams["dsaf"],
         crop_frames=hparams["dsaf_crop_frames"],
         compress_scale=hparams["dsaf_compress_scale"],
         channels=hparams["channels"],
         layers=hparams["layers"],
         kernel_size=hparams["kernel_size"],
+        stride=hparams["conv_stride"],
         emb_dim=hparams["emb_dim"],
         privileged=privileged,
         priv_buckets=hparams.get("priv_buckets", 1024),
@@ -331,7 +332,7 @@ def per_sample_grad_norms(model, feats, lengths, labels, *, tokens=None, batch_s
     """
     from opacus import GradSampleModule
 
-    gsm = GradSampleModule(model)
+    gsm = GradSampleModule(model, loss_reduction="sum")
     gsm.train()
     norms = []
     for i in range(0, feats.shape[0], batch_size):

@@ -121,32 +121,46 @@ class DSAF(nn.Module):
 
 
 class AudioEncoder(nn.Module):
-    """Conv1d stack over log-mel frames, masked mean pooling, a linear embedding.
+    """Conv1d stack (0 or more layers) over frames, masked mean+std pooling, a linear embedding.
+
+    With ``layers=0`` the encoder is statistics pooling of the input features followed by one
+    linear layer: few parameters, which is what DP-SGD at a small epsilon can afford (the noise
+    norm grows with the square root of the parameter count).
 
     Example
     -------
     >>> AudioEncoder(n_mels=40)(torch.randn(3, 50, 40), torch.tensor([50, 20, 1])).shape
     torch.Size([3, 64])
+    >>> AudioEncoder(n_mels=40, layers=0, emb_dim=8)(torch.randn(2, 9, 40), torch.tensor([9, 4])).shape
+    torch.Size([2, 8])
     """
 
     def __init__(self, *, n_mels: int, channels: int = 64, layers: int = 2,
-                 kernel_size: int = 5, emb_dim: int = 64, activation: str = "tanh"):  # fmt: skip
+                 kernel_size: int = 5, stride: int = 1, emb_dim: int = 64,
+                 activation: str = "tanh"):  # fmt: skip
         super().__init__()
         acts = {"tanh": nn.Tanh, "relu": nn.ReLU}
         if activation not in acts:
             raise ValueError(f"activation must be one of {sorted(acts)}, got {activation!r}")
+        if layers < 0 or stride < 1:
+            raise ValueError(f"layers >= 0 and stride >= 1 needed, got {layers}, {stride}")
         convs, dim = [], n_mels
-        for _ in range(layers):
-            convs += [nn.Conv1d(dim, channels, kernel_size, padding=kernel_size // 2), acts[activation]()]
+        for i in range(layers):
+            convs += [nn.Conv1d(dim, channels, kernel_size, stride=stride if i == 0 else 1,
+                                padding=kernel_size // 2), acts[activation]()]  # fmt: skip
             dim = channels
+        self.stride = stride if layers else 1
         self.convs = nn.Sequential(*convs)
-        self.proj = nn.Sequential(nn.Linear(channels, emb_dim), acts[activation]())
+        self.proj = nn.Sequential(nn.Linear(2 * dim, emb_dim), acts[activation]())
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        h = self.convs(x.transpose(1, 2)).transpose(1, 2)  # (B, T, C)
-        mask = _mask(lengths.clamp(min=1), h.shape[1])[..., None].to(h.dtype)
-        pooled = (h * mask).sum(dim=1) / mask.sum(dim=1)
-        return self.proj(pooled)
+        h = self.convs(x.transpose(1, 2)).transpose(1, 2)  # (B, T', C)
+        valid = torch.div(lengths.clamp(min=1) - 1, self.stride, rounding_mode="floor") + 1
+        mask = _mask(valid, h.shape[1])[..., None].to(h.dtype)
+        count = mask.sum(dim=1)
+        mean = (h * mask).sum(dim=1) / count
+        std = ((((h - mean[:, None]) * mask) ** 2).sum(dim=1) / count + 1e-5).sqrt()
+        return self.proj(torch.cat([mean, std], dim=1))
 
 
 class PrivilegedEncoder(nn.Module):
@@ -197,7 +211,8 @@ class GenderClassifier(nn.Module):
         Use the :class:`DSAF` front-end and bounded (tanh) activations; else raw log-mels of
         variable length and ReLU.
     crop_frames, compress_scale : DSAF settings.
-    channels, layers, kernel_size, emb_dim : audio encoder size.
+    channels, layers, kernel_size, stride, emb_dim : audio encoder size (``layers=0``: pooled
+        statistics and one linear layer).
     privileged : bool
         Add the privileged branch (teacher only; the released student is audio-only).
     priv_buckets, priv_dim : privileged encoder size.
@@ -207,13 +222,13 @@ class GenderClassifier(nn.Module):
 
     def __init__(self, *, n_mels: int, num_classes: int, dsaf: bool = True,
                  crop_frames: int = 150, compress_scale: float = 2.0, channels: int = 64,
-                 layers: int = 2, kernel_size: int = 5, emb_dim: int = 64,
+                 layers: int = 2, kernel_size: int = 5, stride: int = 1, emb_dim: int = 64,
                  privileged: bool = False, priv_buckets: int = 1024, priv_dim: int = 32,
                  modality_dropout: float = 0.0):  # fmt: skip
         super().__init__()
         self.dsaf = DSAF(crop_frames=crop_frames, compress_scale=compress_scale) if dsaf else None
         self.audio = AudioEncoder(n_mels=n_mels, channels=channels, layers=layers,
-                                  kernel_size=kernel_size, emb_dim=emb_dim,
+                                  kernel_size=kernel_size, stride=stride, emb_dim=emb_dim,
                                   activation="tanh" if dsaf else "relu")  # fmt: skip
         self.privileged = PrivilegedEncoder(buckets=priv_buckets, dim=priv_dim) if privileged else None
         self.modality_dropout = ModalityDropout(modality_dropout) if privileged else None
