@@ -117,6 +117,13 @@ def main(argv):
         sets[name] = {"ids": [r["ID"] for r in rows], "speakers": [r["spk_id"] for r in rows],
                       "labels": torch.tensor([index[r["label"]] for r in rows]), **feats}  # fmt: skip
     aux, test = sets["aux"], sets["test"]
+    if hparams["aux_subset"] is not None and hparams["aux_subset"] < len(aux["ids"]):
+        if hparams["aux_subset"] < 1:
+            raise ValueError(f"aux_subset must be >= 1 or null, got {hparams['aux_subset']}")
+        keep = torch.randperm(len(aux["ids"]), generator=torch.Generator().manual_seed(hparams["seed"]))
+        keep = keep[: hparams["aux_subset"]].sort().values
+        aux = {k: [v[i] for i in keep] if isinstance(v, list) else v[keep] for k, v in aux.items()}
+        logger.info("Distilling on %d of the D_aux records (aux_subset)", len(keep))
     if not aux["ids"]:
         raise ValueError(f"D_aux ({Path(manifests) / 'aux.csv'}) is empty: nothing to distil on")
     teacher_probs = torch.tensor(outputs.aligned(aux["ids"]), dtype=torch.float32)
