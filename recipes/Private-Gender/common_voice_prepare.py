@@ -115,7 +115,9 @@ def _rows_of(name, tsv, *, chosen, disjoint_by):
     if name in TSV_SPLITS:
         return tsv[name], f"{name}.tsv"
     if name != "validated_rest":
-        raise ValueError(f"unknown split {name!r}; expected one of {TSV_SPLITS + ('validated_rest',)}")
+        raise ValueError(
+            f"unknown split {name!r}; expected one of {TSV_SPLITS + ('validated_rest',)}"
+        )
     in_splits = {r["path"] for s in ("train", "dev", "test") for r in tsv[s]}
     speakers = {r["client_id"] for other in chosen for r in other}
     rows = [r for r in tsv["validated"] if r["path"] not in in_splits]
@@ -125,7 +127,9 @@ def _rows_of(name, tsv, *, chosen, disjoint_by):
 
 
 def _check_disjoint(sets: dict[str, list[dict]], disjoint_by: str) -> None:
-    keys = [("path", "recording")] + ([("client_id", "speaker")] if disjoint_by == "speaker" else [])
+    keys = [("path", "recording")] + (
+        [("client_id", "speaker")] if disjoint_by == "speaker" else []
+    )
     for key, what in keys:
         for i, a in enumerate(SET_NAMES):
             for b in SET_NAMES[i + 1 :]:

@@ -52,7 +52,9 @@ from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
-def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, epochs, max_steps, train_logger):
+def train_student(
+    model, *, feats, lengths, labels, teacher_probs, hparams, epochs, max_steps, train_logger
+):
     """Mini-batch Adam on the KD objective (non-private: D_aux is public)."""
     optimizer = torch.optim.Adam(model.parameters(), lr=hparams["lr"])
     n, bs = labels.numel(), hparams["batch_size"]
@@ -75,7 +77,9 @@ def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, epoc
             if max_steps is not None and steps >= max_steps:
                 break
         losses.append(total / n)
-        train_logger.log_stats(stats_meta={"model": "student", "epoch": epoch}, train_stats={"loss": losses[-1]})
+        train_logger.log_stats(
+            stats_meta={"model": "student", "epoch": epoch}, train_stats={"loss": losses[-1]}
+        )
         if max_steps is not None and steps >= max_steps:
             break
     model.eval()
@@ -85,7 +89,9 @@ def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, epoc
 def main(argv):
     start_all = time.time()
     hparams_file, run_opts, overrides = sb.parse_arguments(argv)
-    hparams, hparams_path, overrides = load_layered_hparams(hparams_file, overrides, recipe_dir=RECIPE_DIR)
+    hparams, hparams_path, overrides = load_layered_hparams(
+        hparams_file, overrides, recipe_dir=RECIPE_DIR
+    )
     root = Path(hparams["output_folder"])
     out = root / "student"
     teacher_results = root / "teacher" / "results.json"
@@ -104,7 +110,9 @@ def main(argv):
     outputs = read_teacher_outputs(hparams["teacher_outputs"], temperature=hparams["temperature"])
     classes = teacher_run["data"]["classes"]
     if outputs.classes != classes:
-        raise ValueError(f"{hparams['teacher_outputs']} has classes {outputs.classes}, the teacher run {classes}")
+        raise ValueError(
+            f"{hparams['teacher_outputs']} has classes {outputs.classes}, the teacher run {classes}"
+        )
     majority = classes.index(teacher_run["data"]["majority_class"])
     data_folder, manifests = teacher_run["data"]["data_folder"], teacher_run["data"]["manifests"]
     index = {c: i for i, c in enumerate(classes)}
@@ -120,7 +128,9 @@ def main(argv):
     if hparams["aux_subset"] is not None and hparams["aux_subset"] < len(aux["ids"]):
         if hparams["aux_subset"] < 1:
             raise ValueError(f"aux_subset must be >= 1 or null, got {hparams['aux_subset']}")
-        keep = torch.randperm(len(aux["ids"]), generator=torch.Generator().manual_seed(hparams["seed"]))
+        keep = torch.randperm(
+            len(aux["ids"]), generator=torch.Generator().manual_seed(hparams["seed"])
+        )
         keep = keep[: hparams["aux_subset"]].sort().values
         aux = {k: [v[i] for i in keep] if isinstance(v, list) else v[keep] for k, v in aux.items()}
         logger.info("Distilling on %d of the D_aux records (aux_subset)", len(keep))
@@ -171,10 +181,17 @@ def main(argv):
                                       test_stats={"balanced_accuracy": report["balanced_accuracy"]["value"],
                                                   "majpred": report["majpred"]["value"]})  # fmt: skip
     eps = lib.eps_str(privacy["epsilon"])
-    print("\n" + lib.results_table([("DP-direct", results["dp_direct"], eps), ("student (KD)", report, eps)], classes))
+    print(
+        "\n"
+        + lib.results_table(
+            [("DP-direct", results["dp_direct"], eps), ("student (KD)", report, eps)], classes
+        )
+    )
     dpd = (results["dp_direct"] or {}).get("balanced_accuracy", {}).get("value", np.nan)
-    print(f"Student balanced accuracy {report['balanced_accuracy']['value']:.3f} vs DP-direct {dpd:.3f}; "
-          f"MajPred {report['majpred']['value']:.3f} vs {(results['dp_direct'] or {}).get('majpred', {}).get('value', np.nan):.3f}")
+    print(
+        f"Student balanced accuracy {report['balanced_accuracy']['value']:.3f} vs DP-direct {dpd:.3f}; "
+        f"MajPred {report['majpred']['value']:.3f} vs {(results['dp_direct'] or {}).get('majpred', {}).get('value', np.nan):.3f}"
+    )
     print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
     print(f"Results: {out / 'results.json'}")
     return results

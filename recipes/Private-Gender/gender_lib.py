@@ -112,8 +112,9 @@ def load_features(rows, *, n_mels: int, max_frames: int, cache_folder: str,
     Clips longer than ``max_frames`` frames (10 ms hop) keep their first ``max_frames``.
     """
     key = hashlib.sha256(
-        json.dumps([[r["ID"], r["wav"], r["duration"]] for r in rows] + [n_mels, max_frames])
-        .encode()
+        json.dumps(
+            [[r["ID"], r["wav"], r["duration"]] for r in rows] + [n_mels, max_frames]
+        ).encode()
     ).hexdigest()[:16]
     cache = Path(cache_folder) / "features" / f"{key}.pt"
     if cache.is_file():
@@ -126,7 +127,9 @@ def load_features(rows, *, n_mels: int, max_frames: int, cache_folder: str,
             try:
                 wav, sr = sf.read(row["wav"], dtype="float32", always_2d=True)
             except Exception as err:
-                raise ValueError(f"clip {row['wav']} (record {row['ID']}) cannot be read: {err}") from err
+                raise ValueError(
+                    f"clip {row['wav']} (record {row['ID']}) cannot be read: {err}"
+                ) from err
             if sr != 16000:
                 import torchaudio
 
@@ -324,7 +327,9 @@ def predict_logits(model, feats, lengths, tokens=None, *, batch_size: int = 256)
     return torch.cat(out)
 
 
-def per_sample_grad_norms(model, feats, lengths, labels, *, tokens=None, batch_size: int = 64) -> np.ndarray:
+def per_sample_grad_norms(
+    model, feats, lengths, labels, *, tokens=None, batch_size: int = 64
+) -> np.ndarray:
     """L2 norms of per-sample gradients of the CE loss (Opacus ``GradSampleModule``).
 
     A diagnostic for DSAF, computed on the public D_aux (not on D_priv), in training mode (the

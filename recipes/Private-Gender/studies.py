@@ -126,9 +126,18 @@ def main(argv=None):
             res = pipeline(root / f"ablation_{name.strip('+')}", targs, sargs, extra=extra)
             out.setdefault("ablation", {})[name] = res
             rows.append(_row(name, res))
-        tables["Ablation at ε = 1 (DP-direct and student use the row's components)"] = _table(HEADER, rows)
+        tables["Ablation at ε = 1 (DP-direct and student use the row's components)"] = _table(
+            HEADER, rows
+        )
     if "binary" in args.only:
-        targs = ["--classes", "[male, female]", "--aw_source", "prior", "--aw_prior", "[0.74, 0.26]"]
+        targs = [
+            "--classes",
+            "[male, female]",
+            "--aw_source",
+            "prior",
+            "--aw_prior",
+            "[0.74, 0.26]",
+        ]
         res = pipeline(root / "binary", targs, extra=extra)
         out["binary"] = res
         tables["Binary variant (male / female, ε computed for this configuration)"] = _table(
@@ -142,7 +151,9 @@ def main(argv=None):
                                         "--aux_subset", "null" if size is None else str(size), *extra])  # fmt: skip
             out.setdefault("aux", {})[str(size)] = res
             rows.append(_row(f"|D_aux| = {res['kd']['aux_records']}", res))
-        tables["|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)"] = _table(HEADER, rows)
+        tables["|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)"] = _table(
+            HEADER, rows
+        )
     minutes = (time.time() - start) / 60
     with atomic_open(root / "studies.json") as handle:
         json.dump(out, handle, indent=2, default=float)

@@ -90,7 +90,9 @@ def dsaf_diagnostic(hparams, aux, num_classes, plots):
     norms = {}
     for name, flag in (("with DSAF", True), ("without DSAF", False)):
         torch.manual_seed(hparams["seed"])
-        model = lib.build_model({**hparams, "dsaf": flag}, num_classes=num_classes, privileged=False)
+        model = lib.build_model(
+            {**hparams, "dsaf": flag}, num_classes=num_classes, privileged=False
+        )
         norms[name] = lib.per_sample_grad_norms(model, aux["feats"][:n], aux["lengths"][:n],
                                                 aux["labels"][:n])  # fmt: skip
     stats = {name: {"cv": float(v.std() / v.mean()), "mean": float(v.mean()),
@@ -114,7 +116,9 @@ def load_set(name, manifests, data_folder, hparams, classes):
 def main(argv):
     start_all = time.time()
     hparams_file, run_opts, overrides = sb.parse_arguments(argv)
-    hparams, hparams_path, overrides = load_layered_hparams(hparams_file, overrides, recipe_dir=RECIPE_DIR)
+    hparams, hparams_path, overrides = load_layered_hparams(
+        hparams_file, overrides, recipe_dir=RECIPE_DIR
+    )
     out = Path(hparams["output_folder"]) / "teacher"
     sb.create_experiment_directory(experiment_directory=str(out), hyperparams_to_save=str(hparams_path),
                                    overrides=overrides)  # fmt: skip
@@ -145,7 +149,9 @@ def main(argv):
 
     multimodal = hparams["teacher_modality"] == "multimodal"
     if hparams["teacher_modality"] not in ("multimodal", "audio"):
-        raise ValueError(f"teacher_modality must be multimodal or audio, got {hparams['teacher_modality']!r}")
+        raise ValueError(
+            f"teacher_modality must be multimodal or audio, got {hparams['teacher_modality']!r}"
+        )
 
     def tokens(split):
         if not multimodal:

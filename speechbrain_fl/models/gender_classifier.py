@@ -50,9 +50,7 @@ __all__ = [
 ]
 
 
-def hash_tokens(
-    records: Sequence[Sequence[str]], *, buckets: int, max_tokens: int
-) -> torch.Tensor:
+def hash_tokens(records: Sequence[Sequence[str]], *, buckets: int, max_tokens: int) -> torch.Tensor:
     """Token ids in [1, buckets) by ``crc32(token) % (buckets - 1) + 1``, 0-padded.
 
     Example
@@ -172,6 +170,7 @@ class PrivilegedEncoder(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.contiguous()  # Opacus's ghost-clipping embedding norm uses .view
         mask = (tokens > 0).to(self.embedding.weight.dtype)[..., None]
         emb = (self.embedding(tokens) * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return torch.tanh(self.proj(emb))
@@ -230,7 +229,9 @@ class GenderClassifier(nn.Module):
         self.audio = AudioEncoder(n_mels=n_mels, channels=channels, layers=layers,
                                   kernel_size=kernel_size, stride=stride, emb_dim=emb_dim,
                                   activation="tanh" if dsaf else "relu")  # fmt: skip
-        self.privileged = PrivilegedEncoder(buckets=priv_buckets, dim=priv_dim) if privileged else None
+        self.privileged = (
+            PrivilegedEncoder(buckets=priv_buckets, dim=priv_dim) if privileged else None
+        )
         self.modality_dropout = ModalityDropout(modality_dropout) if privileged else None
         self.head = nn.Linear(emb_dim + (priv_dim if privileged else 0), num_classes)
 

@@ -74,7 +74,10 @@ def test_teacher_then_student(tmp_path, cache):
     assert not any(k.startswith(("privileged", "modality_dropout")) for k in state)
     for name, tensor in state.items():
         for tname, ttensor in teacher_state.items():
-            assert not (tensor.shape == ttensor.shape and torch.equal(tensor, ttensor)), (name, tname)
+            assert not (tensor.shape == ttensor.shape and torch.equal(tensor, ttensor)), (
+                name,
+                tname,
+            )
 
 
 def test_audio_only_teacher_is_dp_direct_binary(tmp_path, cache):
@@ -116,10 +119,15 @@ def test_bad_input_named_nothing_written(tmp_path, cache):
     # delta above 1/|D_priv| is refused, naming the key.
     proc = run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(bad),
                "--cache_folder", str(cache), *TINY, "--delta", "0.5", check=False)  # fmt: skip
-    assert proc.returncode != 0 and "delta = 0.5 must lie in (0, 1/|D_priv|]" in proc.stderr + proc.stdout
+    assert (
+        proc.returncode != 0
+        and "delta = 0.5 must lie in (0, 1/|D_priv|]" in proc.stderr + proc.stdout
+    )
     assert not (bad / "teacher" / "results.json").exists()
     # A student without the teacher's outputs.
     proc = run("distill_student.py", "hparams/student.yaml", "--output_folder", str(tmp_path / "none"),
                check=False)  # fmt: skip
     assert proc.returncode != 0 and "run train_teacher.py" in proc.stderr + proc.stdout
-    assert math.isfinite(json.loads((out / "teacher" / "results.json").read_text())["privacy"]["epsilon"])
+    assert math.isfinite(
+        json.loads((out / "teacher" / "results.json").read_text())["privacy"]["epsilon"]
+    )

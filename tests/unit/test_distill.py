@@ -49,8 +49,12 @@ def test_kd_loss_matches_formula():
     ps = torch.softmax(zs / tau, dim=1)
     kl = (pt * (pt.log() - ps.log())).sum(dim=1).mean()
     expected = alpha * tau**2 * kl + (1 - alpha) * F.cross_entropy(zs, y)
-    assert kd_loss(zs, pt, y, temperature=tau, alpha=alpha).item() == pytest.approx(expected.item(), rel=1e-5)
-    assert kd_loss(zs, pt, y, temperature=tau, alpha=0.0).item() == pytest.approx(F.cross_entropy(zs, y).item())
+    assert kd_loss(zs, pt, y, temperature=tau, alpha=alpha).item() == pytest.approx(
+        expected.item(), rel=1e-5
+    )
+    assert kd_loss(zs, pt, y, temperature=tau, alpha=0.0).item() == pytest.approx(
+        F.cross_entropy(zs, y).item()
+    )
     with pytest.raises(ValueError):
         kd_loss(zs, pt, y, temperature=0.0, alpha=0.5)
 
@@ -67,7 +71,9 @@ def test_collapse_report_values_and_intervals():
     assert collapsed["macro_f1"]["value"] == pytest.approx((2 * 14 / (28 + 6)) / 3)
     good = collapse_report(speakers=speakers, labels=labels, predictions=labels,
                            classes=["m", "f", "o"], majority_class=0, num_resamples=300)  # fmt: skip
-    assert good["balanced_accuracy"]["value"] == 1.0 and good["majpred"]["value"] == pytest.approx(0.7)
+    assert good["balanced_accuracy"]["value"] == 1.0 and good["majpred"]["value"] == pytest.approx(
+        0.7
+    )
     for name in ("accuracy", "balanced_accuracy", "macro_f1", "majpred", "top_share"):
         lo, hi = collapsed[name]["ci"]
         assert lo <= collapsed[name]["value"] + 1e-12 and collapsed[name]["value"] <= hi + 1e-12
@@ -81,4 +87,6 @@ def test_collapse_report_bad_input():
     with pytest.raises(ValueError, match="no test records"):
         collapse_report(speakers=[], labels=[], predictions=[], classes=["a"], majority_class=0)
     with pytest.raises(ValueError, match="predictions outside"):
-        collapse_report(speakers=["a"], labels=[0], predictions=[3], classes=["a", "b"], majority_class=0)
+        collapse_report(
+            speakers=["a"], labels=[0], predictions=[3], classes=["a", "b"], majority_class=0
+        )

@@ -10,7 +10,12 @@ import torch
 from opacus import GradSampleModule
 from opacus.validators import ModuleValidator
 
-from speechbrain_fl.models.gender_classifier import DSAF, GenderClassifier, ModalityDropout, hash_tokens
+from speechbrain_fl.models.gender_classifier import (
+    DSAF,
+    GenderClassifier,
+    ModalityDropout,
+    hash_tokens,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes" / "Private-Gender"))
@@ -27,7 +32,9 @@ def test_dsaf_normalises_compresses_and_crops():
     y, _ = dsaf(feats + 10.0, lengths)
     assert torch.allclose(x, y, atol=1e-5)
     # A record shorter than the crop is tiled from its valid frames only.
-    short = dsaf(torch.cat([torch.ones(1, 10, 8), torch.full((1, 90, 8), 1e6)], 1), torch.tensor([10]))[0]
+    short = dsaf(
+        torch.cat([torch.ones(1, 10, 8), torch.full((1, 90, 8), 1e6)], 1), torch.tensor([10])
+    )[0]
     assert torch.isfinite(short).all() and short.abs().max() < 1.0
     dsaf.train()
     a, _ = dsaf(feats, lengths)
@@ -60,7 +67,9 @@ def test_per_sample_gradients_are_exact():
     torch.nn.functional.cross_entropy(gsm(feats, lengths, tokens), y, reduction="sum").backward()
     for i in range(4):
         one = slice(i, i + 1)
-        loss = torch.nn.functional.cross_entropy(reference(feats[one], lengths[one], tokens[one]), y[one])
+        loss = torch.nn.functional.cross_entropy(
+            reference(feats[one], lengths[one], tokens[one]), y[one]
+        )
         ref = torch.autograd.grad(loss, list(reference.parameters()))
         for p, g in zip(model.parameters(), ref, strict=True):
             assert torch.allclose(p.grad_sample[i].reshape(g.shape), g, atol=1e-5)
@@ -89,7 +98,9 @@ def test_privileged_tokens_refuse_label_fields():
 
     rows = [{"sentence": "Hello there", "age": "twenties", "accent": "x", "label": "male",
              "gender_raw": "male_masculine"}]  # fmt: skip
-    tokens = gender_lib.privileged_tokens(rows, fields=["sentence", "age"], buckets=64, max_tokens=5)
+    tokens = gender_lib.privileged_tokens(
+        rows, fields=["sentence", "age"], buckets=64, max_tokens=5
+    )
     assert (tokens[0] > 0).sum().item() == 3
     for field in ("label", "gender_raw", "spk_id"):
         with pytest.raises(ValueError, match="never inputs"):
