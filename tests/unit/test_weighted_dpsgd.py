@@ -33,7 +33,7 @@ def _summed(params_data, x, y, *, weights, clip, labels_weighted=True):
     with torch.no_grad():
         model.weight.copy_(params_data[0])
         model.bias.copy_(params_data[1])
-    gsm = GradSampleModule(model)
+    gsm = GradSampleModule(model, loss_reduction="sum")
     kwargs = dict(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1,
                   loss_reduction="sum")  # fmt: skip
     if weights is None:
@@ -86,7 +86,7 @@ def test_noise_scale_is_sigma_c_over_expected_batch():
     """With zero gradients, p.grad is pure noise with std sigma * C / expected_batch_size."""
     sigma, clip, batch = 1.7, 0.8, 16
     model = torch.nn.Linear(200, 150)
-    gsm = GradSampleModule(model)
+    gsm = GradSampleModule(model, loss_reduction="sum")
     opt = WeightedDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), class_weights=torch.tensor([0.3, 1.0]),
                               noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch,
                               generator=os_seeded_generator())  # fmt: skip
