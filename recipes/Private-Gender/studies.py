@@ -8,9 +8,10 @@ Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through t
 * the ablation (base = no DSAF and no AW-DP, +DSAF, +AW-DP, +dropout, all) at epsilon = 1,
   for DP-direct and the student;
 * the binary male/female variant (its own epsilon, AW-DP weights from a public prior);
-* a |D_aux| sweep: students distilled from one teacher's outputs on subsets of D_aux,
+* a |D_aux| sweep: students distilled from one teacher's outputs on subsets of D_aux;
+* what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.7, 1,
 
-then writes ``<root>/studies.json`` and replaces the block between ``<!-- studies:begin -->``
+then writes ``<root>/studies.json`` (merged with the studies already there) and replaces the block between ``<!-- studies:begin -->``
 and ``<!-- studies:end -->`` of ``README.md`` with the tables. Each row is ONE run (the DP
 noise and the Poisson sampling come from the OS, so a rerun gives other figures): read the
 95% bootstrap intervals, which cover the test-set sampling only, not the training randomness.
@@ -98,38 +99,21 @@ def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
         handle.write(head + BEGIN + "\n" + "\n".join(body) + END + tail)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--root", default="results/Private-Gender/studies")
-    parser.add_argument("--only", nargs="*", default=["epsilon", "ablation", "binary", "aux"])
-    parser.add_argument("--extra", default="", help="overrides passed to both scripts")
-    parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
-    parser.add_argument("--no_readme", action="store_true")
-    args = parser.parse_args(argv)
-    root, extra = Path(args.root), shlex.split(args.extra)
-    logging.getLogger().setLevel(logging.WARNING)
-    start = time.time()
-    out: dict = {}
-    tables: dict[str, str] = {}
-    if "epsilon" in args.only:
-        rows = []
+ALPHAS = (0.0, 0.7, 1.0)
+
+
+def run_study(name: str, root: Path, extra: list[str]) -> dict:
+    """Run one study; returns ``{row_key: student results}``."""
+    out = {}
+    if name == "epsilon":
         for eps in EPSILONS:
             targs = ["--dp", "False"] if eps is None else ["--target_epsilon", str(eps)]
-            res = pipeline(root / f"eps_{eps}", targs, extra=extra)
-            out.setdefault("epsilon", {})[str(eps)] = res
-            rows.append(_row(f"target ε = {_eps(eps)}", res))
-        tables["Epsilon sweep (δ = 1e-5, all components)"] = _table(HEADER, rows)
-    if "ablation" in args.only:
-        rows = []
-        for name, targs in ABLATION.items():
-            sargs = ["--dsaf", "True" if "DSAF" in name or name == "all" else "False"]
-            res = pipeline(root / f"ablation_{name.strip('+')}", targs, sargs, extra=extra)
-            out.setdefault("ablation", {})[name] = res
-            rows.append(_row(name, res))
-        tables["Ablation at ε = 1 (DP-direct and student use the row's components)"] = _table(
-            HEADER, rows
-        )
-    if "binary" in args.only:
+            out[str(eps)] = pipeline(root / f"eps_{eps}", targs, extra=extra)
+    elif name == "ablation":
+        for row, targs in ABLATION.items():
+            sargs = ["--dsaf", "True" if "DSAF" in row or row == "all" else "False"]
+            out[row] = pipeline(root / f"ablation_{row.strip('+')}", targs, sargs, extra=extra)
+    elif name == "binary":
         targs = [
             "--classes",
             "[male, female]",
@@ -138,31 +122,75 @@ def main(argv=None):
             "--aw_prior",
             "[0.74, 0.26]",
         ]
-        res = pipeline(root / "binary", targs, extra=extra)
-        out["binary"] = res
-        tables["Binary variant (male / female, ε computed for this configuration)"] = _table(
-            HEADER, [_row("binary, target ε = 1", res)])  # fmt: skip
-    if "aux" in args.only:
-        rows = []
+        out["binary"] = pipeline(root / "binary", targs, extra=extra)
+    elif name in ("aux", "alpha"):
         folder = root / "aux"
-        train_teacher.main(["hparams/teacher.yaml", "--output_folder", str(folder), *extra])
-        for size in AUX_SIZES:
-            res = distill_student.main(["hparams/student.yaml", "--output_folder", str(folder),
-                                        "--aux_subset", "null" if size is None else str(size), *extra])  # fmt: skip
-            out.setdefault("aux", {})[str(size)] = res
-            rows.append(_row(f"|D_aux| = {res['kd']['aux_records']}", res))
-        tables["|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)"] = _table(
-            HEADER, rows
-        )
-    minutes = (time.time() - start) / 60
-    with atomic_open(root / "studies.json") as handle:
-        json.dump(out, handle, indent=2, default=float)
-    note = (f"One run per row on the embedded corpus (written by `studies.py` in {minutes:.0f} min; "
-            "intervals: 95% speaker-level bootstrap over the test set, not over training "
-            "randomness).\n")  # fmt: skip
+        if not (folder / "teacher" / "aux_logits.npz").is_file():
+            train_teacher.main(["hparams/teacher.yaml", "--output_folder", str(folder), *extra])
+        if name == "aux":
+            for size in AUX_SIZES:
+                sargs = ["--aux_subset", "null" if size is None else str(size)]
+                out[str(size)] = distill_student.main(
+                    ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
+                )
+        else:  # alpha = 0: the same student without the teacher (CE on D_aux labels only)
+            for alpha in ALPHAS:
+                sargs = ["--alpha", str(alpha)]
+                out[str(alpha)] = distill_student.main(
+                    ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
+                )
+    else:
+        raise ValueError(f"unknown study {name!r}")
+    return out
+
+
+def tables(results: dict) -> dict[str, str]:
+    """Markdown tables of the studies present in ``results``."""
+    titles = {
+        "epsilon": ("Epsilon sweep (δ = 1e-5, all components)", lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}"),
+        "ablation": ("Ablation at ε = 1 (DP-direct and student use the row's components)", lambda k, r: k),
+        "binary": ("Binary variant (male / female, ε computed for this configuration)", lambda k, r: "binary, target ε = 1"),
+        "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"|D_aux| = {r['kd']['aux_records']}"),
+        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.7, 1 (KD only)", lambda k, r: f"α = {k}"),
+    }  # fmt: skip
+    out = {}
+    for key, (title, label) in titles.items():
+        if key in results:
+            out[title] = _table(HEADER, [_row(label(k, r), r) for k, r in results[key].items()])
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default="results/Private-Gender/studies")
+    parser.add_argument(
+        "--only", nargs="*", default=["epsilon", "ablation", "binary", "aux", "alpha"]
+    )
+    parser.add_argument("--extra", default="", help="overrides passed to both scripts")
+    parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
+    parser.add_argument("--no_readme", action="store_true")
+    args = parser.parse_args(argv)
+    root, extra = Path(args.root), shlex.split(args.extra)
+    logging.getLogger().setLevel(logging.WARNING)
+    store = root / "studies.json"
+    results = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else {}
+    minutes = dict(results.pop("_minutes", {}))
+    for name in args.only:
+        start = time.time()
+        results[name] = run_study(name, root, extra)
+        minutes[name] = round((time.time() - start) / 60, 1)
+        with atomic_open(store) as handle:  # after each study: an interrupted run keeps the others
+            json.dump({**results, "_minutes": minutes}, handle, indent=2, default=float)
+    built = tables(results)
+    note = (
+        "One run per row on the embedded corpus, written by `studies.py` (minutes per study: "
+        + ", ".join(f"{k} {v}" for k, v in minutes.items())
+        + "). Intervals: 95% speaker-level bootstrap over the test set, not over the training "
+        "randomness (the DP noise and sampling come from the OS, so a rerun differs).\n"
+    )
     if not args.no_readme:
-        write_readme(tables, Path(args.readme), note)
-    for title, table in tables.items():
+        write_readme(built, Path(args.readme), note)
+    for title, table in built.items():
         print(f"\n{title}\n{table}")
 
 
