@@ -400,7 +400,7 @@ def plot_grad_norms(norms: dict[str, np.ndarray], path: str | os.PathLike, *, cl
     fig, axes = plt.subplots(1, len(norms), figsize=(4.2 * len(norms), 3.2))
     for ax, (name, values) in zip(np.atleast_1d(axes), norms.items(), strict=True):
         cv = float(np.std(values) / np.mean(values))
-        ax.hist(values, bins=40, color="tab:blue" if "with" in name else "tab:orange")
+        ax.hist(values, bins=40, color="tab:orange" if name.startswith("without") else "tab:blue")
         ax.axvline(clip, color="k", ls="--", lw=1, label=f"C = {clip:g}")
         ax.set_title(f"{name}: CV = {cv:.2f}", fontsize=9)
         ax.set_xlabel("per-sample gradient L2 norm")
