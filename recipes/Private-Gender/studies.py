@@ -18,6 +18,7 @@ noise and the Poisson sampling come from the OS, so a rerun gives other figures)
 
     > python recipes/Private-Gender/studies.py --root results/Private-Gender/studies
     > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
+    > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
 
 Authors
  * speechbrain-fl contributors
@@ -150,11 +151,13 @@ def tables(results: dict) -> dict[str, str]:
         "epsilon": ("Epsilon sweep (δ = 1e-5, all components)", lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}"),
         "ablation": ("Ablation at ε = 1 (DP-direct and student use the row's components)", lambda k, r: k),
         "binary": ("Binary variant (male / female, ε computed for this configuration)", lambda k, r: "binary, target ε = 1"),
-        "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"|D_aux| = {r['kd']['aux_records']}"),
+        "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}"),
         "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.7, 1 (KD only)", lambda k, r: f"α = {k}"),
     }  # fmt: skip
     out = {}
     for key, (title, label) in titles.items():
+        if key in results and "privacy" in results[key]:  # one run stored unwrapped
+            results = {**results, key: {key: results[key]}}
         if key in results:
             out[title] = _table(HEADER, [_row(label(k, r), r) for k, r in results[key].items()])
     return out
