@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Recipe: offline distillation of the DP teacher into the released audio-only student.
+
+Stage 2 of "Private Speech Classification without Collapse". The student reads the teacher's
+logits on D_aux from ``<output_folder>/teacher/aux_logits.npz`` (written once by
+``train_teacher.py``; the temperature is applied on reading) and never loads the teacher's
+weights. It is trained without DP on the public D_aux with the paper's objective
+
+    alpha * tau^2 * KL(p_t^tau || p_s^tau) + (1 - alpha) * CE(y, p_s),
+
+and evaluated on the test set next to the DP-direct baseline. By post-processing, releasing
+the student costs nothing beyond the teacher's (epsilon, delta) with respect to D_priv; no DP
+claim is made for D_aux (public or consented). The label space is a methodological benchmark,
+not an endorsement of gender inference.
+
+To run this recipe (after train_teacher.py, with the same output_folder):
+
+    > python recipes/Private-Gender/distill_student.py hparams/student.yaml
+    > python recipes/Private-Gender/distill_student.py hparams/student.yaml --temperature 4
+
+Outputs (``<output_folder>/student``): results.json, train_log.txt, hyperparams.yaml,
+student.ckpt (the released model: audio-only, no teacher tensor), plots/confusion_student.png.
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import speechbrain as sb
+import torch
+from tqdm.auto import tqdm
+
+RECIPE_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(RECIPE_DIR))
+
+import gender_lib as lib  # noqa: E402
+
+from speechbrain_fl.atomic import atomic_open  # noqa: E402
+from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
+from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
+from speechbrain_fl.distill.store import read_teacher_outputs  # noqa: E402
+from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def train_student(
+    model, *, feats, lengths, labels, teacher_probs, hparams, epochs, max_steps, train_logger
+):
+    """Mini-batch Adam on the KD objective (non-private: D_aux is public)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=hparams["lr"])
+    n, bs = labels.numel(), hparams["batch_size"]
+    generator = torch.Generator().manual_seed(hparams["seed"])
+    losses, steps = [], 0
+    model.train()
+    for epoch in range(1, epochs + 1):
+        order = torch.randperm(n, generator=generator)
+        total = 0.0
+        for i in tqdm(range(0, n, bs), desc=f"student epoch {epoch}/{epochs}", leave=False):
+            idx = order[i : i + bs]
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(feats[idx], lengths[idx])
+            loss = kd_loss(logits, teacher_probs[idx], labels[idx],
+                           temperature=hparams["temperature"], alpha=hparams["alpha"])  # fmt: skip
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * idx.numel()
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+        losses.append(total / n)
+        train_logger.log_stats(
+            stats_meta={"model": "student", "epoch": epoch}, train_stats={"loss": losses[-1]}
+        )
+        if max_steps is not None and steps >= max_steps:
+            break
+    model.eval()
+    return model, {"losses": losses, "steps": steps}
+
+
+def main(argv):
+    start_all = time.time()
+    hparams_file, run_opts, overrides = sb.parse_arguments(argv)
+    hparams, hparams_path, overrides = load_layered_hparams(
+        hparams_file, overrides, recipe_dir=RECIPE_DIR
+    )
+    root = Path(hparams["output_folder"])
+    out = root / "student"
+    teacher_results = root / "teacher" / "results.json"
+    if not teacher_results.is_file():
+        raise FileNotFoundError(f"{teacher_results} not found: run train_teacher.py with "
+                                f"--output_folder {root} first")  # fmt: skip
+    sb.create_experiment_directory(experiment_directory=str(out), hyperparams_to_save=str(hparams_path),
+                                   overrides=overrides)  # fmt: skip
+    debug = run_opts.get("debug", False)
+    max_steps = run_opts.get("debug_batches", 2) if debug else None
+    epochs = run_opts.get("debug_epochs", 2) if debug else hparams["epochs"]
+
+    # What the student may read: the teacher-output file, and the teacher run's public
+    # bookkeeping (privacy figures, DP-direct metrics, class names, D_aux/test manifests).
+    teacher_run = json.loads(teacher_results.read_text(encoding="utf-8"))
+    outputs = read_teacher_outputs(hparams["teacher_outputs"], temperature=hparams["temperature"])
+    classes = teacher_run["data"]["classes"]
+    if outputs.classes != classes:
+        raise ValueError(
+            f"{hparams['teacher_outputs']} has classes {outputs.classes}, the teacher run {classes}"
+        )
+    majority = classes.index(teacher_run["data"]["majority_class"])
+    data_folder, manifests = teacher_run["data"]["data_folder"], teacher_run["data"]["manifests"]
+    index = {c: i for i, c in enumerate(classes)}
+    sets = {}
+    start = time.time()
+    for name in ("aux", "test"):
+        rows = lib.read_manifest(Path(manifests) / f"{name}.csv", data_folder)
+        feats = lib.load_features(rows, n_mels=hparams["n_mels"], max_frames=hparams["max_frames"],
+                                  cache_folder=hparams["cache_folder"], desc=f"D_{name} features")  # fmt: skip
+        sets[name] = {"ids": [r["ID"] for r in rows], "speakers": [r["spk_id"] for r in rows],
+                      "labels": torch.tensor([index[r["label"]] for r in rows]), **feats}  # fmt: skip
+    aux, test = sets["aux"], sets["test"]
+    if hparams["aux_subset"] is not None and hparams["aux_subset"] < len(aux["ids"]):
+        if hparams["aux_subset"] < 1:
+            raise ValueError(f"aux_subset must be >= 1 or null, got {hparams['aux_subset']}")
+        keep = torch.randperm(
+            len(aux["ids"]), generator=torch.Generator().manual_seed(hparams["seed"])
+        )
+        keep = keep[: hparams["aux_subset"]].sort().values
+        aux = {k: [v[i] for i in keep] if isinstance(v, list) else v[keep] for k, v in aux.items()}
+        logger.info("Distilling on %d of the D_aux records (aux_subset)", len(keep))
+    if not aux["ids"]:
+        raise ValueError(f"D_aux ({Path(manifests) / 'aux.csv'}) is empty: nothing to distil on")
+    teacher_probs = torch.tensor(outputs.aligned(aux["ids"]), dtype=torch.float32)
+    timings = {"data": time.time() - start}
+
+    start = time.time()
+    torch.manual_seed(hparams["seed"])
+    student = lib.build_model(hparams, num_classes=len(classes), privileged=False)
+    student, info = train_student(student, feats=aux["feats"], lengths=aux["lengths"], labels=aux["labels"],
+                                  teacher_probs=teacher_probs, hparams=hparams, epochs=epochs,
+                                  max_steps=max_steps, train_logger=hparams["train_logger"])  # fmt: skip
+    timings["student"] = time.time() - start
+    logits = lib.predict_logits(student, test["feats"], test["lengths"])
+    report = collapse_report(speakers=test["speakers"], labels=test["labels"].tolist(),
+                             predictions=logits.argmax(1).tolist(), classes=classes,
+                             majority_class=majority, num_resamples=hparams["bootstrap_resamples"])  # fmt: skip
+    with atomic_open(out / "student.ckpt", "wb") as handle:
+        torch.save(student.state_dict(), handle)
+    lib.plot_confusion(report["confusion"], classes, out / "plots" / "confusion_student.png",
+                       title=f"student (KD, ε = {lib.eps_str(teacher_run['privacy']['epsilon'])})")  # fmt: skip
+
+    privacy = {
+        "epsilon": teacher_run["privacy"]["epsilon"],
+        "delta": teacher_run["privacy"]["delta"],
+        "accountant": teacher_run["privacy"]["accountant"],
+        "guarantee": "inherited by post-processing",
+        "scope": "example-level (epsilon, delta)-DP with respect to D_priv; no claim for D_aux",
+    }
+    timings["total"] = time.time() - start_all
+    results = {
+        "privacy": privacy,
+        "test": report,
+        "dp_direct": teacher_run["dp_direct"],
+        "teacher_outputs": str(hparams["teacher_outputs"]),
+        "kd": {"temperature": hparams["temperature"], "alpha": hparams["alpha"], "dsaf": hparams["dsaf"],
+               "epochs": epochs, "steps": info["steps"], "losses": info["losses"],
+               "aux_records": len(aux["ids"])},
+        "method": teacher_run["method"],
+        "majority_class": classes[majority],
+        "debug": bool(debug),
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }  # fmt: skip
+    lib.write_json(out / "results.json", results)
+    hparams["train_logger"].log_stats(stats_meta={"stage": "test"},
+                                      test_stats={"balanced_accuracy": report["balanced_accuracy"]["value"],
+                                                  "majpred": report["majpred"]["value"]})  # fmt: skip
+    eps = lib.eps_str(privacy["epsilon"])
+    print(
+        "\n"
+        + lib.results_table(
+            [("DP-direct", results["dp_direct"], eps), ("student (KD)", report, eps)], classes
+        )
+    )
+    dpd = (results["dp_direct"] or {}).get("balanced_accuracy", {}).get("value", np.nan)
+    print(
+        f"Student balanced accuracy {report['balanced_accuracy']['value']:.3f} vs DP-direct {dpd:.3f}; "
+        f"MajPred {report['majpred']['value']:.3f} vs {(results['dp_direct'] or {}).get('majpred', {}).get('value', np.nan):.3f}"
+    )
+    print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
+    print(f"Results: {out / 'results.json'}")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

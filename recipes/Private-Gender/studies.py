@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Studies of the Private-Gender recipe; writes the tables of this folder's README.
+
+Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through their
+``main``) for
+
+* an epsilon sweep (0.5, 1, 2, 4, 8 and no DP) of the default pipeline;
+* the ablation (base = no DSAF and no AW-DP, +DSAF, +AW-DP, +dropout, all) at epsilon = 1,
+  for DP-direct and the student;
+* the binary male/female variant (its own epsilon, AW-DP weights from a public prior);
+* a |D_aux| sweep: students distilled from one teacher's outputs on subsets of D_aux;
+* what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.7, 1,
+
+then writes ``<root>/studies.json`` (merged with the studies already there) and replaces the block between ``<!-- studies:begin -->``
+and ``<!-- studies:end -->`` of ``README.md`` with the tables. Each row is ONE run (the DP
+noise and the Poisson sampling come from the OS, so a rerun gives other figures): read the
+95% bootstrap intervals, which cover the test-set sampling only, not the training randomness.
+
+    > python recipes/Private-Gender/studies.py --root results/Private-Gender/studies
+    > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
+    > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+
+RECIPE_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(RECIPE_DIR))
+
+import distill_student  # noqa: E402
+import train_teacher  # noqa: E402
+
+from speechbrain_fl.atomic import atomic_open  # noqa: E402
+
+BEGIN, END = "<!-- studies:begin -->", "<!-- studies:end -->"
+EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, None)
+ABLATION = {
+    "base": ["--dsaf", "False", "--aw_dp", "False", "--modality_dropout", "0.0"],
+    "+DSAF": ["--dsaf", "True", "--aw_dp", "False", "--modality_dropout", "0.0"],
+    "+AW-DP": ["--dsaf", "False", "--aw_dp", "True", "--modality_dropout", "0.0"],
+    "+dropout": ["--dsaf", "False", "--aw_dp", "False", "--modality_dropout", "0.5"],
+    "all": ["--dsaf", "True", "--aw_dp", "True", "--modality_dropout", "0.5"],
+}
+AUX_SIZES = (25, 50, 100, 200, None)
+
+
+def pipeline(folder: Path, teacher_args, student_args=(), *, extra=()):
+    """One teacher + student run into ``folder``; returns the student's results."""
+    common = ["--output_folder", str(folder), *extra]
+    train_teacher.main(["hparams/teacher.yaml", *common, *teacher_args])
+    return distill_student.main(["hparams/student.yaml", *common, *student_args])
+
+
+def _v(block, key):
+    if not block or key not in block:
+        return "-"
+    value, ci = block[key]["value"], block[key]["ci"]
+    return f"{value:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def _eps(value):
+    return "∞ (no DP)" if value is None else f"{value:.2f}"
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _row(name, res):
+    return [name, _eps(res["privacy"]["epsilon"]), _v(res["dp_direct"], "balanced_accuracy"),
+            _v(res["dp_direct"], "majpred"), _v(res["test"], "balanced_accuracy"),
+            _v(res["test"], "macro_f1"), _v(res["test"], "majpred")]  # fmt: skip
+
+
+HEADER = ["Run", "ε", "DP-direct bal. acc.", "DP-direct MajPred", "Student bal. acc.",
+          "Student macro-F1", "Student MajPred"]  # fmt: skip
+
+
+def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
+    text = readme.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{readme} has no {BEGIN} ... {END} block")
+    body = [note]
+    for title, table in tables.items():
+        body += [f"#### {title}", "", table, ""]
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with atomic_open(readme) as handle:
+        handle.write(head + BEGIN + "\n" + "\n".join(body) + END + tail)
+
+
+ALPHAS = (0.0, 0.7, 1.0)
+
+
+def run_study(name: str, root: Path, extra: list[str]) -> dict:
+    """Run one study; returns ``{row_key: student results}``."""
+    out = {}
+    if name == "epsilon":
+        for eps in EPSILONS:
+            targs = ["--dp", "False"] if eps is None else ["--target_epsilon", str(eps)]
+            out[str(eps)] = pipeline(root / f"eps_{eps}", targs, extra=extra)
+    elif name == "ablation":
+        for row, targs in ABLATION.items():
+            sargs = ["--dsaf", "True" if "DSAF" in row or row == "all" else "False"]
+            out[row] = pipeline(root / f"ablation_{row.strip('+')}", targs, sargs, extra=extra)
+    elif name == "binary":
+        targs = [
+            "--classes",
+            "[male, female]",
+            "--aw_source",
+            "prior",
+            "--aw_prior",
+            "[0.74, 0.26]",
+        ]
+        out["binary"] = pipeline(root / "binary", targs, extra=extra)
+    elif name in ("aux", "alpha"):
+        folder = root / "aux"
+        if not (folder / "teacher" / "aux_logits.npz").is_file():
+            train_teacher.main(["hparams/teacher.yaml", "--output_folder", str(folder), *extra])
+        if name == "aux":
+            for size in AUX_SIZES:
+                sargs = ["--aux_subset", "null" if size is None else str(size)]
+                out[str(size)] = distill_student.main(
+                    ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
+                )
+        else:  # alpha = 0: the same student without the teacher (CE on D_aux labels only)
+            for alpha in ALPHAS:
+                sargs = ["--alpha", str(alpha)]
+                out[str(alpha)] = distill_student.main(
+                    ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
+                )
+    else:
+        raise ValueError(f"unknown study {name!r}")
+    return out
+
+
+def tables(results: dict) -> dict[str, str]:
+    """Markdown tables of the studies present in ``results``."""
+    titles = {
+        "epsilon": ("Epsilon sweep (δ = 1e-5, all components)", lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}"),
+        "ablation": ("Ablation at ε = 1 (DP-direct and student use the row's components)", lambda k, r: k),
+        "binary": ("Binary variant (male / female, ε computed for this configuration)", lambda k, r: "binary, target ε = 1"),
+        "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}"),
+        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.7, 1 (KD only)", lambda k, r: f"α = {k}"),
+    }  # fmt: skip
+    out = {}
+    for key, (title, label) in titles.items():
+        if key in results and "privacy" in results[key]:  # one run stored unwrapped
+            results = {**results, key: {key: results[key]}}
+        if key in results:
+            out[title] = _table(HEADER, [_row(label(k, r), r) for k, r in results[key].items()])
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default="results/Private-Gender/studies")
+    parser.add_argument(
+        "--only", nargs="*", default=["epsilon", "ablation", "binary", "aux", "alpha"]
+    )
+    parser.add_argument("--extra", default="", help="overrides passed to both scripts")
+    parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
+    parser.add_argument("--no_readme", action="store_true")
+    args = parser.parse_args(argv)
+    root, extra = Path(args.root), shlex.split(args.extra)
+    logging.getLogger().setLevel(logging.WARNING)
+    store = root / "studies.json"
+    results = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else {}
+    minutes = dict(results.pop("_minutes", {}))
+    for name in args.only:
+        start = time.time()
+        results[name] = run_study(name, root, extra)
+        minutes[name] = round((time.time() - start) / 60, 1)
+        with atomic_open(store) as handle:  # after each study: an interrupted run keeps the others
+            json.dump({**results, "_minutes": minutes}, handle, indent=2, default=float)
+    built = tables(results)
+    note = (
+        "One run per row on the embedded corpus, written by `studies.py` (minutes per study: "
+        + ", ".join(f"{k} {v}" for k, v in minutes.items())
+        + "). Intervals: 95% speaker-level bootstrap over the test set, not over the training "
+        "randomness (the DP noise and sampling come from the OS, so a rerun differs).\n"
+    )
+    if not args.no_readme:
+        write_readme(built, Path(args.readme), note)
+    for title, table in built.items():
+        print(f"\n{title}\n{table}")
+
+
+if __name__ == "__main__":
+    main()

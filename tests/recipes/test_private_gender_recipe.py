@@ -1,0 +1,133 @@
+"""The Private-Gender recipe end to end in ``--debug`` mode on a tiny embedded corpus.
+
+Both hparams files run through the real scripts (Opacus DP-SGD, the teacher-output store, the
+KD student); the student runs after the teacher's checkpoint is deleted, so it demonstrably
+needs only the teacher-output file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "Private-Gender"
+TINY = ["--corpus_speakers", "{train: 24, dev: 10, test: 10, validated_only: 2}",
+        "--corpus_clips_per_speaker", "2", "--grad_norm_records", "8",
+        "--bootstrap_resamples", "50", "--delta", "1.0e-3"]  # fmt: skip
+
+pytestmark = pytest.mark.slow
+
+
+def run(script, hparams, *args, cwd=ROOT, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(RECIPE / script), hparams, "--debug", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("pg_cache")
+
+
+def test_teacher_then_student(tmp_path, cache):
+    out = tmp_path / "out"
+    run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out),
+        "--cache_folder", str(cache), *TINY)  # fmt: skip
+    teacher = json.loads((out / "teacher" / "results.json").read_text())
+    assert teacher["privacy"]["accountant"] == "rdp" and teacher["privacy"]["delta"] == 1e-3
+    assert 0 < teacher["privacy"]["epsilon"] <= 1.0 + 1e-6
+    for key in ("accuracy", "balanced_accuracy", "macro_f1", "majpred", "top_share"):
+        assert len(teacher["dp_direct"][key]["ci"]) == 2
+    assert set(teacher["dsaf_diagnostic"]) >= {"with DSAF", "without DSAF"}
+    assert teacher["method"]["aw_dp"]["weights"][-1] == 1.0
+    for plot in ("confusion_dp_direct.png", "grad_norms_dsaf.png"):
+        assert (out / "teacher" / "plots" / plot).is_file()
+    teacher_state = torch.load(out / "teacher" / "teacher.ckpt")
+    (out / "teacher" / "teacher.ckpt").unlink()  # the student must not need it
+    (out / "teacher" / "dp_direct.ckpt").unlink()
+    proc = run("distill_student.py", "hparams/student.yaml", "--output_folder", str(out),
+               "--cache_folder", str(cache), "--bootstrap_resamples", "50",
+               cwd=RECIPE)  # also from the recipe folder  # fmt: skip
+    assert "student (KD)" in proc.stdout and "DP-direct" in proc.stdout
+    student = json.loads((out / "student" / "results.json").read_text())
+    assert student["privacy"]["guarantee"] == "inherited by post-processing"
+    assert student["privacy"]["epsilon"] == teacher["privacy"]["epsilon"]
+    assert student["privacy"]["delta"] == teacher["privacy"]["delta"]
+    for block in ("test", "dp_direct"):
+        for key in ("accuracy", "balanced_accuracy", "macro_f1", "majpred"):
+            assert 0.0 <= student[block][key]["value"] <= 1.0
+    assert (out / "student" / "plots" / "confusion_student.png").is_file()
+    # The released checkpoint: audio-only, and no tensor of the teacher in it.
+    state = torch.load(out / "student" / "student.ckpt")
+    assert not any(k.startswith(("privileged", "modality_dropout")) for k in state)
+    for name, tensor in state.items():
+        for tname, ttensor in teacher_state.items():
+            assert not (tensor.shape == ttensor.shape and torch.equal(tensor, ttensor)), (
+                name,
+                tname,
+            )
+
+
+def test_audio_only_teacher_is_dp_direct_binary(tmp_path, cache):
+    out = tmp_path / "out"
+    run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out), "--cache_folder",
+        str(cache), "--teacher_modality", "audio", "--classes", "[male, female]",
+        "--aw_source", "prior", "--aw_prior", "[0.75, 0.25]", "--dsaf", "False", *TINY)  # fmt: skip
+    teacher = json.loads((out / "teacher" / "results.json").read_text())
+    assert teacher["dp_direct"] == teacher["teacher"]["test"]
+    assert list(teacher["dp_direct"]["per_class_recall"]) == ["male", "female"]
+    assert teacher["data"]["excluded"]["priv"]["other_class"] > 0
+
+
+def test_no_dp_run_reports_infinite_budget(tmp_path, cache):
+    out = tmp_path / "out"
+    run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out), "--cache_folder",
+        str(cache), "--dp", "False", *TINY)  # fmt: skip
+    teacher = json.loads((out / "teacher" / "results.json").read_text())
+    assert teacher["privacy"]["epsilon"] is None and teacher["privacy"]["delta"] is None
+
+
+def test_bad_input_named_nothing_written(tmp_path, cache):
+    out = tmp_path / "out"
+    run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out), "--cache_folder",
+        str(cache), *TINY)  # fmt: skip
+    corpus = tmp_path / "cv"
+    shutil.copytree(cache / "cv_synth", corpus)
+    tsv = (corpus / "dev.tsv").read_text().splitlines()
+    fields = tsv[1].split("\t")
+    fields[8] = "robot"  # the gender column of the 2024+ layout
+    (corpus / "dev.tsv").write_text("\n".join([tsv[0], "\t".join(fields), *tsv[2:]]) + "\n")
+    bad = tmp_path / "bad"
+    proc = run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(bad),
+               "--cache_folder", str(cache), "--data_folder", str(corpus), *TINY, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "dev.tsv, line 2: unknown gender value 'robot'" in proc.stderr + proc.stdout
+    assert not (bad / "teacher" / "results.json").exists()
+    assert not (bad / "teacher" / "manifests").exists()
+    # delta above 1/|D_priv| is refused, naming the key.
+    proc = run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(bad),
+               "--cache_folder", str(cache), *TINY, "--delta", "0.5", check=False)  # fmt: skip
+    assert (
+        proc.returncode != 0
+        and "delta = 0.5 must lie in (0, 1/|D_priv|]" in proc.stderr + proc.stdout
+    )
+    assert not (bad / "teacher" / "results.json").exists()
+    # A student without the teacher's outputs.
+    proc = run("distill_student.py", "hparams/student.yaml", "--output_folder", str(tmp_path / "none"),
+               check=False)  # fmt: skip
+    assert proc.returncode != 0 and "run train_teacher.py" in proc.stderr + proc.stdout
+    assert math.isfinite(
+        json.loads((out / "teacher" / "results.json").read_text())["privacy"]["epsilon"]
+    )

@@ -1,0 +1,92 @@
+"""Offline KD: the teacher-output store, the KD loss and the collapse metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speechbrain_fl.distill.loss import kd_loss
+from speechbrain_fl.distill.metrics import collapse_report, confusion_matrix
+from speechbrain_fl.distill.store import read_teacher_outputs, write_teacher_outputs
+
+
+def test_store_round_trip_and_temperature_on_read(tmp_path):
+    logits = np.array([[3.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
+    path = tmp_path / "aux_logits.npz"
+    write_teacher_outputs(path, ids=["x", "y"], logits=logits, classes=["m", "f", "o"],
+                          meta={"epsilon": 0.9, "delta": 1e-5})  # fmt: skip
+    for tau in (1.0, 4.0):
+        out = read_teacher_outputs(path, temperature=tau)
+        expected = torch.softmax(torch.tensor(logits) / tau, dim=1).numpy()
+        assert np.allclose(out.probs, expected, atol=1e-6)
+        assert out.meta == {"epsilon": 0.9, "delta": 1e-5}
+    # A higher temperature flattens the distribution without a new query.
+    assert read_teacher_outputs(path, temperature=4.0).probs[0].max() < out.probs[0].max() + 1e-9
+    assert np.allclose(out.aligned(["y", "x"]), out.probs[[1, 0]])
+    with pytest.raises(KeyError, match="no teacher output"):
+        out.aligned(["z"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["aux_logits.npz"]  # atomic, no temp
+
+
+def test_store_refuses_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="logits must be"):
+        write_teacher_outputs(tmp_path / "a.npz", ids=["x"], logits=np.zeros((2, 3)), classes="abc")
+    with pytest.raises(ValueError, match="NaN"):
+        write_teacher_outputs(tmp_path / "a.npz", ids=["x"], logits=[[np.nan, 0, 0]], classes="abc")
+    with pytest.raises(FileNotFoundError, match="train_teacher.py"):
+        read_teacher_outputs(tmp_path / "missing.npz", temperature=1.0)
+    assert not list(tmp_path.iterdir())
+
+
+def test_kd_loss_matches_formula():
+    gen = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(5, 3, generator=gen), torch.randn(5, 3, generator=gen)
+    y = torch.tensor([0, 1, 2, 0, 1])
+    tau, alpha = 3.0, 0.6
+    pt = torch.softmax(zt / tau, dim=1)
+    ps = torch.softmax(zs / tau, dim=1)
+    kl = (pt * (pt.log() - ps.log())).sum(dim=1).mean()
+    expected = alpha * tau**2 * kl + (1 - alpha) * F.cross_entropy(zs, y)
+    assert kd_loss(zs, pt, y, temperature=tau, alpha=alpha).item() == pytest.approx(
+        expected.item(), rel=1e-5
+    )
+    assert kd_loss(zs, pt, y, temperature=tau, alpha=0.0).item() == pytest.approx(
+        F.cross_entropy(zs, y).item()
+    )
+    with pytest.raises(ValueError):
+        kd_loss(zs, pt, y, temperature=0.0, alpha=0.5)
+
+
+def test_collapse_report_values_and_intervals():
+    speakers = [f"s{i // 2}" for i in range(20)]
+    labels = [0] * 14 + [1] * 5 + [2]
+    collapsed = collapse_report(speakers=speakers, labels=labels, predictions=[0] * 20,
+                                classes=["m", "f", "o"], majority_class=0, num_resamples=300)  # fmt: skip
+    assert collapsed["majpred"]["value"] == 1.0 and collapsed["top_share"]["value"] == 1.0
+    assert collapsed["accuracy"]["value"] == pytest.approx(0.7)  # accuracy hides the collapse
+    assert collapsed["balanced_accuracy"]["value"] == pytest.approx(1 / 3)
+    assert collapsed["per_class_recall"]["f"]["value"] == 0.0
+    assert collapsed["macro_f1"]["value"] == pytest.approx((2 * 14 / (28 + 6)) / 3)
+    good = collapse_report(speakers=speakers, labels=labels, predictions=labels,
+                           classes=["m", "f", "o"], majority_class=0, num_resamples=300)  # fmt: skip
+    assert good["balanced_accuracy"]["value"] == 1.0 and good["majpred"]["value"] == pytest.approx(
+        0.7
+    )
+    for name in ("accuracy", "balanced_accuracy", "macro_f1", "majpred", "top_share"):
+        lo, hi = collapsed[name]["ci"]
+        assert lo <= collapsed[name]["value"] + 1e-12 and collapsed[name]["value"] <= hi + 1e-12
+    assert collapsed["confusion"] == confusion_matrix(labels, [0] * 20, 3).tolist()
+    again = collapse_report(speakers=speakers, labels=labels, predictions=[0] * 20,
+                            classes=["m", "f", "o"], majority_class=0, num_resamples=300)  # fmt: skip
+    assert again["accuracy"]["ci"] == collapsed["accuracy"]["ci"]
+
+
+def test_collapse_report_bad_input():
+    with pytest.raises(ValueError, match="no test records"):
+        collapse_report(speakers=[], labels=[], predictions=[], classes=["a"], majority_class=0)
+    with pytest.raises(ValueError, match="predictions outside"):
+        collapse_report(
+            speakers=["a"], labels=[0], predictions=[3], classes=["a", "b"], majority_class=0
+        )
