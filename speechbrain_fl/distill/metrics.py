@@ -6,7 +6,7 @@ majority class: 1 means the model collapsed to it) and the share of the most-pre
 The class set is fixed (``classes``), so a class never predicted still counts (recall 0, F1 0).
 Every metric is a function of the K x K confusion matrix; a bootstrap replicate's matrix is a
 sum of per-speaker matrices drawn with replacement (speakers are the resampling unit), computed
-with :func:`speechbrain_fl.metrics.bootstrap.resample_speaker_counts`, and the formulas of
+with :func:`speechbrain_fl.metrics.resampling.speaker_bootstrap`, and the formulas of
 :mod:`speechbrain_fl.metrics.classification`. Written here rather than in
 ``speechbrain_fl.metrics`` because the shared ``bootstrap_classification`` infers the classes
 from the data and has no MajPred.
@@ -22,16 +22,13 @@ Example
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
-from speechbrain_fl.metrics.bootstrap import (
-    check_bootstrap_settings,
-    percentile_interval,
-    resample_speaker_counts,
-)
 from speechbrain_fl.metrics.classification import accuracy, balanced_accuracy, macro_f1
+from speechbrain_fl.metrics.resampling import check_bootstrap_settings, speaker_bootstrap
 
 __all__ = ["METRICS", "collapse_report", "confusion_matrix"]
 
@@ -112,23 +109,36 @@ def collapse_report(
     per_speaker = np.bincount((spk * k + true) * k + pred, minlength=names.size * k * k)
     per_speaker = per_speaker.reshape(names.size, k * k).astype(np.float64)
     total = per_speaker.sum(axis=0).reshape(k, k)
-    reps = np.empty((num_resamples, k * k))
-    rng = np.random.default_rng(seed)
-    for start, counts in resample_speaker_counts(names.size, num_resamples=num_resamples, rng=rng):
-        reps[start : start + counts.shape[0]] = counts @ per_speaker
-    reps = reps.reshape(num_resamples, k, k)
-    point, boot = _metrics(total, majority_class), _metrics(reps, majority_class)
+
+    def statistic(sums: np.ndarray) -> np.ndarray:  # (k*k, n) column sums -> (metrics, n)
+        confusion = np.moveaxis(sums, 0, -1).reshape(*sums.shape[1:], k, k)
+        values = _metrics(confusion, majority_class)
+        return np.concatenate(
+            [np.stack([values[name] for name in METRICS]), np.moveaxis(_recall(confusion), -1, 0)]
+        )
+
+    with warnings.catch_warnings():  # a replicate without a class has NaN recall: dropped below
+        warnings.simplefilter("ignore")
+        boot = speaker_bootstrap(
+            per_speaker, statistic, num_resamples=num_resamples, confidence=confidence, seed=seed
+        )
+    replicates = np.asarray(boot.replicates).reshape(len(METRICS) + k, -1)
+    point, recall = _metrics(total, majority_class), _recall(total)
+
+    def interval(row: np.ndarray) -> list[float]:
+        values = row[np.isfinite(row)]
+        if not values.size:
+            return [np.nan, np.nan]
+        low, high = np.quantile(values, [(1 - confidence) / 2, (1 + confidence) / 2])
+        return [float(low), float(high)]
+
     out: dict = {}
-    for name in METRICS:
-        values = boot[name][np.isfinite(boot[name])]
-        ci = list(percentile_interval(values, confidence)) if values.size else [np.nan, np.nan]
-        out[name] = {"value": float(point[name]), "ci": ci}
-    recall, recall_boot = _recall(total), _recall(reps)
-    out["per_class_recall"] = {}
-    for c, cls in enumerate(classes):
-        values = recall_boot[:, c][np.isfinite(recall_boot[:, c])]
-        ci = list(percentile_interval(values, confidence)) if values.size else [np.nan, np.nan]
-        out["per_class_recall"][cls] = {"value": float(recall[c]), "ci": ci}
+    for i, name in enumerate(METRICS):
+        out[name] = {"value": float(point[name]), "ci": interval(replicates[i])}
+    out["per_class_recall"] = {
+        cls: {"value": float(recall[c]), "ci": interval(replicates[len(METRICS) + c])}
+        for c, cls in enumerate(classes)
+    }
     out["predicted_share"] = {cls: float(total[:, c].sum() / n) for c, cls in enumerate(classes)}
     out["confusion"] = total.astype(int).tolist()
     out["n"] = int(n)
