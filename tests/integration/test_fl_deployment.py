@@ -92,8 +92,8 @@ def test_two_supernodes_two_rounds(tmp_path):
             )
         out = tmp_path / "out"
         hparams = tmp_path / "toy.yaml"  # the recipe hparams file, passed via the run config
-        hparams.write_text("noise_multiplier: 0.5\nclip: 1.0\nseed: 0\nnoise_seed: 0\n")
-        run_config = {"num-rounds": 2, "output-folder": str(out), "hparams": str(hparams)}
+        hparams.write_text("method: flat\nnoise_multiplier: 0.5\nclip: 1.0\nseed: 0\nnoise_seed: 0\n")
+        run_config = {"number-of-rounds": 2, "output-folder": str(out), "hparams": str(hparams)}
         try:
             run_deployment("loopback", app_dir=REPO, env=env, timeout=300, run_config=run_config)
         except subprocess.CalledProcessError as err:

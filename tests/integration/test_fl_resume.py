@@ -15,8 +15,8 @@ import sys
 from speechbrain_fl.fl import run_simulation
 from speechbrain_fl.fl.toy import toy_task
 task = toy_task(overrides={
-    "output_folder": sys.argv[1], "num_partitions": 4, "num_rounds": 4, "sampling_rate": 0.75,
-    "noise_multiplier": 0.8, "clip": 0.5, "clip_method": "pfl_dim_ema", "ema_warmup_rounds": 1,
+    "output_folder": sys.argv[1], "num_partitions": 4, "number_of_rounds": 4, "sampling_rate": 0.75,
+    "noise_multiplier": 0.8, "clip": 0.5, "method": "pfl_dim_ema", "ema_warmup_rounds": 1,
     "seed": 5, "noise_seed": 11, "examples_per_client": 600, "batch_size": 4})
 run_simulation(task, client_resources={"num_cpus": 1}, ray_init_args={"num_cpus": 2})
 """
