@@ -65,6 +65,7 @@ def _flower_logging() -> Iterator[None]:
         if detach:
             FLOWER_LOGGER.addHandler(console_handler)
 
+
 __all__ = ["run_deployment", "run_simulation"]
 
 

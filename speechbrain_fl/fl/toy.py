@@ -39,7 +39,9 @@ TOY_DEFAULTS: dict[str, Any] = {
     "output_folder": "results/toy_fl",
     "method": "fedavg",
 }
-FL_KEYS = ({f.name for f in dataclasses.fields(FLConfig)} - set(YAML_KEYS.values())) | set(YAML_KEYS)
+FL_KEYS = ({f.name for f in dataclasses.fields(FLConfig)} - set(YAML_KEYS.values())) | set(
+    YAML_KEYS
+)
 
 
 class ToyBrain(sb.Brain):
