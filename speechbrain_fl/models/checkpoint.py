@@ -41,6 +41,8 @@ __all__ = ["CHECKPOINT_FILE", "load_federated_model", "save_federated_model"]
 
 CHECKPOINT_FILE = "federated_model.json"
 ADAPTER_FILE = "adapter_model.safetensors"
+# Key prefix of a PeftModel's saved adapter (its wrapper's attribute path to the bare module).
+PEFT_PREFIX = "base_model.model."
 
 
 def save_federated_model(
@@ -95,7 +97,8 @@ def save_federated_model(
             out.mkdir(parents=True)
             LoraConfig.save_pretrained(config, str(out))
             save_file(
-                {k: v.detach().cpu().contiguous() for k, v in state.items()}, out / ADAPTER_FILE
+                {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()},
+                out / ADAPTER_FILE,
             )
             spec["adapters"].append(part)
         extra = {f"connector.{k}": v for k, v in model.connector.state_dict().items()}
@@ -136,6 +139,7 @@ def load_federated_model(
     model = build_speech_llm(base, cache_dir=cache_dir, device=device, **spec["options"])
     for part in spec["adapters"]:
         state = load_file(str(folder / "adapters" / part / ADAPTER_FILE))
+        state = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}
         result = set_peft_model_state_dict(getattr(model, part), state)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"{folder}/adapters/{part}: unexpected {result.unexpected_keys[:5]}")
