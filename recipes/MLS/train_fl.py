@@ -561,12 +561,41 @@ def mls_task(hparams_path=None, overrides=None):
         )
     elif stage != "train":
         raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
+    on_result = None
+    if stage == "train":
+        on_result = functools.partial(
+            save_final_model,
+            settings=settings,
+            folder=os.path.join(hparams["output_folder"], "final_model"),
+            info={"method": hparams["method"], "model": str(hparams["model"])},
+        )
     return FLTask(
         build_client=functools.partial(build_client, settings=settings),
         build_server=functools.partial(build_server, settings=settings, fl_config=config),
         num_partitions=len(settings["clients"]),
+        on_result=on_result,
         info={"settings": settings, "hparams": hparams, "run_opts": run_opts, **info},
     )
+
+
+def save_final_model(result, *, settings, folder, info):
+    """Write the final global model as a loadable checkpoint (read by transcribe.py).
+
+    The embedded tiny seed model lives in the cache; it is copied in, so the folder stands
+    alone. A real preset is recorded by name and loaded from the hub (or its cache).
+    """
+    brain = build_brain(settings)
+    load_trainable(brain.modules, result.params)
+    path = save_federated_model(
+        brain.modules.model,
+        folder,
+        base=settings["model"]["folder"],
+        options=settings["model"]["options"],
+        copy_base=Path(settings["model"]["folder"]).name.startswith("seed_tiny_"),
+        info={**info, "rounds": result.last_round, "epsilon": result.epsilon},
+    )
+    logger.info("Final model saved to %s", path)
+    return path
 
 
 def run_federated(spec, hparams):
@@ -728,15 +757,8 @@ def main(argv):
     result = run_federated(TaskSpec(TASK, _hparams_path(hparams_file), spec_overrides), hparams)
     timings["federated"] = time.time() - start
 
-    load_trainable(brain.modules, result.params)
-    final_model = save_federated_model(
-        brain.modules.model,
-        os.path.join(hparams["output_folder"], "final_model"),
-        base=settings["model"]["folder"],
-        options=settings["model"]["options"],
-        copy_base=hparams["model"] == "tiny",
-        info={"method": hparams["method"], "rounds": result.last_round, "epsilon": result.epsilon},
-    )
+    load_trainable(brain.modules, result.params)  # the task's on_result saved final_model/
+    final_model = os.path.join(hparams["output_folder"], "final_model")
     start = time.time()
     test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
     timings["evaluation"] += time.time() - start

@@ -9,8 +9,9 @@ the run config (``[tool.flwr.app.config]``, overridable with ``flwr run --run-co
   :func:`speechbrain_fl.fl.toy.toy_task`);
 - ``hparams``: path of the recipe's hparams file (``""`` for none), relative to the app root;
   a SuperNode may override it with ``--node-config "hparams=/local/path.yaml"``;
-- every other key is passed to the factory as an override, in the recipe's YAML vocabulary
-  (``number_of_rounds`` or ``number-of-rounds``).
+- ``overrides``: one YAML mapping, in the recipe's YAML vocabulary, passed to the factory
+  (``"{number_of_rounds: 2, debug: true}"``; Flower accepts only declared keys and scalar
+  values, hence one string).
 
 Each SuperNode gets its partition with ``--node-config "partition-id=i num-partitions=K"``.
 """
@@ -18,9 +19,10 @@ Each SuperNode gets its partition with ``--node-config "partition-id=i num-parti
 from __future__ import annotations
 
 from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
 
 from .client import ClientTask, make_client_app
-from .server import ServerTask, make_server_app
+from .server import run_server
 from .task import TaskSpec, load_task
 
 __all__ = ["client_app", "server_app"]
@@ -37,9 +39,15 @@ class _RunConfigClient:
         return load_task(spec).build_client(context)
 
 
-def _build_server(context: Context) -> ServerTask:
-    return load_task(TaskSpec.from_run_config(dict(context.run_config))).build_server(context)
+server_app = ServerApp()
 
 
-server_app = make_server_app(_build_server)
+@server_app.main()
+def _server_main(grid: Grid, context: Context) -> None:
+    task = load_task(TaskSpec.from_run_config(dict(context.run_config)))
+    result = run_server(grid, task.build_server(context))
+    if task.on_result is not None:
+        task.on_result(result)
+
+
 client_app = make_client_app(_RunConfigClient())

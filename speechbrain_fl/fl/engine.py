@@ -26,15 +26,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
 from flwr.common.logger import FLOWER_LOGGER, console_handler
 from flwr.simulation import run_simulation as flwr_run_simulation
 
@@ -112,11 +114,12 @@ def run_simulation(
         init_args["num_cpus"] = os.cpu_count() or 1
     init_args.update(ray_init_args or {})
     if isinstance(task, TaskSpec):
-        num_supernodes = num_supernodes or load_task(task).num_partitions
+        loaded = load_task(task)
         build_server, build_client = SpecServer(task), SpecClient(task)
     else:
-        num_supernodes = num_supernodes or task.num_partitions
+        loaded = task
         build_server, build_client = task.build_server, task.build_client
+    num_supernodes = num_supernodes or loaded.num_partitions
     with _flower_logging():
         flwr_run_simulation(
             server_app=make_server_app(build_server, on_result=results.append),
@@ -130,6 +133,8 @@ def run_simulation(
         )
     if not results:
         raise RuntimeError("the ServerApp ended without a result; see the Flower log above")
+    if loaded.on_result is not None:
+        loaded.on_result(results[0])
     return results[0]
 
 
@@ -141,6 +146,7 @@ def run_deployment(
     stream: bool = True,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
+    federation_config: dict[str, Any] | None = None,
 ) -> subprocess.CompletedProcess:
     """Submit the repository's apps to a SuperLink with ``flwr run``.
 
@@ -151,14 +157,17 @@ def run_deployment(
     app_dir : str or Path
         Folder with the ``pyproject.toml`` declaring the apps.
     run_config : dict, optional
-        Overrides of ``[tool.flwr.app.config]`` (e.g. ``{"hparams": "...",
-        "number_of_rounds": 2}``).
+        Values of ``[tool.flwr.app.config]``: ``task``, ``hparams`` and ``overrides`` (a dict,
+        sent as one YAML mapping, e.g. ``{"number_of_rounds": 2}``).
     stream : bool
         Follow the run's logs until it ends.
     env : dict, optional
         Environment of the ``flwr`` process (e.g. ``FLWR_HOME``).
     timeout : float, optional
         Seconds before the ``flwr`` process is killed.
+    federation_config : dict, optional
+        ``flwr run --federation-config`` of a simulation SuperLink (e.g.
+        ``{"num-supernodes": 4}``).
 
     Returns
     -------
@@ -169,15 +178,24 @@ def run_deployment(
     if run_config:
         pairs = []
         for key, value in run_config.items():
-            text = (
-                f'"{value}"'
-                if isinstance(value, str)
-                else str(value).lower()
-                if isinstance(value, bool)
-                else str(value)
-            )
+            if isinstance(value, Mapping):  # the factory's overrides: one YAML mapping
+                value = yaml.safe_dump(dict(value), default_flow_style=True, width=10**9).strip()
+            if isinstance(value, bool):
+                text = str(value).lower()
+            elif isinstance(value, str):
+                text = json.dumps(value)  # a TOML basic string
+            else:
+                text = str(value)
             pairs.append(f"{key}={text}")
         cmd += ["--run-config", " ".join(pairs)]
+    if federation_config:
+        cmd += [
+            "--federation-config",
+            " ".join(
+                f"{k}={json.dumps(v) if isinstance(v, str) else v}"
+                for k, v in federation_config.items()
+            ),
+        ]
     if stream:
         cmd.append("--stream")
     proc = subprocess.run(

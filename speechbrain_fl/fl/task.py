@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from flwr.app import Context
 
 from .client import ClientTask
@@ -56,6 +57,10 @@ class FLTask:
         ``build_server(context) -> ServerTask``.
     num_partitions : int
         Number of clients K the data is partitioned into (SuperNodes in simulation).
+    on_result : callable, optional
+        ``on_result(result)``, called with the :class:`~speechbrain_fl.fl.server.ServerResult`
+        in the ServerApp's process when the rounds end, on either engine (e.g. to write the
+        final model as a checkpoint).
     info : dict
         What the factory wants its caller to see (e.g. the prepared paths); not used by engines.
     """
@@ -63,6 +68,7 @@ class FLTask:
     build_client: Callable[[Context], ClientTask]
     build_server: Callable[[Context], ServerTask]
     num_partitions: int
+    on_result: Callable[[Any], None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -83,7 +89,7 @@ class TaskSpec:
     Example
     -------
     >>> spec = TaskSpec.from_run_config({"task": "speechbrain_fl.fl.toy:toy_task",
-    ...                                  "number-of-rounds": 2, "num-partitions": 3})
+    ...                                  "overrides": "{number_of_rounds: 2, num_partitions: 3}"})
     >>> spec.hparams, load_task(spec).num_partitions
     (None, 3)
     """
@@ -96,13 +102,26 @@ class TaskSpec:
     def from_run_config(
         cls, run_config: Mapping[str, Any], node_config: Mapping[str, Any] | None = None
     ) -> TaskSpec:
-        """Read a Flower run config: ``task``, ``hparams`` (a SuperNode's ``--node-config
-        hparams=...`` wins), every other key an override."""
+        """Read a Flower run config: ``task``, ``hparams`` and ``overrides``.
+
+        Flower only accepts run-config keys that ``[tool.flwr.app.config]`` declares, and its
+        values are scalars, so the factory's overrides travel as one YAML mapping in the string
+        ``overrides`` (e.g. ``"{number_of_rounds: 2, languages: [english, german]}"``), in the
+        recipe's YAML vocabulary. A SuperNode's ``--node-config hparams=...`` wins over the run
+        config's ``hparams``.
+        """
         hparams = (node_config or {}).get("hparams") or run_config.get("hparams") or None
+        text = str(run_config.get("overrides", "") or "")
+        try:
+            overrides = yaml.safe_load(text) if text.strip() else {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"run config overrides={text!r} is not YAML: {err}") from err
+        if not isinstance(overrides, dict):
+            raise ValueError(f"run config overrides={text!r} must be a YAML mapping")
         return cls(
             task=str(run_config.get("task", DEFAULT_TASK)),
             hparams=str(hparams) if hparams else None,
-            overrides={k: v for k, v in run_config.items() if k not in ("task", "hparams")},
+            overrides=overrides,
         )
 
     @property
