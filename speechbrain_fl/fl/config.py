@@ -161,6 +161,18 @@ class FLConfig:
         return self.aggregation if isinstance(self.aggregation, str) else "custom"
 
     @classmethod
+    def yaml_keys(cls) -> set[str]:
+        """The hparams keys :meth:`from_hparams` reads.
+
+        Example
+        -------
+        >>> {"number_of_rounds", "method", "clip"} <= FLConfig.yaml_keys()
+        True
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return (fields - set(YAML_KEYS.values())) | set(YAML_KEYS)
+
+    @classmethod
     def from_hparams(cls, hparams: Mapping[str, Any], **changes: Any) -> FLConfig:
         """Build from a recipe's hparams (YAML vocabulary; other keys are ignored).
 
@@ -185,12 +197,8 @@ class FLConfig:
         (5, 'alpha_split', True, 'uniform')
         >>> FLConfig.from_hparams({"output_folder": "o", "method": "fedavg", "clip": 3.0}).clip
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in hparams.items():
-            field_name = YAML_KEYS.get(key, key)
-            if field_name in fields and (key in YAML_KEYS or field_name not in YAML_KEYS.values()):
-                values[field_name] = value
+        keys = cls.yaml_keys()
+        values = {YAML_KEYS.get(k, k): v for k, v in hparams.items() if k in keys}
         method = values.pop("clip_method", NO_CLIP_METHOD)
         sigma = values.get("noise_multiplier") or 0.0
         if method == NO_CLIP_METHOD:

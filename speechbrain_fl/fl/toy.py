@@ -11,7 +11,6 @@ its settings are the toy keys below plus the federated/privacy YAML keys that
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -22,7 +21,7 @@ from hyperpyyaml import load_hyperpyyaml
 from speechbrain.dataio.batch import PaddedBatch
 
 from .client import ClientTask
-from .config import YAML_KEYS, FLConfig
+from .config import FLConfig
 from .server import ServerTask
 from .task import FLTask
 
@@ -39,9 +38,7 @@ TOY_DEFAULTS: dict[str, Any] = {
     "output_folder": "results/toy_fl",
     "method": "fedavg",
 }
-FL_KEYS = ({f.name for f in dataclasses.fields(FLConfig)} - set(YAML_KEYS.values())) | set(
-    YAML_KEYS
-)
+FL_KEYS = FLConfig.yaml_keys()
 
 
 class ToyBrain(sb.Brain):
