@@ -21,12 +21,17 @@ SpeechBrain's run options (``sb.parse_arguments``: ``--device``, ``--precision``
 pretraining honour (:data:`SUPPORTED_RUN_OPTIONS`) and raises, naming the option and why, for
 the others (:data:`REFUSED_RUN_OPTIONS`). :func:`split_overrides` separates run options from
 hparams overrides when both arrive in one mapping (a ``flwr run --run-config``).
+
+A federated recipe's task factory runs in several processes (the script or ServerApp, every
+Ray actor or SuperNode); :func:`prepare_once` lets the first one prepare the data and the
+others read what it prepared.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +39,14 @@ import yaml
 from hyperpyyaml import load_hyperpyyaml
 from speechbrain.utils.run_opts import RunOptions
 
+from speechbrain_fl.atomic import atomic_open
+
 __all__ = [
     "REFUSED_RUN_OPTIONS",
     "SUPPORTED_RUN_OPTIONS",
     "federated_run_options",
     "load_layered_hparams",
+    "prepare_once",
     "resolve_hparams_path",
     "split_overrides",
 ]
@@ -283,3 +291,39 @@ def split_overrides(overrides: Mapping[str, Any] | None) -> tuple[dict, dict]:
         key = key.replace("-", "_")
         (run_opts if key in names else hparams)[key] = value
     return hparams, run_opts
+
+
+PREPARED_FILE = "prepared.json"
+
+
+def prepare_once(
+    folder: str | os.PathLike, key: Mapping[str, Any], prepare: Callable[[], Any]
+) -> Any:
+    """Return ``prepare()``'s JSON result, computed once per ``key`` and kept in ``folder``.
+
+    The first caller runs ``prepare`` (corpus, manifests, partition, seed model: idempotent,
+    cached steps) and writes ``<folder>/prepared.json`` atomically with ``key``; a later caller
+    with the same ``key`` reads it and prepares nothing, so the processes of one run (the script
+    or the ServerApp first, then Ray actors or SuperNodes) never rewrite files another process
+    is reading. A different ``key`` (a changed option) prepares again.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> d, calls = tempfile.mkdtemp(), []
+    >>> def prep():
+    ...     calls.append(1)
+    ...     return {"clients": 4}
+    >>> prepare_once(d, {"seed": 1}, prep), prepare_once(d, {"seed": 1}, prep), len(calls)
+    ({'clients': 4}, {'clients': 4}, 1)
+    """
+    key = json.loads(json.dumps(dict(key), default=str))
+    marker = Path(folder) / PREPARED_FILE
+    if marker.is_file():
+        saved = json.loads(marker.read_text(encoding="utf-8"))
+        if saved.get("key") == key:
+            return saved["result"]
+    result = prepare()
+    with atomic_open(marker) as handle:
+        json.dump({"key": key, "result": result}, handle, indent=2)
+    return result

@@ -86,6 +86,7 @@ from speechbrain_fl.privacy import METHODS, layout_from_model  # noqa: E402
 from speechbrain_fl.recipe import (  # noqa: E402
     federated_run_options,
     load_layered_hparams,
+    prepare_once,
     resolve_hparams_path,
     split_overrides,
 )
@@ -406,7 +407,6 @@ BRAIN_KEYS = (
     "dataloader_options",
     "eval_dataloader_options",
 )
-PREPARED_FILE = "prepared.json"
 
 
 def load_run(hparams_file, overrides=None, run_opts=None):
@@ -428,51 +428,37 @@ def load_run(hparams_file, overrides=None, run_opts=None):
 def prepare_run(hparams, run_opts):
     """Data, partition and seed model of a run, as the picklable ``settings`` of its builders.
 
-    The first process to call it prepares (corpus, manifests, partition, seed model) and writes
-    ``<save_folder>/prepared.json`` keyed by everything preparation reads; a later process with
-    the same key (a Ray actor, a SuperNode, the ServerApp of ``flwr run``) reads it instead of
-    preparing again, so clients never rewrite files another process is reading.
+    Prepared once per run (:func:`speechbrain_fl.recipe.prepare_once`): a later process with
+    the same preparation keys (a Ray actor, a SuperNode) reads the result instead.
     """
-    key = {k: hparams[k] for k in PREPARATION_KEYS}
-    key["run_opts"] = {k: run_opts.get(k) for k in ("debug", "device", "precision")}
-    key = json.loads(json.dumps(key, default=str))
-    marker = Path(hparams["save_folder"]) / PREPARED_FILE
-    if marker.is_file():
-        saved = json.loads(marker.read_text())
-        if saved["key"] == key:
-            return saved["settings"], saved["info"]
-    data_folder, manifests, prep_report, partition, timings = prepare_data(
-        hparams, progressbar=not run_opts.get("noprogressbar", False)
-    )
-    seed_folder, pretrain_info = seed_model_folder(hparams, manifests, data_folder, run_opts)
-    timings.update(pretrain_info)
-    clients = [partition["clients"][name]["manifest"] for name in sorted(partition["clients"])]
-    clients = [
-        c if os.path.isabs(c) else os.path.join(hparams["save_folder"], "partition", c)
-        for c in clients
-    ]
-    settings = {
-        "hparams": {k: hparams[k] for k in BRAIN_KEYS},
-        "run_opts": run_opts,
-        "data_folder": data_folder,
-        "clients": clients,
-        "valid_csv": os.path.join(manifests, "dev.csv"),
-        "test_csv": os.path.join(manifests, "test.csv"),
-        "cpus_per_client": hparams["num_cpus_per_client"],
-        "model": {
-            "folder": seed_folder,
-            "cache_dir": hparams["cache_folder"],
-            "options": model_options(hparams),
-        },
-    }
-    info = {
-        "timings": timings,
-        "skipped": prep_report.get("skipped", {}),
-        "num_skipped": prep_report.get("num_skipped", {}),
-    }
-    with atomic_open(marker) as handle:
-        json.dump({"key": key, "settings": settings, "info": info}, handle, indent=2)
-    return settings, info
+
+    def prepare():
+        data_folder, manifests, prep_report, partition, timings = prepare_data(
+            hparams, progressbar=not run_opts.get("noprogressbar", False)
+        )
+        seed_folder, pretrain_info = seed_model_folder(hparams, manifests, data_folder, run_opts)
+        clients = [partition["clients"][n]["manifest"] for n in sorted(partition["clients"])]
+        settings = {
+            "hparams": {k: hparams[k] for k in BRAIN_KEYS},
+            "run_opts": run_opts,
+            "data_folder": data_folder,
+            "clients": [os.path.join(hparams["save_folder"], "partition", c) for c in clients],
+            "valid_csv": os.path.join(manifests, "dev.csv"),
+            "test_csv": os.path.join(manifests, "test.csv"),
+            "cpus_per_client": hparams["num_cpus_per_client"],
+            "model": {
+                "folder": seed_folder,
+                "cache_dir": hparams["cache_folder"],
+                "options": model_options(hparams),
+            },
+        }
+        info = {"timings": {**timings, **pretrain_info}}
+        info.update({k: prep_report.get(k, {}) for k in ("skipped", "num_skipped")})
+        return {"settings": settings, "info": info}
+
+    key = {**{k: hparams[k] for k in PREPARATION_KEYS}, "run_opts": run_opts}
+    prepared = prepare_once(hparams["save_folder"], key, prepare)
+    return prepared["settings"], prepared["info"]
 
 
 PREPARATION_KEYS = (
