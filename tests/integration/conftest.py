@@ -93,7 +93,6 @@ def flower(tmp_path):
         # the SuperLink and SuperNodes start Flower's other executables by name
         env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
         cmd = [str(BIN / "flower-superlink"), "--insecure", "--port", str(port),
-               "--control-api-address", f"127.0.0.1:{free_port()}",
                "--database", str(tmp_path / "state.db"),
                "--disable-runtime-dependency-installation"]  # fmt: skip
         if simulation:
