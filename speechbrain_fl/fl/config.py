@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from speechbrain_fl.privacy import METHODS
+
 __all__ = ["FLConfig", "NO_CLIP_METHOD", "YAML_KEYS"]
 
 logger = logging.getLogger(__name__)
@@ -209,10 +211,18 @@ class FLConfig:
                     "noise_multiplier: 0"
                 )
             values.update(noise_multiplier=0.0, clip=None, alpha=None)
+        elif method not in METHODS:
+            raise ValueError(f"method: {method!r} is not one of {[NO_CLIP_METHOD, *METHODS]}")
         else:
             values["clip_method"] = method
             if method != "alpha_split":
                 values["alpha"] = None
+            else:
+                alpha = values.get("alpha")
+                if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+                    raise ValueError(f"alpha: {alpha!r} must be a number in (0, 1) for alpha_split")
+                if not 0.0 < alpha < 1.0:
+                    raise ValueError(f"alpha: {alpha!r} must be in (0, 1) for alpha_split")
             if values.get("clip") is None or values["clip"] <= 0:
                 raise ValueError(f"clip: {values.get('clip')!r} must be > 0 for method {method}")
             if sigma == 0:

@@ -32,6 +32,14 @@ def test_from_hparams_maps_the_yaml_vocabulary():
     assert cfg.private and cfg.aggregation_rule_name == "uniform" and cfg.seed == 1
 
 
+def test_unknown_method_and_bad_alpha_name_the_key():
+    with pytest.raises(ValueError, match="method: 'flatt' is not one of"):
+        FLConfig.from_hparams({**BASE, "method": "flatt", "clip": 1.0})
+    for alpha in (None, 1.0, "auto"):
+        with pytest.raises(ValueError, match="alpha: .* for alpha_split"):
+            FLConfig.from_hparams({**BASE, "method": "alpha_split", "clip": 1.0, "alpha": alpha})
+
+
 def test_fedavg_is_not_private_and_refuses_noise():
     cfg = FLConfig.from_hparams({**BASE, "method": "fedavg", "clip": 1.0})
     assert not cfg.private and cfg.clip is None and cfg.aggregation_rule_name == "weighted"
