@@ -171,6 +171,11 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     return RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
 
 
+def _process_cache() -> OrderedDict[Any, ClientTask]:
+    """This process's built ClientTasks (see the module docstring)."""
+    return _TASKS
+
+
 def make_client_app(
     build_client: Callable[[Context], ClientTask], *, cache_size: int = 4
 ) -> ClientApp:
@@ -197,12 +202,15 @@ def make_client_app(
     """
     app = ClientApp()
     shared_key = getattr(build_client, "cache_key", None)
-    cache = _TASKS if shared_key is not None else OrderedDict()
+    own_cache: OrderedDict[Any, ClientTask] = OrderedDict()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         partition_id = int(context.node_config.get("partition-id", 0))
         key = (shared_key, context.run_id, partition_id)
+        # _process_cache is found by name in the worker (pickled by reference), so it is the
+        # worker's own dict; a dict captured here would be pickled along with the app.
+        cache = _process_cache() if shared_key is not None else own_cache
         if key not in cache:
             while len(cache) >= max(1, cache_size):
                 cache.popitem(last=False)

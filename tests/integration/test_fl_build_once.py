@@ -21,7 +21,7 @@ from speechbrain_fl.fl.toy import toy_client, toy_task
 
 def _record(path, **event):
     with open(path, "a") as handle:
-        handle.write(json.dumps({"pid": os.getpid(), **event}) + "\\\\n")
+        handle.write(json.dumps({"pid": os.getpid(), **event}) + "\\n")
 
 def _client(context, *, inner, path):
     _record(path, kind="client", partition=int(context.node_config["partition-id"]))
