@@ -538,14 +538,15 @@ def mls_task(hparams_path=None, overrides=None):
             "alpha a number (train_fl.py --profile_rounds 1 prints one)"
         )
     settings, info = prepare_run(hparams, run_opts)
-    config = FLConfig.from_hparams(hparams)
-    if stage == "profile":
+    if stage == "train":
+        config = FLConfig.from_hparams(hparams)
+    elif stage == "profile":  # no noise, no effective clip: the method's keys do not apply
         config = profile_config(
-            config,
+            FLConfig.from_hparams({**hparams, "method": "fedavg", "noise_multiplier": 0.0}),
             rounds=hparams["profile_rounds"],
             output_folder=os.path.join(hparams["output_folder"], "profile"),
         )
-    elif stage != "train":
+    else:
         raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
     on_result = None
     if stage == "train":
