@@ -52,44 +52,44 @@ from pathlib import Path
 import speechbrain as sb
 import torch
 
-RECIPE_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(RECIPE_DIR))
-
-from mls_prepare import prepare_mls  # noqa: E402
-
-from speechbrain_fl.atomic import atomic_folder, atomic_open  # noqa: E402
-from speechbrain_fl.data.partition import partition_manifest, read_manifest  # noqa: E402
-from speechbrain_fl.fl.client import ClientTask  # noqa: E402
-from speechbrain_fl.fl.config import FLConfig  # noqa: E402
-from speechbrain_fl.fl.engine import run_simulation  # noqa: E402
-from speechbrain_fl.fl.params import load_trainable  # noqa: E402
-from speechbrain_fl.fl.profile import (  # noqa: E402
+from speechbrain_fl.atomic import atomic_folder, atomic_open
+from speechbrain_fl.data.mls_synth import generate_mls_corpus
+from speechbrain_fl.data.partition import partition_manifest, read_manifest
+from speechbrain_fl.fl.client import ClientTask
+from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.engine import run_simulation
+from speechbrain_fl.fl.params import load_trainable
+from speechbrain_fl.fl.profile import (
     format_profile,
     norm_profile,
     profile_config,
     write_profile,
 )
-from speechbrain_fl.fl.server import ServerTask  # noqa: E402
-from speechbrain_fl.fl.task import FLTask, TaskSpec, import_factory  # noqa: E402
-from speechbrain_fl.metrics.bootstrap import (  # noqa: E402
+from speechbrain_fl.fl.server import ServerTask
+from speechbrain_fl.fl.task import FLTask, TaskSpec, import_factory
+from speechbrain_fl.metrics.bootstrap import (
     paired_bootstrap_details,
     utterance_errors_from_stats,
     wer_report,
     write_utterance_details,
 )
-from speechbrain_fl.metrics.results_table import format_results_table  # noqa: E402
-from speechbrain_fl.models.checkpoint import save_federated_model  # noqa: E402
-from speechbrain_fl.models.presets import PRESETS, build_speech_llm  # noqa: E402
-from speechbrain_fl.models.pretrain import pretrain_seed_model  # noqa: E402
-from speechbrain_fl.plots import write_run_plots  # noqa: E402
-from speechbrain_fl.privacy import layout_from_model  # noqa: E402
-from speechbrain_fl.recipe import (  # noqa: E402
+from speechbrain_fl.metrics.results_table import format_results_table
+from speechbrain_fl.models.checkpoint import save_federated_model
+from speechbrain_fl.models.presets import PRESETS, build_speech_llm
+from speechbrain_fl.models.pretrain import pretrain_seed_model
+from speechbrain_fl.plots import write_run_plots
+from speechbrain_fl.privacy import layout_from_model
+from speechbrain_fl.recipe import (
     federated_run_options,
     load_layered_hparams,
     prepare_once,
     resolve_hparams_path,
     split_overrides,
 )
+
+RECIPE_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
+from mls_prepare import prepare_mls  # noqa: E402
 
 logger = logging.getLogger("train_fl")  # one name whichever way the file was imported
 TASK = f"{Path(__file__).resolve()}:mls_task"
@@ -188,8 +188,6 @@ def prepare_data(hparams, *, progressbar=True):
     data_folder = hparams["data_folder"]
     embedded = data_folder is None
     if embedded:
-        from speechbrain_fl.data.mls_synth import generate_mls_corpus
-
         start = time.time()
         data_folder = os.path.join(hparams["cache_folder"], "mls_synth")
         logger.info("No data_folder given: using the embedded espeak-ng corpus in %s", data_folder)
