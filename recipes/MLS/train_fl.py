@@ -515,8 +515,9 @@ def mls_task(hparams_path=None, overrides=None):
     Arguments
     ---------
     hparams_path : str, optional
-        A method file (``hparams/flat.yaml``, resolved against the working directory, then this
-        folder); default ``hparams/fedavg.yaml``.
+        A method file (``hparams/flat.yaml`` or ``recipes/MLS/hparams/flat.yaml``, resolved
+        against the repository root, the working directory, then this folder); default
+        ``hparams/fedavg.yaml``.
     overrides : dict, optional
         Hparams overrides and SpeechBrain run options in one mapping (as ``flwr run
         --run-config`` sends them; hyphens read as underscores), plus ``stage: profile`` for
@@ -529,7 +530,10 @@ def mls_task(hparams_path=None, overrides=None):
     """
     values, run_opts = split_overrides(overrides)
     stage = values.pop("stage", "train")
-    hparams, run_opts, _, _ = load_run(hparams_path or "hparams/fedavg.yaml", values, run_opts)
+    path = hparams_path or "hparams/fedavg.yaml"
+    if (RECIPE_DIR.parents[1] / path).is_file():  # relative to the app (repository) root
+        path = str(RECIPE_DIR.parents[1] / path)
+    hparams, run_opts, _, _ = load_run(path, values, run_opts)
     if stage == "train" and hparams["alpha"] == "auto":
         raise ValueError(
             "alpha: auto is resolved by the norm profiling of train_fl.py; with flwr run give "
@@ -538,22 +542,21 @@ def mls_task(hparams_path=None, overrides=None):
     settings, info = prepare_run(hparams, run_opts)
     if stage == "train":
         config = FLConfig.from_hparams(hparams)
-    elif stage == "profile":  # no noise, no effective clip: the method's keys do not apply
-        config = profile_config(
-            FLConfig.from_hparams({**hparams, "method": "fedavg", "noise_multiplier": 0.0}),
-            rounds=hparams["profile_rounds"],
-            output_folder=os.path.join(hparams["output_folder"], "profile"),
-        )
-    else:
-        raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
-    on_result = None
-    if stage == "train":
         on_result = functools.partial(
             save_final_model,
             settings=settings,
             folder=os.path.join(hparams["output_folder"], "final_model"),
             info={"method": hparams["method"], "model": str(hparams["model"])},
         )
+    elif stage == "profile":  # no noise, no effective clip: the method's keys do not apply
+        config = profile_config(
+            FLConfig.from_hparams({**hparams, "method": "fedavg", "noise_multiplier": 0.0}),
+            rounds=hparams["profile_rounds"],
+            output_folder=os.path.join(hparams["output_folder"], "profile"),
+        )
+        on_result = None
+    else:
+        raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
     return FLTask(
         build_client=functools.partial(build_client, settings=settings),
         build_server=functools.partial(build_server, settings=settings, fl_config=config),
