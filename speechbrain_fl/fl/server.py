@@ -107,7 +107,8 @@ class ServerResult:
     reports : list of RoundReport
         The rounds run by this process (norms, clip rates, budgets).
     privacy : dict, optional
-        :func:`speechbrain_fl.privacy.privacy_report` of the run (``None`` without noise).
+        :func:`speechbrain_fl.privacy.accounting.privacy_report` of the run (``None`` without
+        noise).
     """
 
     params: dict[str, torch.Tensor]
