@@ -16,8 +16,8 @@ from transformers import (
 )
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from speechbrain_fl.models.connector import FrameStackConnector
 from speechbrain_fl.fl.params import load_trainable, trainable_state
+from speechbrain_fl.models.connector import FrameStackConnector
 from speechbrain_fl.models.presets import PRESETS, build_speech_llm, resolve_preset, split_voxtral
 from speechbrain_fl.models.pretrain import pretrain_seed_model
 from speechbrain_fl.models.speech_llm import (
