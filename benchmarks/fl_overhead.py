@@ -68,9 +68,10 @@ def main() -> None:
         overrides = {
             "output_folder": out,
             "num_partitions": args.clients,
-            "num_rounds": 2,
+            "number_of_rounds": 2,
             "examples_per_client": 8 * args.steps,
             "batch_size": 8,
+            "method": "flat",
             "noise_multiplier": 1.0,
             "clip": 1.0,
             "eval_every": 0,

@@ -226,8 +226,8 @@ def run_preset(args) -> dict:
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
     from speechbrain_fl.fl.client import ClientTask, train_round
+    from speechbrain_fl.fl.params import trainable_state
     from speechbrain_fl.models.configs import check_preset, offline_preset
-    from speechbrain_fl.models.speech_llm import trainable_state_dict
     from speechbrain_fl.privacy import compute_budgets
 
     preset, device = args.presets[0], args.device
@@ -296,7 +296,7 @@ def run_preset(args) -> dict:
             c["total"] += param.numel()
             c["trainable"] += param.numel() if param.requires_grad else 0
         row["counts"] = counts
-        global_state = {f"model.{k}": v for k, v in trainable_state_dict(model).items()}
+        global_state = {f"model.{k}": v for k, v in trainable_state(model).items()}
         row["steps"] = []
         for bs in sizes:
             content = RecordDict(

@@ -2,16 +2,23 @@
 """Recipe: federated speech-LLM ASR on Multilingual LibriSpeech with component-aware DP.
 
 A speech-LLM (Whisper-style encoder + connector + causal LLM with LoRA) is fine-tuned across
-speaker-partitioned clients with Flower (Simulation Engine, Ray backend). The privacy method is
-the hparams file: FedAvg (no DP), Flat, PFL-Uniform, PFL-Dim, PFL-Dim+EMA, PFL-Unif+EMA or
-alpha-split (Luque, Lopez, Sant: "Component-Aware Differential Privacy for Federated Multilingual
-Speech-LLMs"). Each client clips its own update delta to the round's per-group budgets; the
-server re-clips, averages, adds N(0, (sigma C / n)^2) once and accounts the round with Opacus's
-RDP accountant.
+speaker-partitioned clients with Flower. The privacy method is the hparams file: FedAvg (no DP),
+Flat, PFL-Uniform, PFL-Dim, PFL-Dim+EMA, PFL-Unif+EMA or alpha-split (Luque, Lopez, Sant:
+"Component-Aware Differential Privacy for Federated Multilingual Speech-LLMs"). Each client clips
+its own update delta to the round's per-group budgets; the server re-clips, averages, adds
+N(0, (sigma C / n)^2) once and accounts the round with Opacus's RDP accountant.
 
 Without ``data_folder`` the recipe generates a small multilingual corpus with espeak-ng in the
 real MLS layout (8 languages), pretrains a tiny seed model on its public split, and runs the
 federated stage on CPU.
+
+The recipe is a task: :func:`mls_task` is the one factory both engines load. This script runs it
+on the Simulation Engine (Ray) and adds what only a script does (round-0 and final test WER,
+norm profiling, results.json, plots, the final checkpoint); ``flwr run`` loads the same factory
+from this file (``task = "recipes/MLS/train_fl.py:mls_task"``, shipped in the Flower app
+bundle by ``fab-include`` in pyproject.toml) on a simulation federation or the Deployment
+Engine. It stays a script outside the package, as SpeechBrain recipes are; see
+recipes/MLS/README.md for both commands.
 
 To run this recipe (from the repository root or from recipes/MLS/):
 
@@ -19,9 +26,12 @@ To run this recipe (from the repository root or from recipes/MLS/):
     > python recipes/MLS/train_fl.py hparams/flat.yaml --freeze_encoder True
     > python recipes/MLS/train_fl.py hparams/pfl_dim_ema.yaml --data_folder /data/mls \\
           --model whisper_tinyllama --device cuda --precision bf16
+    > flwr run . local-simulation --run-config \\
+          'task="recipes/MLS/train_fl.py:mls_task" hparams="recipes/MLS/hparams/flat.yaml"'
 
 Outputs (``output_folder``): train_log.txt, hyperparams.yaml, results.json, rounds.csv,
-group_norms.csv, test_utterances.csv, plots/*.png, and the server state for resuming.
+group_norms.csv, test_utterances.csv, plots/*.png, final_model/ (transcribe with
+recipes/MLS/transcribe.py), and the server state for resuming.
 
 Authors
  * speechbrain-fl contributors
@@ -39,19 +49,51 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import speechbrain as sb
 import torch
 
-RECIPE_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(RECIPE_DIR))
+from speechbrain_fl.atomic import atomic_folder, atomic_open
+from speechbrain_fl.data.mls_synth import generate_mls_corpus
+from speechbrain_fl.data.partition import partition_manifest, read_manifest
+from speechbrain_fl.fl.client import ClientTask
+from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.engine import run_simulation
+from speechbrain_fl.fl.params import load_trainable
+from speechbrain_fl.fl.profile import (
+    format_profile,
+    norm_profile,
+    profile_config,
+    write_profile,
+)
+from speechbrain_fl.fl.server import ServerTask
+from speechbrain_fl.fl.task import FLTask, TaskSpec, import_factory
+from speechbrain_fl.metrics import (
+    paired_bootstrap_details,
+    utterance_errors_from_stats,
+    wer_report,
+    write_utterance_details,
+)
+from speechbrain_fl.models.checkpoint import save_federated_model
+from speechbrain_fl.models.presets import PRESETS, build_speech_llm
+from speechbrain_fl.models.pretrain import pretrain_seed_model
+from speechbrain_fl.plots import write_run_plots
+from speechbrain_fl.privacy import layout_from_model
+from speechbrain_fl.recipe import (
+    federated_run_options,
+    load_layered_hparams,
+    prepare_once,
+    resolve_hparams_path,
+    split_overrides,
+)
+from speechbrain_fl.run_outputs import format_results_table
 
+RECIPE_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
 from mls_prepare import prepare_mls  # noqa: E402
 
-from speechbrain_fl.atomic import atomic_folder, atomic_open  # noqa: E402
-from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
-
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("train_fl")  # one name whichever way the file was imported
+TASK = f"{Path(__file__).resolve()}:mls_task"
 
 
 # ##########################################################################################
@@ -115,7 +157,7 @@ class SpeechLLMBrain(sb.Brain):
             self.wer_metric = sb.utils.metric_stats.ErrorRateStats()
 
     def on_stage_end(self, stage, stage_loss, epoch=None):
-        """Store the stage statistics (read by the engine and by ``evaluate_wer``)."""
+        """Store the stage statistics (read by the engine and by ``evaluate_test``)."""
         stats = {"loss": stage_loss}
         if stage != sb.Stage.TRAIN:
             stats["WER"] = self.wer_metric.summarize("error_rate") / 100.0
@@ -141,16 +183,12 @@ def make_dataset(csv_path, data_folder):
     return dataset.filtered_sorted(sort_key="duration")
 
 
-def prepare_data(hparams):
+def prepare_data(hparams, *, progressbar=True):
     """Corpus (embedded if ``data_folder`` is null), manifests and the client partition."""
-    from speechbrain_fl.data.partition import partition_manifest
-
     timings = {}
     data_folder = hparams["data_folder"]
     embedded = data_folder is None
     if embedded:
-        from speechbrain_fl.data.mls_synth import generate_mls_corpus
-
         start = time.time()
         data_folder = os.path.join(hparams["cache_folder"], "mls_synth")
         logger.info("No data_folder given: using the embedded espeak-ng corpus in %s", data_folder)
@@ -163,6 +201,7 @@ def prepare_data(hparams):
             public_utterances_per_speaker=hparams["corpus_public_utterances_per_speaker"],
             eval_utterances_per_speaker=hparams["corpus_eval_utterances_per_speaker"],
             seed=hparams["seed"],
+            progress=progressbar,
         )
         logger.info(
             "Embedded corpus %s (%.1f s)",
@@ -209,17 +248,17 @@ def model_options(hparams):
     }
 
 
-def seed_model_folder(hparams, manifests, data_folder):
+def seed_model_folder(hparams, manifests, data_folder, run_opts):
     """The starting checkpoint: the preset itself, or the tiny model pretrained centrally.
 
     The tiny preset is random; it is pretrained on the embedded corpus's ``public`` split
     (speakers disjoint from every client, dev and test) and saved with ``save_pretrained`` into
     the cache, keyed by the options that shape it, so a second run reuses it. Real presets start
-    from their Hugging Face checkpoints and are not pretrained here.
+    from their Hugging Face checkpoints and are not pretrained here. The run options that apply
+    to a training loop (device, precision, max_grad_norm, grad_accumulation_factor,
+    noprogressbar) apply here too; a command-line ``--max_grad_norm`` replaces
+    ``pretrain_max_grad_norm`` as it replaces the clients' ``max_grad_norm``.
     """
-    from speechbrain_fl.models.presets import build_speech_llm
-    from speechbrain_fl.models.pretrain import pretrain_seed_model
-
     if hparams["model"] != "tiny":
         return hparams["model"], {}
     public_csv = os.path.join(manifests, "public.csv")
@@ -228,6 +267,9 @@ def seed_model_folder(hparams, manifests, data_folder):
             f"model: tiny needs a public split to pretrain on ({public_csv} is missing); use the "
             "embedded corpus (data_folder: null) or a real preset such as whisper_tinyllama"
         )
+    max_grad_norm = run_opts.get("max_grad_norm", hparams["pretrain_max_grad_norm"])
+    accumulation = int(run_opts.get("grad_accumulation_factor", 1))
+    precision = run_opts.get("precision", "fp32")
     key = {
         "steps": hparams["pretrain_steps"],
         "ctc_steps": hparams["pretrain_ctc_steps"],
@@ -244,6 +286,15 @@ def seed_model_folder(hparams, manifests, data_folder):
         "public_manifest": hashlib.sha256(Path(public_csv).read_bytes()).hexdigest(),
         "languages": list(hparams["languages"]),
     }
+    # Run options that change the trained weights join the key only when not at their defaults
+    # (so existing caches stay valid).
+    for name, value, default in (
+        ("max_grad_norm", max_grad_norm, 1.0),
+        ("grad_accumulation_factor", accumulation, 1),
+        ("precision", precision, "fp32"),
+    ):
+        if value != default:
+            key[name] = value
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(hparams["cache_folder"]) / f"seed_tiny_{tag}"
     if (folder / "speech_llm.json").is_file():
@@ -261,28 +312,35 @@ def seed_model_folder(hparams, manifests, data_folder):
         ctc_weight=hparams["ctc_weight"],
         prompt=hparams["prompt"],
         seed=hparams["seed"],
+        device=run_opts.get("device") or "cpu",
     )
     dataset = make_dataset(public_csv, data_folder)
     loader = sb.dataio.dataloader.make_dataloader(
         dataset, batch_size=hparams["pretrain_batch_size"], shuffle=True
     )
-    batches = _Batches(loader)
     history = pretrain_seed_model(
         model,
-        batches,
+        _Batches(loader),
         steps=hparams["pretrain_steps"],
         lr=hparams["pretrain_lr"],
         warmup_steps=min(30, hparams["pretrain_steps"] // 10),
         ctc_warmup_steps=hparams["pretrain_ctc_steps"] if hparams["ctc_weight"] > 0 else 0,
+        max_grad_norm=max_grad_norm,
+        grad_accumulation_factor=accumulation,
+        precision=precision,
+        progressbar=not run_opts.get("noprogressbar", False),
         log_every=50,
     )
     with atomic_folder(folder) as tmp:
-        model.save_pretrained(tmp)
+        model.to("cpu").save_pretrained(tmp)
     seconds = time.time() - start
     tail = history["loss"][-20:]
-    logger.info(
-        "Seed model saved to %s (%.1f s, final loss %.3f)", folder, seconds, sum(tail) / len(tail)
+    loss = sum(tail) / len(tail)
+    hparams["train_logger"].log_stats(
+        stats_meta={"stage": "seed pretraining", "steps": key["steps"]},
+        train_stats={"loss": loss},
     )
+    logger.info("Seed model saved to %s (%.1f s, final loss %.3f)", folder, seconds, loss)
     return str(folder), {"pretraining": seconds}
 
 
@@ -308,9 +366,7 @@ def build_brain(settings, *, checkpointer=None):
     the global trainable tensors before each local training and restores them after, so one
     model per process is enough and avoids rebuilding it for every client.
     """
-    from speechbrain_fl.models.presets import build_speech_llm
-
-    key = json.dumps(settings["model"], sort_keys=True)
+    key = json.dumps([settings["model"], settings["run_opts"].get("device")], sort_keys=True)
     if key not in _WORKER_MODELS:
         torch.manual_seed(settings["hparams"]["seed"])
         _WORKER_MODELS.clear()
@@ -318,7 +374,7 @@ def build_brain(settings, *, checkpointer=None):
             settings["model"]["folder"],
             cache_dir=settings["model"]["cache_dir"],
             seed=settings["hparams"]["seed"],
-            device=settings["run_opts"].get("device", "cpu"),
+            device=settings["run_opts"].get("device") or "cpu",
             **settings["model"]["options"],
         )
     return SpeechLLMBrain(
@@ -329,13 +385,97 @@ def build_brain(settings, *, checkpointer=None):
     )
 
 
+def component_layout(brain):
+    """Trainable groups labelled encoder / connector / llm by the model's name patterns."""
+    patterns = brain.modules.model.component_patterns()
+    components = {label: [f"model.{p}" for p in pats] for label, pats in patterns.items()}
+    return layout_from_model(brain.modules, components=components)
+
+
 # ##########################################################################################
-# Federated task (Flower ClientApp / ServerApp builders)
+# Federated task: the factory both engines load
 # ##########################################################################################
+BRAIN_KEYS = (
+    "seed",
+    "lr",
+    "weight_decay",
+    "encoder_lr_multiplier",
+    "max_new_tokens",
+    "num_beams",
+    "max_grad_norm",
+    "dataloader_options",
+    "eval_dataloader_options",
+)
+
+
+def load_run(hparams_file, overrides=None, run_opts=None):
+    """Hparams of a run (layered files, ``--debug`` shrinking, checks) and its run options."""
+    run_opts = federated_run_options(run_opts or {})
+    hparams, base_file, merged = load_layered_hparams(
+        hparams_file, overrides, recipe_dir=RECIPE_DIR
+    )
+    check_hparams(hparams)
+    if run_opts.get("debug"):  # 2 rounds, 2 local epochs of 2 batches (SpeechBrain's debug)
+        hparams["number_of_rounds"] = min(2, hparams["number_of_rounds"])
+        hparams["pretrain_steps"] = min(4, hparams["pretrain_steps"])
+        hparams["pretrain_ctc_steps"] = min(2, hparams["pretrain_ctc_steps"])
+        hparams["profile_rounds"] = min(1, hparams["profile_rounds"])
+        # the EMA methods must leave their warm-up within the 2 debug rounds
+        hparams["ema_warmup_rounds"] = min(1, hparams["ema_warmup_rounds"])
+        hparams["bootstrap_resamples"] = min(200, hparams["bootstrap_resamples"])
+    return hparams, run_opts, base_file, merged
+
+
+def prepare_run(hparams, run_opts):
+    """Data, partition and seed model of a run, as the picklable ``settings`` of its builders.
+
+    Prepared once per run (:func:`speechbrain_fl.recipe.prepare_once`): a later process with
+    the same preparation keys (a Ray actor, a SuperNode) reads the result instead.
+    """
+
+    def prepare():
+        data_folder, manifests, prep_report, partition, timings = prepare_data(
+            hparams, progressbar=not run_opts.get("noprogressbar", False)
+        )
+        seed_folder, pretrain_info = seed_model_folder(hparams, manifests, data_folder, run_opts)
+        clients = [partition["clients"][n]["manifest"] for n in sorted(partition["clients"])]
+        settings = {
+            "hparams": {k: hparams[k] for k in BRAIN_KEYS},
+            "run_opts": run_opts,
+            "data_folder": data_folder,
+            "clients": [os.path.join(hparams["save_folder"], "partition", c) for c in clients],
+            "valid_csv": os.path.join(manifests, "dev.csv"),
+            "test_csv": os.path.join(manifests, "test.csv"),
+            "cpus_per_client": hparams["num_cpus_per_client"],
+            "model": {
+                "folder": seed_folder,
+                "cache_dir": hparams["cache_folder"],
+                "options": model_options(hparams),
+            },
+        }
+        info = {"timings": {**timings, **pretrain_info}}
+        info.update({k: prep_report.get(k, {}) for k in ("skipped", "num_skipped")})
+        return {"settings": settings, "info": info}
+
+    key = {**{k: hparams[k] for k in PREPARATION_KEYS}, "run_opts": run_opts}
+    prepared = prepare_once(hparams["save_folder"], key, prepare)
+    return prepared["settings"], prepared["info"]
+
+
+PREPARATION_KEYS = (
+    "data_folder", "cache_folder", "save_folder", "skip_prep", "languages", "max_utts_per_split",
+    "corpus_speakers_per_language", "corpus_utterances_per_speaker",
+    "corpus_public_speakers_per_language", "corpus_public_utterances_per_speaker",
+    "corpus_eval_utterances_per_speaker", "partition", "num_clients", "seed", "model",
+    "pretrain_steps", "pretrain_ctc_steps", "pretrain_lr", "pretrain_batch_size",
+    "pretrain_max_grad_norm", "connector",
+    "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
+    "lora_alpha", "gradient_checkpointing", *BRAIN_KEYS,
+)  # fmt: skip
+
+
 def build_client(context, *, settings):
     """ClientApp builder: this partition's Brain and training set."""
-    from speechbrain_fl.fl.client import ClientTask
-
     partition_id = int(context.node_config["partition-id"])
     client = settings["clients"][partition_id]
     # One intra-op thread per CPU the engine gave this client: Ray runs several clients side by
@@ -352,8 +492,6 @@ def build_client(context, *, settings):
 
 def build_server(context, *, settings, fl_config):
     """ServerApp builder: the global model, DP configuration and dev-set WER evaluation."""
-    from speechbrain_fl.fl.server import ServerTask
-
     brain = build_brain(settings)
     valid_set = make_dataset(settings["valid_csv"], settings["data_folder"])
 
@@ -370,68 +508,97 @@ def build_server(context, *, settings, fl_config):
         config=fl_config,
         layout=component_layout(brain),
         evaluate=evaluate,
+        min_available_nodes=len(settings["clients"]) if fl_config.sampling_rate >= 1 else 1,
         num_partitions=len(settings["clients"]),
     )
 
 
-def component_layout(brain):
-    """Trainable groups labelled encoder / connector / llm by the model's name patterns."""
-    from speechbrain_fl.privacy import layout_from_model
+def mls_task(hparams_path=None, overrides=None):
+    """The MLS recipe as an :class:`~speechbrain_fl.fl.task.FLTask` (both engines load this).
 
-    patterns = brain.modules.model.component_patterns()
-    components = {label: [f"model.{p}" for p in pats] for label, pats in patterns.items()}
-    return layout_from_model(brain.modules, components=components)
+    Arguments
+    ---------
+    hparams_path : str, optional
+        A method file (``hparams/flat.yaml`` or ``recipes/MLS/hparams/flat.yaml``, resolved
+        against the repository root, the working directory, then this folder); default
+        ``hparams/fedavg.yaml``.
+    overrides : dict, optional
+        Hparams overrides and SpeechBrain run options in one mapping (as ``flwr run
+        --run-config`` sends them; hyphens read as underscores), plus ``stage: profile`` for
+        the norm-profiling rounds (:mod:`speechbrain_fl.fl.profile`).
+
+    Returns
+    -------
+    FLTask
+        ``info`` holds the prepared ``settings`` and the preparation report.
+    """
+    values, run_opts = split_overrides(overrides)
+    stage = values.pop("stage", "train")
+    path = hparams_path or "hparams/fedavg.yaml"
+    if (RECIPE_DIR.parents[1] / path).is_file():  # relative to the app (repository) root
+        path = str(RECIPE_DIR.parents[1] / path)
+    hparams, run_opts, _, _ = load_run(path, values, run_opts)
+    if stage == "train" and hparams["alpha"] == "auto":
+        raise ValueError(
+            "alpha: auto is resolved by the norm profiling of train_fl.py; with flwr run give "
+            "alpha a number (train_fl.py --profile_rounds 1 prints one)"
+        )
+    settings, info = prepare_run(hparams, run_opts)
+    if stage == "train":
+        config = FLConfig.from_hparams(hparams)
+        on_result = functools.partial(
+            save_final_model,
+            settings=settings,
+            folder=os.path.join(hparams["output_folder"], "final_model"),
+            info={"method": hparams["method"], "model": str(hparams["model"])},
+        )
+    elif stage == "profile":  # no noise, no effective clip: the method's keys do not apply
+        config = profile_config(
+            FLConfig.from_hparams({**hparams, "method": "fedavg", "noise_multiplier": 0.0}),
+            rounds=hparams["profile_rounds"],
+            output_folder=os.path.join(hparams["output_folder"], "profile"),
+        )
+        on_result = None
+    else:
+        raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
+    return FLTask(
+        build_client=functools.partial(build_client, settings=settings),
+        build_server=functools.partial(build_server, settings=settings, fl_config=config),
+        num_partitions=len(settings["clients"]),
+        on_result=on_result,
+        info={"settings": settings, "hparams": hparams, "run_opts": run_opts, **info},
+    )
 
 
-def fl_config(hparams, *, output_folder=None, **changes):
-    """The engine's FLConfig from the recipe's hparams (``changes`` override single fields)."""
-    from speechbrain_fl.fl.config import FLConfig
+def save_final_model(result, *, settings, folder, info):
+    """Write the final global model as a loadable checkpoint (read by transcribe.py).
 
-    private = hparams["method"] != "fedavg"
-    values = {
-        "output_folder": output_folder or hparams["output_folder"],
-        "num_rounds": hparams["number_of_rounds"],
-        "sampling_rate": hparams["sampling_rate"],
-        "min_clients": hparams["min_clients"],
-        "local_epochs": hparams["local_epochs"],
-        "noise_multiplier": hparams["noise_multiplier"] if private else 0.0,
-        "clip": hparams["clip"] if private else None,
-        "clip_method": hparams["method"] if private else "flat",
-        "alpha": hparams["alpha"] if hparams["method"] == "alpha_split" else None,
-        "ema_beta": hparams["ema_beta"],
-        "ema_gamma": hparams["ema_gamma"],
-        "ema_warmup_rounds": hparams["ema_warmup_rounds"],
-        "ema_signal": hparams["ema_signal"],
-        "delta": hparams["delta"],
-        "max_epsilon": hparams["max_epsilon"],
-        "aggregation": "uniform" if private else "weighted",
-        "eval_every": hparams["eval_every"],
-        "round_timeout": hparams["round_timeout"],
-        "max_retries": hparams["max_retries"],
-        "seed": hparams["seed"],
-    }
-    values.update(changes)
-    return FLConfig(**values)
+    The embedded tiny seed model lives in the cache; it is copied in, so the folder stands
+    alone. A real preset is recorded by name and loaded from the hub (or its cache).
+    """
+    brain = build_brain(settings)
+    load_trainable(brain.modules, result.params)
+    path = save_federated_model(
+        brain.modules.model,
+        folder,
+        base=settings["model"]["folder"],
+        options=settings["model"]["options"],
+        copy_base=Path(settings["model"]["folder"]).name.startswith("seed_tiny_"),
+        info={**info, "rounds": result.last_round, "epsilon": result.epsilon},
+    )
+    logger.info("Final model saved to %s", path)
+    return path
 
 
-def run_federated(settings, config, hparams, num_clients):
-    """Run the rounds on Flower's Simulation Engine (Ray) and return the ServerResult."""
-    from speechbrain_fl.fl.engine import run_simulation
-    from speechbrain_fl.fl.task import FLTask
-
+def run_federated(spec, hparams):
+    """Run the spec's rounds on Flower's Simulation Engine (Ray) and return the ServerResult."""
     if hparams["engine"] != "simulation":
         raise ValueError(
             f"engine: {hparams['engine']!r}: train_fl.py drives the Simulation Engine; for the "
             "Deployment Engine start a SuperLink and SuperNodes and use `flwr run` (README)"
         )
-    task = FLTask(
-        build_client=functools.partial(build_client, settings=settings),
-        build_server=functools.partial(build_server, settings=settings, fl_config=config),
-        num_partitions=num_clients,
-    )
     return run_simulation(
-        task,
-        num_supernodes=num_clients,
+        spec,
         client_resources={
             "num_cpus": hparams["num_cpus_per_client"],
             "num_gpus": hparams["num_gpus_per_client"],
@@ -441,96 +608,11 @@ def run_federated(settings, config, hparams, num_clients):
 
 
 # ##########################################################################################
-# Norm profiling (paper Sec. III-A, VI)
-# ##########################################################################################
-PROFILE_CAVEAT = (
-    "Privacy caveat: these norms come from non-DP rounds on the training clients; they are "
-    "outside the DP guarantee. For a privacy-compatible choice, profile on public or proxy data "
-    "(the paper's Sec. IV-A3) or count the profiling rounds in the privacy budget."
-)
-
-
-def profile_norms(settings, hparams, num_clients):
-    """Non-DP rounds measuring per-component update norms; recommends a method and alpha.
-
-    The profiling rounds clip with a budget no update reaches (C = 1e6, sigma = 0), so the
-    engine records the pre-clip norms without changing any update.
-    """
-    from speechbrain_fl.privacy import select_alpha
-    from speechbrain_fl.run_outputs import read_table
-
-    folder = os.path.join(hparams["output_folder"], "profile")
-    config = fl_config(
-        hparams,
-        output_folder=folder,
-        num_rounds=hparams["profile_rounds"],
-        noise_multiplier=0.0,
-        clip=1e6,
-        clip_method="pfl_dim",
-        alpha=None,
-        aggregation="weighted",
-        eval_every=0,
-        max_epsilon=None,
-    )
-    run_federated(settings, config, hparams, num_clients)
-    groups = read_table(
-        os.path.join(folder, "group_norms.csv"), text_columns=("group", "component")
-    )
-    last = groups["round"] == groups["round"].max()
-    per_matrix = {}
-    for label in ("encoder", "llm", "connector"):
-        sel = last & (groups["component"] == label)
-        if sel.any():
-            per_matrix[label] = float(groups["mean_norm"][sel].mean())
-    rounds = read_table(os.path.join(folder, "rounds.csv"))
-    component = {
-        label: float(rounds[f"norm_{label}"][-1])
-        for label in ("encoder", "llm", "connector")
-        if f"norm_{label}" in rounds
-    }
-    profile = {"per_matrix_mean_norm": per_matrix, "component_norm": component}
-    if per_matrix.get("encoder", 0.0) > 0:
-        ratio = per_matrix.get("llm", 0.0) / per_matrix["encoder"]
-        profile["llm_encoder_ratio"] = ratio
-        # alpha for an alpha-split run: encoder pool budget ~ kappa x observed encoder norm
-        profile["alpha"] = select_alpha(component, clip=hparams["clip"] or 1.0)
-        # The paper's regimes (Sec. V-B, VI): a pool split pays off for a large LLM/encoder
-        # per-matrix norm ratio (~12x); adaptive single-pool EMA suffices for mild ones (~1.7x).
-        method = "alpha_split" if ratio >= 5.0 else "pfl_dim_ema"
-        profile["recommendation"] = {"method": method, "alpha": profile["alpha"]}
-    else:
-        profile["alpha"] = None
-        profile["recommendation"] = {"method": "pfl_dim_ema", "alpha": None}
-        profile["note"] = "encoder frozen: no encoder norms; a pool split has nothing to protect"
-    profile["caveat"] = PROFILE_CAVEAT
-    with open(os.path.join(folder, "profile.json"), "w", encoding="utf-8") as handle:
-        json.dump(profile, handle, indent=2)
-    logger.info("Norm profile: %s", json.dumps(profile))
-    print(f"\nNorm profile ({hparams['profile_rounds']} non-DP rounds):")
-    for label, value in per_matrix.items():
-        print(f"  mean per-matrix update norm, {label:9s}: {value:.4g}")
-    if "llm_encoder_ratio" in profile:
-        print(f"  LLM/encoder per-matrix norm ratio: {profile['llm_encoder_ratio']:.2f}x")
-    rec = profile["recommendation"]
-    print(f"  recommended method: {rec['method']}")
-    if profile["alpha"] is not None:
-        print(f"  alpha for alpha-split (encoder pool ~ 2x its norm): {profile['alpha']:.4f}")
-    print(f"  {PROFILE_CAVEAT}\n")
-    return profile
-
-
-# ##########################################################################################
 # Test evaluation and results
 # ##########################################################################################
 def evaluate_test(brain, test_set, test_rows, hparams):
     """WER on the test split with speaker-level bootstrap CIs, overall and per language."""
-    from speechbrain_fl.metrics import utterance_errors_from_stats, wer_report
-
-    brain.evaluate(
-        test_set,
-        progressbar=True,
-        test_loader_kwargs=dict(hparams["eval_dataloader_options"]),
-    )
+    brain.evaluate(test_set, test_loader_kwargs=dict(hparams["eval_dataloader_options"]))
     details = utterance_errors_from_stats(
         brain.wer_metric,
         speaker_of={r["ID"]: r["spk_id"] for r in test_rows},
@@ -547,8 +629,6 @@ def federated_change(details, details_round0, hparams):
     replicate for both) tells whether the federated stage changed the WER beyond speaker
     sampling noise, which two overlapping marginal CIs cannot.
     """
-    from speechbrain_fl.metrics import paired_bootstrap_details
-
     paired = paired_bootstrap_details(
         details,
         details_round0,
@@ -564,192 +644,94 @@ def federated_change(details, details_round0, hparams):
     }
 
 
-def privacy_section(hparams, result, *, alpha_from_profile=False):
-    """Epsilon (Opacus RDP), effective noise and epsilon per pool of the finished run.
+def privacy_section(hparams, config, result, *, alpha_from_profile=False):
+    """results.json's privacy section: the engine's privacy report plus the recipe's method.
 
-    The joint epsilon comes from the engine's accountant. Per pool (encoder; LLM + connector),
-    the effective noise multiplier is sigma * C / (pool budget) (DESIGN.md contract 2) and the
-    pool epsilon is the one the same mechanism gives at that sigma. For the EMA methods the
-    budgets move between rounds, so the *largest* budget a pool had in any round (its smallest
-    sigma_eff) is reported, a conservative figure.
+    The engine computed it (:func:`speechbrain_fl.privacy.accounting.privacy_report`): joint
+    epsilon from its accountant, and per pool (``encoder``; ``llm`` = LLM + connector) the
+    effective noise multiplier and epsilon, conservative for budgets that move between rounds.
+    A run without noise (``fedavg``, or a clipping method with ``noise_multiplier: 0``) reports
+    no epsilon. What the epsilon covers and what it does not (test-only seeds, raw-norm EMA
+    signal, profiling, telemetry) comes from :func:`speechbrain_fl.fl.disclosure.privacy_disclosure`.
     """
-    from speechbrain_fl.privacy import compute_epsilon
-    from speechbrain_fl.run_outputs import read_table
-
-    section = {
-        "epsilon": result.epsilon,
-        "delta": hparams["delta"],
-        "accountant": "opacus-rdp",
-        "noise_multiplier": hparams["noise_multiplier"],
-        "clip": hparams["clip"],
-        "alpha": hparams["alpha"],
-        "sampling_rate": hparams["sampling_rate"],
-        "rounds": result.last_round,
-        "sigma_eff": {},
-        "epsilon_per_component": {},
-    }
-    from speechbrain_fl.fl.disclosure import privacy_disclosure
-
-    section.update(
-        privacy_disclosure(
-            fl_config(hparams),
-            profile_rounds=hparams["profile_rounds"],
-            alpha_from_profile=alpha_from_profile,
-        )
+    disclosure = privacy_disclosure(
+        config, profile_rounds=hparams["profile_rounds"], alpha_from_profile=alpha_from_profile
     )
-    if hparams["method"] == "fedavg":
-        section.update(epsilon=None, delta=None, accountant=None, noise_multiplier=0.0, clip=None)
-        return section
-    rounds = read_table(os.path.join(hparams["output_folder"], "rounds.csv"))
-    trained = rounds["round"] > 0
-    sigma, clip = hparams["noise_multiplier"], hparams["clip"]
-    if hparams["method"] == "flat":  # one pool: every component sees sigma
-        for column in sorted(rounds):
-            if column.startswith("norm_"):
-                section["sigma_eff"][column[len("norm_") :]] = sigma
-                section["epsilon_per_component"][column[len("norm_") :]] = result.epsilon
-        return section
-    budgets = {
-        column[len("budget_") :]: np.nan_to_num(rounds[column][trained], nan=0.0)
-        for column in rounds
-        if column.startswith("budget_")
-    }
-    # Pools as in the paper: the encoder, and the LLM together with the connector (Sec. IV-A1);
-    # any other label is reported on its own.
-    pools = {"encoder": ["encoder"], "llm": ["llm", "connector"]}
-    pools.update(
-        {label: [label] for label in budgets if label not in ("encoder", "llm", "connector")}
-    )
-    for pool, labels in pools.items():
-        present = [budgets[label] for label in labels if label in budgets]
-        if not present:
-            continue
-        pool_budget = float(np.sqrt(sum(b**2 for b in present)).max())
-        if pool_budget <= 0:
-            continue
-        sigma_eff = sigma * clip / pool_budget
-        section["sigma_eff"][pool] = sigma_eff
-        section["epsilon_per_component"][pool] = compute_epsilon(
-            sampling_rate=hparams["sampling_rate"],
-            noise_multiplier=sigma_eff,
-            rounds=max(1, result.last_round),
-            delta=hparams["delta"],
-        )
-    return section
+    if result.privacy is None:
+        return {
+            **disclosure,
+            "epsilon": None,
+            "delta": None,
+            "accountant": None,
+            "noise_multiplier": 0.0,
+            "clip": config.clip,
+            "alpha": config.alpha,
+            "sampling_rate": config.sampling_rate,
+            "rounds": result.last_round,
+            "sigma_eff": {},
+            "epsilon_per_component": {},
+        }
+    report = dict(result.privacy)
+    report["accountant"] = f"opacus-{report['accountant']}"
+    return {**report, **disclosure, "alpha": config.alpha}
 
 
 def check_hparams(hparams):
     """Fail fast, before any heavy work, on values the run cannot use."""
-    from speechbrain_fl.models.presets import PRESETS
-    from speechbrain_fl.privacy import METHODS
-
-    methods = ("fedavg", *METHODS)
-    if hparams["method"] not in methods:
-        raise ValueError(f"method: {hparams['method']!r} is not one of {list(methods)}")
     model = hparams["model"]
     if model not in PRESETS and not (Path(str(model)) / "speech_llm.json").is_file():
         raise ValueError(
             f"model: {model!r} is neither a preset {sorted(PRESETS)} nor a folder with "
             "speech_llm.json"
         )
-    alpha = hparams["alpha"]
-    if hparams["method"] == "alpha_split":
-        if alpha == "auto":
-            if hparams["profile_rounds"] < 1:
-                raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
-        elif alpha is None or not 0.0 < float(alpha) < 1.0:
-            raise ValueError(f"alpha: {alpha!r} must be in (0, 1) or 'auto' for alpha_split")
-    if hparams["method"] != "fedavg" and (hparams["clip"] is None or hparams["clip"] <= 0):
-        raise ValueError(f"clip: {hparams['clip']!r} must be > 0 for method {hparams['method']}")
-
-
-BRAIN_KEYS = (
-    "seed",
-    "lr",
-    "weight_decay",
-    "encoder_lr_multiplier",
-    "max_new_tokens",
-    "num_beams",
-    "dataloader_options",
-    "eval_dataloader_options",
-)
+    if hparams["alpha"] == "auto" and hparams["profile_rounds"] < 1:
+        raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
+    # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
+    # by the profiling, so any valid alpha stands in for it here)
+    FLConfig.from_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})
 
 
 def main(argv):
     """Prepare data and the seed model, run the federated rounds, evaluate, report."""
-    timings = {}
     start_all = time.time()
-    hparams_file, run_opts, overrides = sb.parse_arguments(argv)
-    hparams, base_file, merged = load_layered_hparams(
-        hparams_file, overrides, recipe_dir=RECIPE_DIR
-    )
-    check_hparams(hparams)
+    hparams_file, sb_run_opts, overrides = sb.parse_arguments(argv)
+    hparams, run_opts, base_file, merged = load_run(hparams_file, overrides, sb_run_opts)
     sb.create_experiment_directory(
         experiment_directory=hparams["output_folder"],
         hyperparams_to_save=str(base_file),
         overrides=merged,
+        **({"log_config": run_opts["log_config"]} if "log_config" in run_opts else {}),
     )
-    debug = bool(run_opts.get("debug"))
-    if debug:  # --debug: 2 rounds, 2 local epochs of 2 batches (SpeechBrain's debug mode)
-        hparams["number_of_rounds"] = min(2, hparams["number_of_rounds"])
-        hparams["pretrain_steps"] = min(4, hparams["pretrain_steps"])
-        hparams["pretrain_ctc_steps"] = min(2, hparams["pretrain_ctc_steps"])
-        hparams["profile_rounds"] = min(1, hparams["profile_rounds"])
-        # the EMA methods must leave their warm-up within the 2 debug rounds
-        hparams["ema_warmup_rounds"] = min(1, hparams["ema_warmup_rounds"])
-        hparams["bootstrap_resamples"] = min(200, hparams["bootstrap_resamples"])
-
-    data_folder, manifests, prep_report, partition, t = prepare_data(hparams)
-    timings.update(t)
-    start = time.time()
-    seed_folder, pretrain_info = seed_model_folder(hparams, manifests, data_folder)
-    timings.update({k: v for k, v in pretrain_info.items() if k == "pretraining"})
-    clients = [partition["clients"][name]["manifest"] for name in sorted(partition["clients"])]
-    clients = [
-        c if os.path.isabs(c) else os.path.join(hparams["save_folder"], "partition", c)
-        for c in clients
-    ]
-    settings = {
-        "hparams": {k: hparams[k] for k in BRAIN_KEYS},
-        "run_opts": {
-            **{
-                k: v
-                for k, v in run_opts.items()
-                if k in ("device", "precision", "debug", "debug_batches", "debug_epochs")
-            },
-            "max_grad_norm": hparams["max_grad_norm"],
-        },
-        "data_folder": data_folder,
-        "clients": clients,
-        "valid_csv": os.path.join(manifests, "dev.csv"),
-        "cpus_per_client": hparams["num_cpus_per_client"],
-        "model": {
-            "folder": seed_folder,
-            "cache_dir": hparams["cache_folder"],
-            "options": model_options(hparams),
-        },
-    }
-    num_clients = len(clients)
+    settings, info = prepare_run(hparams, run_opts)
+    timings = dict(info["timings"])
+    spec_overrides = {**merged, **run_opts}
+    num_clients = len(settings["clients"])
     logger.info(
         "%d clients, expected cohort %.1f", num_clients, hparams["sampling_rate"] * num_clients
     )
 
-    from speechbrain_fl.data.partition import read_manifest
-    from speechbrain_fl.metrics import write_utterance_details
-
-    test_rows = read_manifest(os.path.join(manifests, "test.csv"))
-    test_set = make_dataset(os.path.join(manifests, "test.csv"), data_folder)
+    test_rows = read_manifest(settings["test_csv"])
+    test_set = make_dataset(settings["test_csv"], settings["data_folder"])
     brain = build_brain(settings)
     start = time.time()
     test_round0, details_round0 = evaluate_test(brain, test_set, test_rows, hparams)
     timings["evaluation"] = time.time() - start
     logger.info("Round-0 (seed model) test WER %.4f", test_round0["WER"])
+    hparams["train_logger"].log_stats(
+        stats_meta={"round": 0, "stage": "test"}, test_stats={"WER": test_round0["WER"]}
+    )
 
     profile = None
     alpha_from_profile = hparams["alpha"] == "auto"
     if hparams["profile_rounds"] > 0:
         start = time.time()
-        profile = profile_norms(settings, hparams, num_clients)
+        spec = TaskSpec(TASK, _hparams_path(hparams_file), {**spec_overrides, "stage": "profile"})
+        result = run_federated(spec, hparams)
+        profile = norm_profile(
+            result.reports[-1], component_layout(brain), clip=hparams["clip"] or 1.0
+        )
+        write_profile(profile, os.path.join(hparams["output_folder"], "profile"))
+        print("\n" + format_profile(profile, rounds=hparams["profile_rounds"]) + "\n")
         timings["profiling"] = time.time() - start
         if hparams["alpha"] == "auto":
             if profile["alpha"] is None:
@@ -757,16 +739,16 @@ def main(argv):
                     "alpha: auto needs encoder update norms, but the encoder is frozen; "
                     "set alpha explicitly or use --freeze_encoder False"
                 )
-            hparams["alpha"] = profile["alpha"]
+            hparams["alpha"] = spec_overrides["alpha"] = profile["alpha"]
             logger.info("alpha: auto -> %.4f (from the norm profile)", hparams["alpha"])
 
     start = time.time()
-    result = run_federated(settings, fl_config(hparams), hparams, num_clients)
+    config = FLConfig.from_hparams(hparams)
+    result = run_federated(TaskSpec(TASK, _hparams_path(hparams_file), spec_overrides), hparams)
     timings["federated"] = time.time() - start
 
-    from speechbrain_fl.fl.server import _load_into
-
-    _load_into(brain, result.params)
+    load_trainable(brain.modules, result.params)  # the task's on_result saved final_model/
+    final_model = os.path.join(hparams["output_folder"], "final_model")
     start = time.time()
     test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
     timings["evaluation"] += time.time() - start
@@ -783,9 +765,6 @@ def main(argv):
         "significant" if change["significant"] else "not significant",
     )
 
-    from speechbrain_fl.plots import write_run_plots
-    from speechbrain_fl.run_outputs import format_results_table
-
     timings["total"] = time.time() - start_all
     results = {
         "method": hparams["method"],
@@ -795,21 +774,22 @@ def main(argv):
         "test": test_report,
         "test_round0": {"WER": test_round0["WER"], "WER_ci95": test_round0["WER_ci95"]},
         "test_change_from_round0": change,
-        "privacy": privacy_section(hparams, result, alpha_from_profile=alpha_from_profile),
+        "privacy": privacy_section(hparams, config, result, alpha_from_profile=alpha_from_profile),
         "data": {
-            "data_folder": data_folder,
+            "data_folder": settings["data_folder"],
             "embedded_corpus": hparams["data_folder"] is None,
-            "skipped": prep_report.get("skipped", {}),
-            "num_skipped": prep_report.get("num_skipped", {}),
+            "skipped": info["skipped"],
+            "num_skipped": info["num_skipped"],
         },
         "profile": profile,
         "stopped_early": result.stopped_early,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
-    _write_json_atomic(os.path.join(hparams["output_folder"], "results.json"), results)
+    with atomic_open(os.path.join(hparams["output_folder"], "results.json")) as handle:
+        json.dump(results, handle, indent=2, default=float)
     plots = write_run_plots(
         hparams["output_folder"],
-        noise_multiplier=hparams["noise_multiplier"],
+        noise_multiplier=config.noise_multiplier,
         clip=hparams["clip"] or 1.0,
         alpha=hparams["alpha"] if hparams["method"] == "alpha_split" else None,
         expected_cohort_size=hparams["sampling_rate"] * num_clients,
@@ -819,21 +799,21 @@ def main(argv):
         test_stats={"WER": test_report["WER"], "round0_WER": test_round0["WER"]},
     )
     print("\n" + format_results_table(results, style="text"))
-    from speechbrain_fl.fl.disclosure import format_disclosure
-
     print(format_disclosure(results["privacy"]))
     print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
     print(
         f"Results: {os.path.join(hparams['output_folder'], 'results.json')}; "
-        f"{len(plots)} plots in {os.path.join(hparams['output_folder'], 'plots')}"
+        f"{len(plots)} plots in {os.path.join(hparams['output_folder'], 'plots')}; "
+        f"model: {final_model} (python recipes/MLS/transcribe.py {final_model} <wav>)"
     )
     return results
 
 
-def _write_json_atomic(path, content):
-    with atomic_open(path) as handle:
-        json.dump(content, handle, indent=2, default=float)
+def _hparams_path(hparams_file):
+    return str(resolve_hparams_path(hparams_file, recipe_dir=RECIPE_DIR))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # Run main() inside the module the engine loads for TASK (not as __main__), so the server
+    # builder and this script share one copy of the module and its per-process model.
+    import_factory(f"{TASK.rsplit(':', 1)[0]}:main")(sys.argv[1:])

@@ -2,41 +2,60 @@
 
 A recipe provides an :class:`FLTask` (a ClientApp builder returning a :class:`ClientTask` with a
 SpeechBrain ``Brain`` and the client's data, and a ServerApp builder returning a
-:class:`ServerTask` with the starting model and an :class:`FLConfig`). :func:`run_simulation`
-runs it on the Simulation Engine (Ray); ``flwr run .`` runs the same task on the Deployment
-Engine through :mod:`speechbrain_fl.fl.apps`. The server strategy :class:`DPFedAvg` does Poisson
-sampling, server-side re-clipping, a pluggable aggregation rule, central Gaussian noise and RDP
-accounting; every round is checkpointed so the same command resumes. See docs/fl_engine.md.
+:class:`ServerTask` with the starting model and an :class:`FLConfig`), from one factory that
+both engines load (:mod:`speechbrain_fl.fl.task`). :func:`run_simulation` runs it on the
+Simulation Engine (Ray); ``flwr run`` runs the same task through :mod:`speechbrain_fl.fl.apps`
+on a simulation federation or the Deployment Engine. The server strategy :class:`DPFedAvg` does
+Poisson sampling, server-side re-clipping, a pluggable aggregation rule, central Gaussian noise
+and RDP accounting; every round is checkpointed so the same command resumes. See
+docs/fl_engine.md.
+
+The names below are imported on first use (PEP 562), so ``speechbrain_fl.fl.params`` or
+``speechbrain_fl.fl.config`` can be imported without loading Flower and Ray.
 """
 
-from .aggregation import ClientUpdate, get_rule, uniform_mean, weighted_mean
-from .client import ClientTask, make_client_app, train_round, trainable_parameters
-from .config import FLConfig
-from .engine import run_deployment, run_simulation
-from .sampling import PoissonSampler
-from .server import ServerResult, ServerTask, make_server_app, run_server
-from .strategy import DPFedAvg, RoundFailed, RoundReport
-from .task import FLTask
+from __future__ import annotations
 
-__all__ = [
-    "ClientTask",
-    "ClientUpdate",
-    "DPFedAvg",
-    "FLConfig",
-    "FLTask",
-    "PoissonSampler",
-    "RoundFailed",
-    "RoundReport",
-    "ServerResult",
-    "ServerTask",
-    "get_rule",
-    "make_client_app",
-    "make_server_app",
-    "run_deployment",
-    "run_server",
-    "run_simulation",
-    "train_round",
-    "trainable_parameters",
-    "uniform_mean",
-    "weighted_mean",
-]
+import importlib
+
+_EXPORTS = {
+    "ClientTask": "client",
+    "ClientUpdate": "aggregation",
+    "DPFedAvg": "strategy",
+    "FLConfig": "config",
+    "FLTask": "task",
+    "PoissonSampler": "sampling",
+    "RoundFailed": "strategy",
+    "RoundReport": "strategy",
+    "ServerResult": "server",
+    "ServerTask": "server",
+    "TaskSpec": "task",
+    "get_rule": "aggregation",
+    "load_task": "task",
+    "load_trainable": "params",
+    "make_client_app": "client",
+    "make_server_app": "server",
+    "params_fingerprint": "params",
+    "run_deployment": "engine",
+    "run_server": "server",
+    "run_simulation": "engine",
+    "train_round": "client",
+    "trainable_parameters": "params",
+    "trainable_state": "params",
+    "uniform_mean": "aggregation",
+    "weighted_mean": "aggregation",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,55 +1,53 @@
-"""Module-level ServerApp and ClientApp for the Deployment Engine (``flwr run .``).
+"""Module-level ServerApp and ClientApp for ``flwr run`` (simulation federation or Deployment).
 
 ``pyproject.toml`` names ``speechbrain_fl.fl.apps:server_app`` and ``...:client_app``. Both read
-the run config (``[tool.flwr.app.config]``, overridable with ``flwr run --run-config``):
+the run config (``[tool.flwr.app.config]``, overridable with ``flwr run --run-config``) as a
+:class:`~speechbrain_fl.fl.task.TaskSpec`:
 
-- ``task``: ``"package.module:factory"``, a recipe factory ``factory(hparams, overrides) ->
-  FLTask`` (default :func:`speechbrain_fl.fl.toy.toy_task`);
-- ``hparams``: path of the recipe's hparams file (``""`` for none); a SuperNode may override it
-  with ``--node-config "hparams=/local/path.yaml"`` when its files live elsewhere;
-- every other key is passed to the factory as an override (e.g. ``num-rounds``).
+- ``task``: ``"package.module:factory"`` or ``"recipes/<Dataset>/train.py:factory"``, a recipe
+  factory ``factory(hparams, overrides) -> FLTask`` (default
+  :func:`speechbrain_fl.fl.toy.toy_task`);
+- ``hparams``: path of the recipe's hparams file (``""`` for none), relative to the app root;
+  a SuperNode may override it with ``--node-config "hparams=/local/path.yaml"``;
+- ``overrides``: one YAML mapping, in the recipe's YAML vocabulary, passed to the factory
+  (``"{number_of_rounds: 2, debug: true}"``; Flower accepts only declared keys and scalar
+  values, hence one string).
 
 Each SuperNode gets its partition with ``--node-config "partition-id=i num-partitions=K"``.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
 
 from .client import ClientTask, make_client_app
-from .server import ServerTask, make_server_app
-from .task import FLTask
+from .server import run_server
+from .task import TaskSpec, load_task
 
-__all__ = ["client_app", "load_task", "server_app"]
-
-RESERVED = ("task", "hparams")
+__all__ = ["client_app", "server_app"]
 
 
-def load_task(run_config: dict[str, Any], node_config: dict[str, Any] | None = None) -> FLTask:
-    """Import the recipe factory named by ``run_config['task']`` and build its FLTask."""
-    ref = str(run_config.get("task", "speechbrain_fl.fl.toy:toy_task"))
-    module_name, _, attr = ref.partition(":")
-    if not attr:
-        raise ValueError(f"run config 'task'={ref!r} must be 'package.module:factory'")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"run config 'task'={ref!r} cannot be imported: {err}") from err
-    hparams = (node_config or {}).get("hparams") or run_config.get("hparams") or None
-    overrides = {k: v for k, v in run_config.items() if k not in RESERVED}
-    return factory(str(hparams) if hparams else None, overrides)
+class _RunConfigClient:
+    """``build_client`` reading the spec from the context; cached per worker by
+    :func:`make_client_app` under the spec (the run config is the same for every message)."""
+
+    cache_key = "run-config"
+
+    def __call__(self, context: Context) -> ClientTask:
+        spec = TaskSpec.from_run_config(dict(context.run_config), dict(context.node_config))
+        return load_task(spec).build_client(context)
 
 
-def _build_client(context: Context) -> ClientTask:
-    return load_task(dict(context.run_config), dict(context.node_config)).build_client(context)
+server_app = ServerApp()
 
 
-def _build_server(context: Context) -> ServerTask:
-    return load_task(dict(context.run_config)).build_server(context)
+@server_app.main()
+def _server_main(grid: Grid, context: Context) -> None:
+    task = load_task(TaskSpec.from_run_config(dict(context.run_config)))
+    result = run_server(grid, task.build_server(context))
+    if task.on_result is not None:
+        task.on_result(result)
 
 
-server_app = make_server_app(_build_server)
-client_app = make_client_app(_build_client)
+client_app = make_client_app(_RunConfigClient())

@@ -6,6 +6,11 @@ global parameters), this client's training set and loader options, and optionall
 layout (for module-level groups and component labels; without it every tensor is its own group
 of component ``all``). The built task is cached per partition inside the worker process, so a
 simulation actor or a SuperNode builds the Brain and reads its manifest once, not every round.
+The cache is a module-level dict (:data:`_TASKS`), not a closure of the ClientApp: Flower's
+Simulation Engine pickles the ClientApp with every message, so a closure would arrive empty in
+every message. It is keyed by the builder's ``cache_key`` attribute (a
+:class:`~speechbrain_fl.fl.task.TaskSpec` builder has one), the run and the partition; a builder
+without a ``cache_key`` is cached per ClientApp object only (one hit per unpickled copy).
 
 One training message: load the global *trainable* tensors (exactly the names in the ArrayRecord,
 which must all be ``requires_grad`` parameters of ``brain.modules``), set ``brain.fl_round`` and
@@ -37,7 +42,12 @@ from flwr.clientapp import ClientApp
 
 from speechbrain_fl.privacy import Layout, clip_update
 
-__all__ = ["ClientTask", "make_client_app", "trainable_parameters", "train_round"]
+from .params import load_trainable, trainable_parameters
+
+__all__ = ["ClientTask", "make_client_app", "train_round"]
+
+# Built ClientTasks of this process, least recently used first (see the module docstring).
+_TASKS: OrderedDict[Any, ClientTask] = OrderedDict()
 
 
 @dataclass
@@ -67,11 +77,6 @@ class ClientTask:
                 "ClientTask.brain has a checkpointer: Brain.fit would recover it over the "
                 "global parameters; build the client Brain with checkpointer=None"
             )
-
-
-def trainable_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Return ``{name: parameter}`` for the ``requires_grad`` parameters of ``module``."""
-    return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
 
 @contextlib.contextmanager
@@ -126,12 +131,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     config = content["config"]
     global_params = content["arrays"].to_torch_state_dict()
     params = trainable_parameters(task.brain.modules)
-    unknown = sorted(set(global_params) - set(params))
-    if unknown:
-        raise KeyError(f"global arrays {unknown} are not trainable parameters of the client Brain")
-    with torch.no_grad():
-        for name, value in global_params.items():
-            params[name].copy_(value.to(params[name].device, params[name].dtype))
+    load_trainable(task.brain.modules, global_params)
     torch.manual_seed(int(config.get("round-seed", 0)) + int(partition_id))
     epochs = int(config.get("local-epochs", 1))
     # The round's position, for Brains whose schedules span the federated run (e.g. a cosine
@@ -151,10 +151,8 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
                 n: params[n].detach().cpu().to(torch.float32) - v.to(torch.float32)
                 for n, v in global_params.items()
             }
-    finally:
-        with torch.no_grad():  # never keep local state between rounds
-            for name, value in global_params.items():
-                params[name].copy_(value.to(params[name].device, params[name].dtype))
+    finally:  # never keep local state between rounds
+        load_trainable(task.brain.modules, global_params)
     train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
     metrics: dict[str, Any] = {
         "num-examples": len(task.train_set),
@@ -171,6 +169,11 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             )
         )
     return RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
+
+
+def _process_cache() -> OrderedDict[Any, ClientTask]:
+    """This process's built ClientTasks (see the module docstring)."""
+    return _TASKS
 
 
 def make_client_app(
@@ -198,12 +201,16 @@ def make_client_app(
     >>> app = make_client_app(toy_client)
     """
     app = ClientApp()
-    cache: OrderedDict[Any, ClientTask] = OrderedDict()
+    shared_key = getattr(build_client, "cache_key", None)
+    own_cache: OrderedDict[Any, ClientTask] = OrderedDict()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         partition_id = int(context.node_config.get("partition-id", 0))
-        key = (context.run_id, partition_id)
+        key = (shared_key, context.run_id, partition_id)
+        # _process_cache is found by name in the worker (pickled by reference), so it is the
+        # worker's own dict; a dict captured here would be pickled along with the app.
+        cache = _process_cache() if shared_key is not None else own_cache
         if key not in cache:
             while len(cache) >= max(1, cache_size):
                 cache.popitem(last=False)

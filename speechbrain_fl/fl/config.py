@@ -1,13 +1,20 @@
 """Configuration of a federated run (the ``# Federated`` and ``# Privacy`` YAML sections).
 
-:class:`FLConfig` is a plain dataclass so a recipe can build it from its hparams dict with
-:meth:`FLConfig.from_dict`, which rejects unknown keys and bad values with a message naming the
-key. Decisions:
+:class:`FLConfig` is a plain dataclass. A recipe builds it from its hparams with
+:meth:`FLConfig.from_hparams`, the one mapping from the YAML vocabulary (:data:`YAML_KEYS`:
+``number_of_rounds``, ``method``, ``noise_multiplier``, ...) to the engine's fields; the
+``flwr run --run-config`` keys are the same YAML keys. :meth:`FLConfig.from_dict` takes the
+field names themselves. Both reject bad values with a message naming the key. Decisions:
 
 - ``aggregation=None`` picks ``uniform`` (sum / n, n = qK) for a private run and ``weighted``
   (FedAvg's num-examples mean) otherwise.
-- A run is *private* when ``noise_multiplier > 0``; it then needs ``clip`` and gets an
-  accountant. ``clip`` without noise clips without noise (no epsilon is reported).
+- A run is *private* when ``noise_multiplier > 0`` (:attr:`FLConfig.private`, the only
+  definition): it then needs ``clip``, gets an accountant and reports epsilon. The YAML
+  ``method`` names the clip-budget allocator; ``fedavg`` means no clipping and no noise (a
+  ``noise_multiplier > 0`` with it is an error: noise without a clip bounds nothing). A clipping
+  method with ``noise_multiplier: 0`` is a well-defined *non-private* run: updates are clipped
+  to the method's budgets, no noise is added, no epsilon is reported (``None``, never
+  ``Infinity``), and :meth:`from_hparams` logs a warning saying so.
 - ``ema_signal="noisy"`` (default) feeds the EMA budgets with the noisy aggregate
   (post-processing, inside the DP guarantee); ``"raw"`` uses the mean of the clients' reported
   pre-clip norms, as in the paper's experiments, and warns that it is outside the guarantee.
@@ -16,13 +23,25 @@ key. Decisions:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FLConfig"]
+from speechbrain_fl.privacy import METHODS
+
+__all__ = ["FLConfig", "NO_CLIP_METHOD", "YAML_KEYS"]
+
+logger = logging.getLogger(__name__)
 
 EMA_METHODS = {"pfl_dim_ema": "dim", "pfl_unif_ema": "uniform"}
+
+# The YAML method that clips nothing and adds no noise (plain FedAvg, McMahan et al. 2017).
+NO_CLIP_METHOD = "fedavg"
+
+# YAML key -> FLConfig field, for every key whose name differs; every other field is read under
+# its own name (``sampling_rate``, ``clip``, ``delta``, ...).
+YAML_KEYS = {"number_of_rounds": "num_rounds", "method": "clip_method"}
 
 
 @dataclass
@@ -157,6 +176,78 @@ class FLConfig:
         if self.aggregation is None:
             return "uniform" if self.private else "weighted"
         return self.aggregation if isinstance(self.aggregation, str) else "custom"
+
+    @classmethod
+    def yaml_keys(cls) -> set[str]:
+        """The hparams keys :meth:`from_hparams` reads.
+
+        Example
+        -------
+        >>> {"number_of_rounds", "method", "clip"} <= FLConfig.yaml_keys()
+        True
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return (fields - set(YAML_KEYS.values())) | set(YAML_KEYS)
+
+    @classmethod
+    def from_hparams(cls, hparams: Mapping[str, Any], **changes: Any) -> FLConfig:
+        """Build from a recipe's hparams (YAML vocabulary; other keys are ignored).
+
+        Arguments
+        ---------
+        hparams : mapping
+            Loaded hparams; the keys of :data:`YAML_KEYS` and the fields named alike are read,
+            the rest (model, data, logging keys) ignored. ``method`` defaults to ``fedavg``.
+        **changes
+            FLConfig fields to set after the mapping (e.g. ``output_folder`` of a profiling run).
+
+        Returns
+        -------
+        FLConfig
+
+        Example
+        -------
+        >>> cfg = FLConfig.from_hparams({"output_folder": "o", "number_of_rounds": 5,
+        ...     "method": "alpha_split", "alpha": 0.1, "clip": 1.0, "noise_multiplier": 0.5,
+        ...     "lr": 0.1})
+        >>> cfg.num_rounds, cfg.clip_method, cfg.private, cfg.aggregation_rule_name
+        (5, 'alpha_split', True, 'uniform')
+        >>> FLConfig.from_hparams({"output_folder": "o", "method": "fedavg", "clip": 3.0}).clip
+        """
+        keys = cls.yaml_keys()
+        values = {YAML_KEYS.get(k, k): v for k, v in hparams.items() if k in keys}
+        method = values.pop("clip_method", NO_CLIP_METHOD)
+        sigma = values.get("noise_multiplier") or 0.0
+        if method == NO_CLIP_METHOD:
+            if sigma > 0:
+                raise ValueError(
+                    f"method: {NO_CLIP_METHOD} clips nothing, so noise_multiplier: {sigma} "
+                    "bounds no sensitivity; choose a clipping method (flat, pfl_dim, ...) or set "
+                    "noise_multiplier: 0"
+                )
+            values.update(noise_multiplier=0.0, clip=None, alpha=None)
+        elif method not in METHODS:
+            raise ValueError(f"method: {method!r} is not one of {[NO_CLIP_METHOD, *METHODS]}")
+        else:
+            values["clip_method"] = method
+            if method != "alpha_split":
+                values["alpha"] = None
+            else:
+                alpha = values.get("alpha")
+                if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+                    raise ValueError(f"alpha: {alpha!r} must be a number in (0, 1) for alpha_split")
+                if not 0.0 < alpha < 1.0:
+                    raise ValueError(f"alpha: {alpha!r} must be in (0, 1) for alpha_split")
+            if values.get("clip") is None or values["clip"] <= 0:
+                raise ValueError(f"clip: {values.get('clip')!r} must be > 0 for method {method}")
+            if sigma == 0:
+                logger.warning(
+                    "method: %s with noise_multiplier: 0 clips the updates but adds no noise: "
+                    "a non-private run (no epsilon is reported)",
+                    method,
+                )
+        values.update(changes)
+        return cls(**values)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FLConfig:

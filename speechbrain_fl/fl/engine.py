@@ -3,10 +3,20 @@
 - ``engine: simulation``: :func:`run_simulation` calls ``flwr.simulation.run_simulation`` with the
   Ray backend; one virtual SuperNode per partition, ``client_resources`` (``num_cpus``,
   ``num_gpus``) per ClientApp, and ``ray_address`` to join a running Ray cluster instead of
-  starting one. Flower 1.42 marks ``run_simulation`` deprecated in favour of ``flwr run`` against
-  a local simulation SuperLink; it is kept here because it runs the apps in-process (the
-  ServerResult comes back to the caller and tests need no SuperLink), and ``flwr run`` with the
-  apps of :mod:`speechbrain_fl.fl.apps` is the supported path for the same recipe.
+  starting one. Given a :class:`~speechbrain_fl.fl.task.TaskSpec` (what a recipe script
+  passes), only the spec travels to the Ray actors, which load the recipe's factory once each.
+- Why not ``flwr run`` here: Flower 1.42 marks ``run_simulation`` deprecated in favour of
+  ``flwr run`` against a simulation federation, and ``flwr run`` with the apps of
+  :mod:`speechbrain_fl.fl.apps` does run the same recipes (recipes/MLS/README.md). A recipe
+  script keeps the in-process call because the ServerApp then runs in the script's process:
+  its :class:`~speechbrain_fl.fl.server.ServerResult` (final tensors, per-round budgets, privacy
+  report) comes back as an object for the test evaluation and results.json, with no SuperLink
+  process, no app bundle to build and no result file to read back. The deprecation notice,
+  which Flower logs on every call, is filtered out of that one call; any other Flower warning
+  still shows. Flower's lines are printed once: when the script has configured logging (a
+  root handler, as ``sb.create_experiment_directory`` does), Flower's own console handler is
+  detached for the call and its records go through the script's handlers (console and log
+  file) only.
 - ``engine: deployment``: :func:`run_deployment` submits the apps declared in the repository's
   ``pyproject.toml`` (``[tool.flwr.app.components]``) with ``flwr run <app_dir> <superlink>`` to a
   running ``flower-superlink`` whose ``flower-supernode`` processes were each started with
@@ -15,25 +25,54 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+from flwr.common.logger import FLOWER_LOGGER, console_handler
 from flwr.simulation import run_simulation as flwr_run_simulation
 
 from .client import make_client_app
 from .server import ServerResult, make_server_app
-from .task import FLTask
+from .task import FLTask, SpecClient, SpecServer, TaskSpec, load_task
+
+DEPRECATION_NOTICE = "`run_simulation` function is deprecated"
+
+
+class _DropDeprecationNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return DEPRECATION_NOTICE not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _flower_logging() -> Iterator[None]:
+    """Flower's lines once, without the ``run_simulation`` deprecation notice (see above)."""
+    drop = _DropDeprecationNotice()
+    FLOWER_LOGGER.addFilter(drop)
+    detach = bool(logging.getLogger().handlers) and console_handler in FLOWER_LOGGER.handlers
+    if detach:
+        FLOWER_LOGGER.removeHandler(console_handler)
+    try:
+        yield
+    finally:
+        FLOWER_LOGGER.removeFilter(drop)
+        if detach:
+            FLOWER_LOGGER.addHandler(console_handler)
+
 
 __all__ = ["run_deployment", "run_simulation"]
 
 
 def run_simulation(
-    task: FLTask,
+    task: FLTask | TaskSpec,
     *,
     num_supernodes: int | None = None,
     client_resources: dict[str, float] | None = None,
@@ -45,10 +84,11 @@ def run_simulation(
 
     Arguments
     ---------
-    task : FLTask
-        The recipe's builders.
+    task : FLTask or TaskSpec
+        The recipe's builders, or the spec of its factory (then the actors load the factory
+        themselves and keep the built client per process, see :mod:`speechbrain_fl.fl.task`).
     num_supernodes : int, optional
-        Virtual SuperNodes; default ``task.num_partitions``.
+        Virtual SuperNodes; default the task's ``num_partitions``.
     client_resources : dict, optional
         Ray resources per ClientApp, e.g. ``{"num_cpus": 1, "num_gpus": 0.25}``.
     ray_address : str, optional
@@ -73,18 +113,28 @@ def run_simulation(
     else:
         init_args["num_cpus"] = os.cpu_count() or 1
     init_args.update(ray_init_args or {})
-    flwr_run_simulation(
-        server_app=make_server_app(task.build_server, on_result=results.append),
-        client_app=make_client_app(task.build_client),
-        num_supernodes=num_supernodes or task.num_partitions,
-        backend_config={
-            "client_resources": client_resources or {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": init_args,
-        },
-        verbose_logging=verbose,
-    )
+    if isinstance(task, TaskSpec):
+        loaded = load_task(task)
+        build_server, build_client = SpecServer(task), SpecClient(task)
+    else:
+        loaded = task
+        build_server, build_client = task.build_server, task.build_client
+    num_supernodes = num_supernodes or loaded.num_partitions
+    with _flower_logging():
+        flwr_run_simulation(
+            server_app=make_server_app(build_server, on_result=results.append),
+            client_app=make_client_app(build_client),
+            num_supernodes=num_supernodes,
+            backend_config={
+                "client_resources": client_resources or {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": init_args,
+            },
+            verbose_logging=verbose,
+        )
     if not results:
         raise RuntimeError("the ServerApp ended without a result; see the Flower log above")
+    if loaded.on_result is not None:
+        loaded.on_result(results[0])
     return results[0]
 
 
@@ -96,6 +146,7 @@ def run_deployment(
     stream: bool = True,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
+    federation_config: dict[str, Any] | None = None,
 ) -> subprocess.CompletedProcess:
     """Submit the repository's apps to a SuperLink with ``flwr run``.
 
@@ -106,13 +157,17 @@ def run_deployment(
     app_dir : str or Path
         Folder with the ``pyproject.toml`` declaring the apps.
     run_config : dict, optional
-        Overrides of ``[tool.flwr.app.config]`` (e.g. ``{"hparams": "...", "num-rounds": 2}``).
+        Values of ``[tool.flwr.app.config]``: ``task``, ``hparams`` and ``overrides`` (a dict,
+        sent as one YAML mapping, e.g. ``{"number_of_rounds": 2}``).
     stream : bool
         Follow the run's logs until it ends.
     env : dict, optional
         Environment of the ``flwr`` process (e.g. ``FLWR_HOME``).
     timeout : float, optional
         Seconds before the ``flwr`` process is killed.
+    federation_config : dict, optional
+        ``flwr run --federation-config`` of a simulation SuperLink (e.g.
+        ``{"num-supernodes": 4}``).
 
     Returns
     -------
@@ -123,15 +178,24 @@ def run_deployment(
     if run_config:
         pairs = []
         for key, value in run_config.items():
-            text = (
-                f'"{value}"'
-                if isinstance(value, str)
-                else str(value).lower()
-                if isinstance(value, bool)
-                else str(value)
-            )
+            if isinstance(value, Mapping):  # the factory's overrides: one YAML mapping
+                value = yaml.safe_dump(dict(value), default_flow_style=True, width=10**9).strip()
+            if isinstance(value, bool):
+                text = str(value).lower()
+            elif isinstance(value, str):
+                text = json.dumps(value)  # a TOML basic string
+            else:
+                text = str(value)
             pairs.append(f"{key}={text}")
         cmd += ["--run-config", " ".join(pairs)]
+    if federation_config:
+        cmd += [
+            "--federation-config",
+            " ".join(
+                f"{k}={json.dumps(v) if isinstance(v, str) else v}"
+                for k, v in federation_config.items()
+            ),
+        ]
     if stream:
         cmd.append("--stream")
     proc = subprocess.run(

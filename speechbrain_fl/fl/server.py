@@ -23,7 +23,6 @@ with an error naming the key, both values and the state file.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,9 +38,10 @@ from flwr.serverapp import Grid, ServerApp
 from speechbrain.utils.train_logger import FileTrainLogger
 
 from speechbrain_fl.privacy import Group, Layout
+from speechbrain_fl.privacy.accounting import privacy_report
 
-from .client import trainable_parameters
 from .config import FLConfig
+from .params import load_trainable, params_fingerprint, trainable_parameters, trainable_state
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
 from .strategy import DPFedAvg, RoundFailed
 from .telemetry import RoundsTelemetry, progress_line
@@ -94,13 +94,38 @@ class ServerTask:
 
 @dataclass
 class ServerResult:
-    """Final state of a run: global trainable tensors, epsilon, last finished round."""
+    """Final state of a run.
+
+    Arguments
+    ---------
+    params : dict of str to Tensor
+        The global trainable tensors after the last round.
+    epsilon : float, optional
+        Joint epsilon spent (``None`` for a run without noise).
+    last_round : int
+        Last finished round.
+    stopped_early : bool
+        The run stopped before ``num_rounds`` (``max_epsilon``).
+    round_seconds : list of float
+        Wall time of each round run by this process.
+    round_budgets : list of dict
+        Per trained round (1, 2, ...), the clip budget of each component label
+        (``RoundReport.component_budgets``; ``{}`` for a flat budget over several components).
+    reports : list of RoundReport
+        The rounds run by this process (norms, clip rates, budgets).
+    privacy : dict, optional
+        :func:`speechbrain_fl.privacy.accounting.privacy_report` of the run (``None`` without
+        noise).
+    """
 
     params: dict[str, torch.Tensor]
     epsilon: float | None
     last_round: int
     stopped_early: bool = False
     round_seconds: list[float] = field(default_factory=list)
+    round_budgets: list[dict[str, float]] = field(default_factory=list)
+    reports: list[Any] = field(default_factory=list)
+    privacy: dict[str, Any] | None = None
 
 
 def default_layout(brain: sb.Brain) -> Layout:
@@ -119,34 +144,6 @@ def _evaluate(task: ServerTask) -> dict[str, float]:
         task.valid_set, progressbar=False, test_loader_kwargs=task.valid_loader_kwargs
     )
     return {"valid_loss": float(loss)}
-
-
-def _load_into(brain: sb.Brain, params: dict[str, torch.Tensor]) -> None:
-    own = trainable_parameters(brain.modules)
-    with torch.no_grad():
-        for name, value in params.items():
-            own[name].copy_(value.to(own[name].device, own[name].dtype))
-
-
-def params_fingerprint(params: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of named tensors (names, dtypes, shapes and bytes, in name order).
-
-    Saved with the server state as the fingerprint of the run's starting point: a resume whose
-    starting model differs (e.g. a re-pretrained seed model) is refused instead of continuing
-    someone else's parameters.
-
-    Example
-    -------
-    >>> a = params_fingerprint({"w": torch.zeros(2)})
-    >>> a == params_fingerprint({"w": torch.zeros(2)}), a == params_fingerprint({"w": torch.ones(2)})
-    (True, False)
-    """
-    digest = hashlib.sha256()
-    for name in sorted(params):
-        tensor = params[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def run_server(grid: Grid, task: ServerTask) -> ServerResult:
@@ -174,9 +171,7 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         min_available_nodes=task.min_available_nodes,
         population_size=task.num_partitions,
     )
-    params = {
-        n: p.detach().cpu().clone() for n, p in trainable_parameters(task.brain.modules).items()
-    }
+    params = trainable_state(task.brain.modules)
     initial_fingerprint = params_fingerprint(params)
     state = load_state(out / STATE_FILE)
     train_logger = FileTrainLogger(str(out / "train_log.txt"))
@@ -233,8 +228,10 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         metric_names = state["metric_names"]
         telemetry = RoundsTelemetry(out, layout, metric_names)
         telemetry.truncate(start)
-        _load_into(task.brain, params)
+        load_trainable(task.brain.modules, params)
         log(INFO, "resuming from %s after round %d", out / STATE_FILE, start)
+
+    round_budgets: list[dict[str, float]] = list(state.get("round_budgets", [])) if state else []
 
     def save(done: int) -> None:
         atomic_torch_save(
@@ -245,6 +242,7 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 "rng": capture_rng_states(),
                 "metric_names": metric_names,
                 "initial_fingerprint": initial_fingerprint,
+                "round_budgets": round_budgets,
             },
             out / STATE_FILE,
         )
@@ -264,6 +262,7 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     arrays = ArrayRecord({k: v.clone() for k, v in params.items()})
     started, stopped_early, done = time.time(), False, start
     round_seconds: list[float] = []
+    reports: list[Any] = []
     for server_round in range(start + 1, cfg.num_rounds + 1):
         round_start = time.time()
         if strategy.accountant is not None and cfg.max_epsilon is not None:
@@ -295,12 +294,14 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
         params = arrays.to_torch_state_dict()
         round_seconds.append(time.time() - round_start)
-        _load_into(task.brain, params)
+        load_trainable(task.brain.modules, params)
         evaluate_now = cfg.eval_every > 0 and (
             server_round % cfg.eval_every == 0 or server_round == cfg.num_rounds
         )
         metrics = _evaluate(task) if evaluate_now else None
         report, epsilon = strategy.last_report, strategy.epsilon()
+        reports.append(report)
+        round_budgets.append(dict(report.component_budgets))
         telemetry.write_round(server_round, report=report, epsilon=epsilon, metrics=metrics)
         train_logger.log_stats(
             stats_meta={"round": server_round, "epsilon": epsilon if epsilon is not None else "-"},
@@ -328,6 +329,20 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         last_round=done,
         stopped_early=stopped_early,
         round_seconds=round_seconds,
+        round_budgets=round_budgets,
+        reports=reports,
+        privacy=privacy_report(
+            layout,
+            round_budgets,
+            noise_multiplier=cfg.noise_multiplier,
+            clip=cfg.clip,
+            sampling_rate=cfg.sampling_rate,
+            rounds=strategy.accountant.rounds,
+            delta=cfg.delta,
+            accountant=cfg.accountant,
+        )
+        if strategy.accountant is not None
+        else None,
     )
 
 

@@ -3,14 +3,14 @@
 Linear regression y = x w* + b* + noise on generated tensors, one partition of examples per
 client (client ``i`` draws its inputs with seed ``seed + 1 + i``), trained by a real
 ``speechbrain.Brain`` with SGD. :func:`toy_task` returns the :class:`FLTask` the engines run;
-its settings are the toy keys below plus any :class:`~speechbrain_fl.fl.config.FLConfig` key,
-from an optional HyperPyYAML file and then from ``overrides`` (hyphens in keys, as Flower's
-run_config writes them, are read as underscores).
+its settings are the toy keys below plus the federated/privacy YAML keys that
+:meth:`~speechbrain_fl.fl.config.FLConfig.from_hparams` reads (``number_of_rounds``, ``method``,
+``noise_multiplier``, ``clip``, ...), from an optional HyperPyYAML file and then from
+``overrides`` (hyphens in keys, as Flower's run_config writes them, are read as underscores).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -36,7 +36,9 @@ TOY_DEFAULTS: dict[str, Any] = {
     "lr": 0.1,
     "data_seed": 0,
     "output_folder": "results/toy_fl",
+    "method": "fedavg",
 }
+FL_KEYS = FLConfig.yaml_keys()
 
 
 class ToyBrain(sb.Brain):
@@ -91,7 +93,7 @@ def toy_settings(hparams: str | None = None, overrides: dict[str, Any] | None = 
             settings.update(load_hyperpyyaml(handle))
     for key, value in (overrides or {}).items():
         settings[key.replace("-", "_")] = value
-    known = set(TOY_DEFAULTS) | {f.name for f in dataclasses.fields(FLConfig)}
+    known = set(TOY_DEFAULTS) | FL_KEYS
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ValueError(f"toy task: unknown settings {unknown} (from {hparams or 'overrides'})")
@@ -116,8 +118,7 @@ def toy_client(context: Context, settings: dict[str, Any] | None = None) -> Clie
 def toy_server(context: Context, settings: dict[str, Any] | None = None) -> ServerTask:
     """Build the server side: starting model, config, central validation set."""
     settings = settings or toy_settings()
-    fl_keys = {f.name for f in dataclasses.fields(FLConfig)}
-    config = FLConfig.from_dict({k: v for k, v in settings.items() if k in fl_keys})
+    config = FLConfig.from_hparams({k: v for k, v in settings.items() if k in FL_KEYS})
     return ServerTask(
         brain=_brain(settings),
         config=config,
@@ -133,7 +134,7 @@ def toy_task(hparams: str | None = None, overrides: dict[str, Any] | None = None
 
     Example
     -------
-    >>> task = toy_task(overrides={"num_rounds": 2, "num-partitions": 3})
+    >>> task = toy_task(overrides={"number_of_rounds": 2, "num-partitions": 3})
     >>> task.num_partitions
     3
     """

@@ -7,13 +7,11 @@ the tiny model centrally before federated training.
 
 from .presets import PRESETS, build_speech_llm
 from .pretrain import pretrain_seed_model
-from .speech_llm import SpeechLLM, load_trainable_state_dict, trainable_state_dict
+from .speech_llm import SpeechLLM
 
 __all__ = [
     "PRESETS",
     "SpeechLLM",
     "build_speech_llm",
-    "load_trainable_state_dict",
     "pretrain_seed_model",
-    "trainable_state_dict",
 ]

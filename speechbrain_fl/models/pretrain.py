@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 
 import torch
+from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from speechbrain_fl.models.speech_llm import SpeechLLM, SpeechLLMOutput
@@ -33,6 +34,9 @@ def pretrain_seed_model(
     train_base: bool = True,
     log_every: int = 10,
     ctc_warmup_steps: int = 0,
+    grad_accumulation_factor: int = 1,
+    precision: str = "fp32",
+    progressbar: bool = False,
 ) -> dict[str, list[float] | float]:
     """Train ``model`` for ``steps`` optimiser steps, cycling over ``batches``.
 
@@ -62,6 +66,14 @@ def pretrain_seed_model(
         from its own prefix (a language model) long before it learns to read the audio tokens;
         giving the encoder a head start on the alignment first makes the audio tokens
         informative when the decoder starts (a curriculum, as in CTC-attention hybrids).
+    grad_accumulation_factor : int
+        Batches whose gradients are summed (each loss divided by the factor) per optimiser
+        step, as SpeechBrain's ``--grad_accumulation_factor``.
+    precision : str
+        ``fp32``, ``bf16`` or ``fp16`` autocast of the forward pass (SpeechBrain's
+        ``--precision``; ``fp16`` with a gradient scaler).
+    progressbar : bool
+        Show a tqdm bar over the steps.
 
     Returns
     -------
@@ -79,6 +91,11 @@ def pretrain_seed_model(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if grad_accumulation_factor < 1:
+        raise ValueError(f"grad_accumulation_factor must be >= 1, got {grad_accumulation_factor}")
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision not in dtypes:
+        raise ValueError(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
     if ctc_warmup_steps > 0 and model.ctc_head is None:
         raise ValueError("ctc_warmup_steps > 0 needs a model built with ctc_weight > 0")
     if train_base:
@@ -93,33 +110,45 @@ def pretrain_seed_model(
     device = next(model.connector.parameters()).device
     history: dict[str, list[float]] = {"loss": [], "ce": [], "ctc": []}
     start = time.perf_counter()
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     model.train()
     iterator = iter(batches)
-    for step in range(steps):
+
+    def next_batch():
+        nonlocal iterator
         try:
-            batch = next(iterator)
+            return next(iterator)
         except StopIteration:
             iterator = iter(batches)
             try:
-                batch = next(iterator)
+                return next(iterator)
             except StopIteration:
                 raise ValueError("pretrain_seed_model got an empty batch iterable") from None
-        wavs, wav_lens, transcripts = batch[:3]
-        languages = list(batch[3]) if len(batch) > 3 else None
+
+    for step in tqdm(range(steps), desc="seed pretraining", disable=not progressbar):
         optimizer.zero_grad(set_to_none=True)
-        if step < ctc_warmup_steps:
-            frames, enc_lens, _, _ = model.encode(wavs.to(device), wav_lens.to(device))
-            targets = [t[:-1] for t in model.tokenize_transcripts(list(transcripts))]
-            ctc = model.ctc_loss(frames, enc_lens, targets)
-            out = SpeechLLMOutput(
-                loss=ctc, ce_loss=torch.full((), float("nan")), ctc_loss=ctc, num_tokens=0
-            )
-        else:
-            out = model(wavs.to(device), wav_lens.to(device), list(transcripts), languages)
-        out.loss.backward()
+        for _ in range(grad_accumulation_factor):
+            batch = next_batch()
+            wavs, wav_lens, transcripts = batch[:3]
+            languages = list(batch[3]) if len(batch) > 3 else None
+            with torch.autocast(
+                device.type, dtype=dtypes[precision] or torch.float32, enabled=precision != "fp32"
+            ):
+                if step < ctc_warmup_steps:
+                    frames, enc_lens, _, _ = model.encode(wavs.to(device), wav_lens.to(device))
+                    targets = [t[:-1] for t in model.tokenize_transcripts(list(transcripts))]
+                    ctc = model.ctc_loss(frames, enc_lens, targets)
+                    out = SpeechLLMOutput(
+                        loss=ctc, ce_loss=torch.full((), float("nan")), ctc_loss=ctc, num_tokens=0
+                    )
+                else:
+                    out = model(wavs.to(device), wav_lens.to(device), list(transcripts), languages)
+            scaler.scale(out.loss / grad_accumulation_factor).backward()
+        scaler.unscale_(optimizer)
         if max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         scheduler.step()
         history["loss"].append(out.loss.item())
         history["ce"].append(out.ce_loss.item())

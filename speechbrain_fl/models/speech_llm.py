@@ -440,7 +440,7 @@ class SpeechLLM(nn.Module):
         decoder, so the folder loads with ``WhisperModel.from_pretrained`` like the hub models),
         ``llm/``, tokenizer, feature extractor, ``extra.safetensors`` (connector, CTC head) and
         ``speech_llm.json``. Refuses a model with LoRA adapters (merge or save them separately
-        with :func:`trainable_state_dict`).
+        with :func:`speechbrain_fl.models.checkpoint.save_federated_model`).
         """
         from transformers import WhisperModel
 
@@ -471,31 +471,3 @@ class SpeechLLM(nn.Module):
         }
         (folder / "speech_llm.json").write_text(json.dumps(spec, indent=2))
         return folder
-
-
-def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Detached copies of the ``requires_grad`` parameters (what crosses the wire in FL)."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def load_trainable_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` into the trainable parameters; names and shapes must match exactly.
-
-    Raises
-    ------
-    ValueError
-        Naming missing/unexpected keys or the first shape mismatch.
-    """
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-    if missing or unexpected:
-        raise ValueError(
-            f"trainable state mismatch: missing {missing[:5]} ({len(missing)}), "
-            f"unexpected {unexpected[:5]} ({len(unexpected)})"
-        )
-    with torch.no_grad():
-        for name, param in params.items():
-            value = state[name]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(param.shape)}")
-            param.copy_(value.to(param.device, param.dtype))

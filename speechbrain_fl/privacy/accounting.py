@@ -10,7 +10,8 @@ Per-component privacy (paper Section IV-A4): a component whose clipped contribut
 by its budget ``C_L`` sees the same noise ``sigma C`` as a mechanism with multiplier
 ``sigma_eff = sigma C / C_L`` (e.g. ``sigma / sqrt(alpha)`` for the alpha-split encoder), so
 its sub-vector alone is released with the epsilon of ``(sigma_eff, q, T)``. The joint
-guarantee is always the one of ``(sigma, q, T)``.
+guarantee is always the one of ``(sigma, q, T)``. :func:`effective_noise_multiplier` is the one
+place that formula lives; :func:`privacy_report` applies it to the pools of a finished run.
 """
 
 from __future__ import annotations
@@ -18,22 +19,25 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from .budgets import check_clip, component_budgets
+from .budgets import alpha_split_pools, check_clip, component_budgets
 from .layout import Layout
 
 __all__ = [
     "ACCOUNTANTS",
     "PrivacyAccountant",
+    "REPORT_POOLS",
     "compute_epsilon",
     "component_privacy",
+    "effective_noise_multiplier",
     "effective_noise_multipliers",
     "extrapolate_privacy",
     "noise_multiplier_for_epsilon",
+    "privacy_report",
 ]
 
 logger = logging.getLogger(__name__)
@@ -247,6 +251,22 @@ class PrivacyAccountant:
         self.rounds = int(state["rounds"])
 
 
+def effective_noise_multiplier(*, noise_multiplier: float, clip: float, budget: float) -> float:
+    """``sigma_eff = sigma * C / C_P`` of a sub-vector whose clipped norm is at most ``C_P``.
+
+    The noise ``N(0, (sigma C)^2 I)`` added to the sum covers every coordinate, so a part of the
+    update with sensitivity ``C_P <= C`` is released like a Gaussian mechanism with multiplier
+    ``sigma C / C_P`` (paper Section IV-A4); e.g. ``sigma / sqrt(alpha)`` for the alpha-split
+    encoder pool (DESIGN.md contract 2). A part with no budget is never released: ``inf``.
+
+    Example
+    -------
+    >>> round(effective_noise_multiplier(noise_multiplier=0.1, clip=1.0, budget=0.05**0.5), 4)
+    0.4472
+    """
+    return noise_multiplier * clip / budget if budget > 0 else math.inf
+
+
 def effective_noise_multipliers(
     layout: Layout, budgets: float | Mapping[str, float], *, clip: float, noise_multiplier: float
 ) -> dict[str, float]:
@@ -265,7 +285,7 @@ def effective_noise_multipliers(
     clip = check_clip(clip)
     _check(noise_multiplier=noise_multiplier)
     return {
-        label: (noise_multiplier * clip / cb if cb > 0 else math.inf)
+        label: effective_noise_multiplier(noise_multiplier=noise_multiplier, clip=clip, budget=cb)
         for label, cb in component_budgets(layout, budgets).items()
     }
 
@@ -368,3 +388,115 @@ def extrapolate_privacy(
         "noise_std": noise_multiplier * clip / cohort_size,
         "epsilon": eps,
     }
+
+
+# The pools a run's privacy report covers: the alpha-split paper's (Section IV-A1), the encoder
+# and the LLM together with the connector. Any other component label is its own pool.
+REPORT_POOLS: dict[str, tuple[str, ...]] = {p.name: p.components for p in alpha_split_pools(0.5)}
+
+
+def privacy_report(
+    layout: Layout,
+    round_budgets: Sequence[Mapping[str, float]],
+    *,
+    noise_multiplier: float,
+    clip: float,
+    sampling_rate: float,
+    rounds: int,
+    delta: float,
+    accountant: str = "rdp",
+    pools: Mapping[str, Sequence[str]] | None = None,
+) -> dict:
+    """Joint epsilon and, per pool, the effective noise multiplier and epsilon of a run.
+
+    A pool's budget in a round is ``min(C, sqrt(sum_{c in pool} C_c^2))`` from the round's
+    component budgets ``C_c``; a component without a recorded budget (a flat budget over several
+    components) counts as ``C``, since a flat clip bounds every sub-vector by ``C``. When the
+    budgets move between rounds (the EMA methods) the *largest* budget a pool had in any round,
+    hence its smallest ``sigma_eff``, is reported: a conservative figure. The pool epsilon is the
+    one of ``(sigma_eff, q, T)`` (:func:`effective_noise_multiplier`); it covers that pool's
+    sub-vector only, the joint ``epsilon`` covers the whole update.
+
+    Arguments
+    ---------
+    layout : Layout
+        The run's trainable groups (their component labels name the pools' members).
+    round_budgets : sequence of mapping
+        Per trained round, ``{component: budget}``.
+    noise_multiplier, clip, sampling_rate, delta : float
+        The mechanism: ``sigma``, ``C``, ``q`` and the target delta.
+    rounds : int
+        Accountant steps taken (every Poisson draw).
+    accountant : str
+        ``"rdp"`` or ``"prv"``.
+    pools : mapping, optional
+        ``{pool: component labels}``; default :data:`REPORT_POOLS`.
+
+    Returns
+    -------
+    dict
+        ``epsilon``, ``delta``, ``accountant``, ``noise_multiplier``, ``clip``,
+        ``sampling_rate``, ``rounds``, ``pools`` (the labels each pool covers), ``sigma_eff`` and
+        ``epsilon_per_component`` (both keyed by pool).
+
+    Example
+    -------
+    >>> from speechbrain_fl.privacy.layout import Group
+    >>> lay = Layout([Group("e", "encoder", 8), Group("c", "connector", 4), Group("l", "llm", 8)])
+    >>> rep = privacy_report(lay, [{"encoder": 0.05**0.5, "connector": 0.5, "llm": 0.5}],
+    ...     noise_multiplier=0.1, clip=1.0, sampling_rate=0.5, rounds=2, delta=1e-5)
+    >>> {k: round(v, 4) for k, v in rep["sigma_eff"].items()}, rep["pools"]["llm"]
+    ({'encoder': 0.4472, 'llm': 0.1414}, ['llm', 'connector'])
+    """
+    clip = check_clip(clip)
+    _check(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, delta=delta)
+    labels = list(dict.fromkeys(g.component for g in layout))
+    members = {name: list(comps) for name, comps in (pools or REPORT_POOLS).items()}
+    claimed = {c for comps in members.values() for c in comps}
+    members.update({label: [label] for label in labels if label not in claimed})
+    report = {
+        "epsilon": compute_epsilon(
+            sampling_rate=sampling_rate,
+            noise_multiplier=noise_multiplier,
+            rounds=rounds,
+            delta=delta,
+            accountant=accountant,
+            warn=False,
+        ),
+        "delta": delta,
+        "accountant": accountant,
+        "noise_multiplier": noise_multiplier,
+        "clip": clip,
+        "sampling_rate": sampling_rate,
+        "rounds": rounds,
+        "pools": {},
+        "sigma_eff": {},
+        "epsilon_per_component": {},
+    }
+    for pool, comps in members.items():
+        present = [c for c in comps if c in labels]
+        if not present:
+            continue
+        budget = max(
+            (
+                min(clip, math.sqrt(math.fsum(budgets.get(c, clip) ** 2 for c in present)))
+                for budgets in round_budgets
+            ),
+            default=clip,
+        )
+        if budget <= 0:
+            continue
+        sigma_eff = effective_noise_multiplier(
+            noise_multiplier=noise_multiplier, clip=clip, budget=budget
+        )
+        report["pools"][pool] = present
+        report["sigma_eff"][pool] = sigma_eff
+        report["epsilon_per_component"][pool] = compute_epsilon(
+            sampling_rate=sampling_rate,
+            noise_multiplier=sigma_eff,
+            rounds=rounds,
+            delta=delta,
+            accountant=accountant,
+            warn=False,
+        )
+    return report

@@ -23,7 +23,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from .accounting import ACCOUNTANTS, compute_epsilon, noise_multiplier_for_epsilon
+from .accounting import (
+    ACCOUNTANTS,
+    compute_epsilon,
+    effective_noise_multiplier,
+    noise_multiplier_for_epsilon,
+)
 from .budgets import budget_methods, component_budgets, compute_budgets
 from .layout import Layout
 
@@ -92,7 +97,14 @@ def _budgets(args, parser) -> str:
             for g in layout
         ],
         "components": {
-            label: {"budget": cb, "sigma_eff": sigma * args.clip / cb if cb > 0 else None}
+            label: {
+                "budget": cb,
+                "sigma_eff": effective_noise_multiplier(
+                    noise_multiplier=sigma, clip=args.clip, budget=cb
+                )
+                if cb > 0
+                else None,
+            }
             for label, cb in comp.items()
         },
     }

@@ -24,11 +24,11 @@ from speechbrain_fl.privacy import compute_epsilon
 
 SETTINGS = {
     "num_partitions": 4,
-    "num_rounds": 4,
+    "number_of_rounds": 4,
     "sampling_rate": 0.75,
     "noise_multiplier": 0.8,
     "clip": 0.5,
-    "clip_method": "pfl_dim_ema",
+    "method": "pfl_dim_ema",
     "ema_warmup_rounds": 1,
     "seed": 5,
     "examples_per_client": 600,
@@ -74,7 +74,7 @@ def _resume_point(folder, settings, done):
         **settings,
         "output_folder": str(folder),
         "max_epsilon": 1e-9,
-        "num_rounds": done + 1,  # not a privacy setting: one more round to stop before
+        "number_of_rounds": done + 1,  # not a privacy setting: one more round to stop before
     }
     return run_server(None, toy_server(context, toy_settings(overrides=overrides)))
 
@@ -147,11 +147,11 @@ def test_sigkill_and_rerun_matches_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_os_seeded_resume_continues_from_the_saved_round(tmp_path):
     """OS randomness (a private run): no secret on disk, and the resumed run continues the round,
-    the accountant and the parameters of the state (num_rounds is no privacy setting)."""
+    the accountant and the parameters of the state (number_of_rounds is no privacy setting)."""
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     out = tmp_path / "run"
-    first = {**SETTINGS, "num_rounds": 2}
+    first = {**SETTINGS, "number_of_rounds": 2}
     _finish(_command(script, out, first))
     state = _check_resume_point(out, first)
     assert state["round"] == 2

@@ -32,8 +32,9 @@ def test_dp_simulation_drops_faulty_client_and_stops_at_max_epsilon(tmp_path):
         overrides={
             "output_folder": str(tmp_path),
             "num_partitions": 4,
-            "num_rounds": 4,
+            "number_of_rounds": 4,
             "sampling_rate": q,
+            "method": "flat",
             "noise_multiplier": sigma,
             "clip": 1.0,
             "min_clients": 2,

@@ -88,6 +88,39 @@ def test_typo_in_override_fails_before_work(tmp_path):
     assert "numbr_of_rounds" in run_expecting_failure(tmp_path, "--numbr_of_rounds", "3")
 
 
+def test_refused_run_option_fails_before_work(tmp_path):
+    stderr = run_expecting_failure(tmp_path, "--ckpt_interval_minutes", "5")
+    assert "--ckpt_interval_minutes is not supported by the federated recipe" in stderr
+
+
+@pytest.mark.slow
+def test_run_options_clip_only_run_and_transcribe(tmp_path, recipe_cache):
+    """SpeechBrain's run options reach the Brains; a clipping method without noise reports no
+    epsilon (never Infinity); the final model loads and transcribes with transcribe.py."""
+    out = tmp_path / "out"
+    proc = _run(out, recipe_cache, "--noise_multiplier", "0", "--max_grad_norm", "0.5",
+                "--grad_accumulation_factor", "2", "--eval_precision", "fp32", "--noprogressbar",
+                hparams="pfl_dim")  # fmt: skip
+    log = proc.stdout + proc.stderr + (out / "log.txt").read_text()
+    assert (
+        "max_grad_norm which is specified in hparams was overridden by command line input to: 0.5"
+        in log
+    )
+    assert "non-private run" in log
+    text = (out / "results.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    privacy = json.loads(text)["privacy"]
+    assert privacy["epsilon"] is None and privacy["sigma_eff"] == {} and privacy["clip"] == 1.0
+    wav = next(Path(recipe_cache("MLS")).glob("mls_synth/mls_english/test/audio/*/*/*.flac"))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("transcribe.py")), str(out / "final_model"),
+         str(wav), "--language", "english", "--max_new_tokens", "8"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(str(wav) + "\t")
+
+
 def test_unknown_preset_fails_before_work(tmp_path):
     stderr = run_expecting_failure(tmp_path, "--model", "whisper_tiny_llama")
     assert "whisper_tiny_llama" in stderr and "whisper_tinyllama" in stderr

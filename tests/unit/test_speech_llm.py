@@ -16,6 +16,7 @@ from transformers import (
 )
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
+from speechbrain_fl.fl.params import load_trainable, trainable_state
 from speechbrain_fl.models.connector import FrameStackConnector
 from speechbrain_fl.models.presets import PRESETS, build_speech_llm, resolve_preset, split_voxtral
 from speechbrain_fl.models.pretrain import pretrain_seed_model
@@ -25,8 +26,6 @@ from speechbrain_fl.models.speech_llm import (
     SpeechLLM,
     add_lora,
     causal_lm_loss,
-    load_trainable_state_dict,
-    trainable_state_dict,
 )
 from speechbrain_fl.models.tiny import TINY_ENCODER, TINY_LLM, build_char_tokenizer
 
@@ -353,11 +352,11 @@ def test_param_groups_and_trainable_state_roundtrip(cache):
     assert groups["encoder"]["lr"] == pytest.approx(2e-5) and groups["llm_connector"]["lr"] == 1e-3
     n_trainable = sum(p.requires_grad for p in model.parameters())
     assert sum(len(g["params"]) for g in groups.values()) == n_trainable
-    state = trainable_state_dict(model)
+    state = trainable_state(model)
     assert len(state) == n_trainable
     other = build_speech_llm("tiny", cache_dir=cache, freeze_encoder=False, seed=5)
-    load_trainable_state_dict(other, state)
-    for name, value in trainable_state_dict(other).items():
+    load_trainable(other, state, strict=True)
+    for name, value in trainable_state(other).items():
         torch.testing.assert_close(value, state[name])
     with pytest.raises(ValueError, match="missing"):
-        load_trainable_state_dict(other, {k: v for k, v in state.items() if "connector" not in k})
+        load_trainable(other, {k: v for k, v in state.items() if "connector" not in k}, strict=True)

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Transcribe wav files with the model a federated MLS run trained.
+
+``train_fl.py`` writes the final global model to ``<output_folder>/final_model`` (LoRA adapters
+in peft's layout, connector and CTC head, the build options and, for the embedded tiny model, a
+copy of the seed model; see :mod:`speechbrain_fl.models.checkpoint`). This script rebuilds the
+model from that folder and decodes each file greedily (or with ``--num_beams``). Audio at
+another sample rate is resampled to the model's 16 kHz.
+
+To transcribe (the prompt of the MLS recipe names the language, so give it):
+
+    > python recipes/MLS/transcribe.py results/MLS/tiny/alpha_split/freeze_encoder_False/1234/final_model \\
+          speech.wav --language english
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import soundfile
+import torch
+import torchaudio.functional
+from speechbrain.dataio.dataio import read_audio
+
+from speechbrain_fl.models.checkpoint import load_federated_model
+
+SAMPLE_RATE = 16000
+
+
+def load_wav(path: str) -> torch.Tensor:
+    """Mono float waveform at 16 kHz (SpeechBrain's ``read_audio``, resampled if needed)."""
+    rate = soundfile.info(path).samplerate
+    signal = read_audio(path)
+    if signal.dim() > 1:  # (time, channels) -> mono
+        signal = signal.mean(dim=-1)
+    if rate != SAMPLE_RATE:
+        signal = torchaudio.functional.resample(signal, rate, SAMPLE_RATE)
+    return signal
+
+
+def transcribe(model, wavs: list[str], *, language=None, num_beams=1, max_new_tokens=None):
+    """Transcripts of ``wavs`` (one batch, padded), in order."""
+    signals = [load_wav(w) for w in wavs]
+    longest = max(len(s) for s in signals)
+    batch = torch.zeros(len(signals), longest)
+    for i, s in enumerate(signals):
+        batch[i, : len(s)] = s
+    lens = torch.tensor([len(s) / longest for s in signals])
+    device = next(model.parameters()).device
+    return model.transcribe(
+        batch.to(device),
+        lens.to(device),
+        num_beams=num_beams,
+        max_new_tokens=max_new_tokens,
+        languages=[language] * len(wavs) if language else None,
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="final_model folder written by train_fl.py")
+    parser.add_argument("wavs", nargs="+", help="audio files")
+    parser.add_argument("--language", default=None, help="MLS language (e.g. english)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num_beams", type=int, default=1)
+    parser.add_argument("--max_new_tokens", type=int, default=None)
+    args = parser.parse_args(argv)
+    model = load_federated_model(args.checkpoint, device=args.device)
+    texts = transcribe(
+        model,
+        args.wavs,
+        language=args.language,
+        num_beams=args.num_beams,
+        max_new_tokens=args.max_new_tokens,
+    )
+    for wav, text in zip(args.wavs, texts, strict=True):
+        print(f"{wav}\t{text}")
+    return texts
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,141 @@
+"""Norm profiling: non-DP rounds that measure per-component update norms (paper Sec. III-A, VI).
+
+Before choosing a privacy method, a few federated rounds run without noise and with a clip no
+update reaches (``C = 1e6``, ``pfl_dim`` groups), so the engine records every client's pre-clip
+norms without changing any update (:func:`profile_config`). :func:`norm_profile` turns the last
+round's :class:`~speechbrain_fl.fl.strategy.RoundReport` into the paper's diagnostics: the mean
+per-matrix update norm of each component, the LLM/encoder ratio, the alpha that makes the
+encoder pool budget twice the observed encoder norm (:func:`speechbrain_fl.privacy.select_alpha`)
+and a recommended method. The thresholds are ours: a ratio of 5 or more recommends alpha-split
+(the paper's large-gap regime, ~12x), below it PFL-Dim+EMA (its mild regime, ~1.7x).
+
+The norms come from the training clients without noise: they are outside the DP guarantee
+(:data:`PROFILE_CAVEAT`, written into ``profile.json``). Profile on public or proxy data, or count
+the profiling rounds in the budget, for a privacy-compatible choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.privacy import Layout, select_alpha
+
+from .config import FLConfig
+
+__all__ = ["PROFILE_CAVEAT", "format_profile", "norm_profile", "profile_config", "write_profile"]
+
+logger = logging.getLogger(__name__)
+
+PROFILE_CAVEAT = (
+    "Privacy caveat: these norms come from non-DP rounds on the training clients; they are "
+    "outside the DP guarantee. For a privacy-compatible choice, profile on public or proxy data "
+    "(the paper's Sec. IV-A3) or count the profiling rounds in the privacy budget."
+)
+PROFILE_CLIP = 1e6
+SPLIT_RATIO = 5.0
+
+
+def profile_config(config: FLConfig, *, rounds: int, output_folder: str) -> FLConfig:
+    """The run's config turned into ``rounds`` measuring rounds (no noise, no effective clip).
+
+    Example
+    -------
+    >>> cfg = profile_config(FLConfig(output_folder="o", noise_multiplier=1.0, clip=1.0),
+    ...                      rounds=2, output_folder="o/profile")
+    >>> cfg.private, cfg.clip, cfg.num_rounds, cfg.aggregation_rule_name
+    (False, 1000000.0, 2, 'weighted')
+    """
+    return dataclasses.replace(
+        config,
+        output_folder=str(output_folder),
+        num_rounds=rounds,
+        noise_multiplier=0.0,
+        clip=PROFILE_CLIP,
+        clip_method="pfl_dim",
+        alpha=None,
+        aggregation="weighted",
+        eval_every=0,
+        max_epsilon=None,
+    )
+
+
+def norm_profile(report: Any, layout: Layout, *, clip: float) -> dict[str, Any]:
+    """Diagnostics of a profiling round (see the module docstring).
+
+    Arguments
+    ---------
+    report : RoundReport
+        The last profiling round (``group_norms`` and ``component_norms`` filled).
+    layout : Layout
+        Groups and their component labels.
+    clip : float
+        The total budget ``C`` the private run will use (for the alpha).
+
+    Returns
+    -------
+    dict
+        ``per_matrix_mean_norm``, ``component_norm``, ``llm_encoder_ratio`` (when the encoder
+        trains), ``alpha``, ``recommendation`` and ``caveat``.
+
+    Example
+    -------
+    >>> from types import SimpleNamespace
+    >>> from speechbrain_fl.privacy import Group
+    >>> lay = Layout([Group("e", "encoder", 4), Group("l", "llm", 4)])
+    >>> rep = SimpleNamespace(group_norms={"e": 0.01, "l": 0.2},
+    ...                       component_norms={"encoder": 0.01, "llm": 0.2})
+    >>> p = norm_profile(rep, lay, clip=1.0)
+    >>> p["llm_encoder_ratio"], p["recommendation"]["method"]
+    (20.0, 'alpha_split')
+    """
+    per_matrix: dict[str, float] = {}
+    for label in layout.components:
+        norms = [report.group_norms[g.name] for g in layout if g.component == label]
+        norms = [n for n in norms if n is not None]
+        if norms:
+            per_matrix[label] = sum(norms) / len(norms)
+    component = {k: float(v) for k, v in report.component_norms.items()}
+    profile: dict[str, Any] = {"per_matrix_mean_norm": per_matrix, "component_norm": component}
+    if per_matrix.get("encoder", 0.0) > 0:
+        ratio = per_matrix.get("llm", 0.0) / per_matrix["encoder"]
+        profile["llm_encoder_ratio"] = ratio
+        profile["alpha"] = select_alpha(component, clip=clip)
+        method = "alpha_split" if ratio >= SPLIT_RATIO else "pfl_dim_ema"
+        profile["recommendation"] = {"method": method, "alpha": profile["alpha"]}
+    else:
+        profile["alpha"] = None
+        profile["recommendation"] = {"method": "pfl_dim_ema", "alpha": None}
+        profile["note"] = "encoder frozen: no encoder norms; a pool split has nothing to protect"
+    profile["caveat"] = PROFILE_CAVEAT
+    return profile
+
+
+def write_profile(profile: Mapping[str, Any], folder: str | Path) -> Path:
+    """Write ``profile.json`` into ``folder`` (atomically) and log it."""
+    path = Path(folder) / "profile.json"
+    with atomic_open(path) as handle:
+        json.dump(dict(profile), handle, indent=2)
+    logger.info("Norm profile: %s", json.dumps(profile))
+    return path
+
+
+def format_profile(profile: Mapping[str, Any], *, rounds: int) -> str:
+    """The profile as the few lines a user reads at the end of profiling."""
+    lines = [f"Norm profile ({rounds} non-DP rounds):"]
+    for label, value in profile["per_matrix_mean_norm"].items():
+        lines.append(f"  mean per-matrix update norm, {label:9s}: {value:.4g}")
+    if "llm_encoder_ratio" in profile:
+        lines.append(f"  LLM/encoder per-matrix norm ratio: {profile['llm_encoder_ratio']:.2f}x")
+    lines.append(f"  recommended method: {profile['recommendation']['method']}")
+    if profile["alpha"] is not None:
+        lines.append(
+            f"  alpha for alpha-split (encoder pool ~ 2x its norm): {profile['alpha']:.4f}"
+        )
+    lines.append(f"  {PROFILE_CAVEAT}")
+    return "\n".join(lines)
