@@ -158,7 +158,8 @@ def _toy(tmp_path, **changes):
     settings = toy_settings(
         overrides={
             "output_folder": str(tmp_path),
-            "num_rounds": 3,
+            "number_of_rounds": 3,
+            "method": "flat",
             "sampling_rate": 0.5,
             "noise_multiplier": 1.0,
             "clip": 1.0,
@@ -177,13 +178,13 @@ def _toy(tmp_path, **changes):
         ("delta", 1e-5, 1e-6),
         ("sampling_rate", 0.5, 0.25),
         ("noise_multiplier", 1.0, 2.0),
-        ("clip_method", "flat", "pfl_dim"),
+        ("method", "flat", "pfl_dim"),
         ("population_size", 4, 8),
         ("ema_warmup_rounds", 3, 5),
     ],
 )
 def test_resume_refuses_changed_privacy_settings(tmp_path, key, old, new):
-    base = {"clip_method": "pfl_dim_ema"} if key == "ema_warmup_rounds" else {}
+    base = {"method": "pfl_dim_ema"} if key == "ema_warmup_rounds" else {}
     result = run_server(None, _toy(tmp_path, **base, **{key: old})())
     assert result.stopped_early and result.last_round == 0
     with pytest.raises(ValueError) as err:
