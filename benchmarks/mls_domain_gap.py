@@ -11,6 +11,11 @@ intervals (``speechbrain_fl/metrics/utterances.py``):
 - ``test`` broken down by text (utterances with / without a client-only word) and by voice
   (speakers with a client-only variant, or a rate outside the public window, / the others).
 
+With ``--adapt-steps N`` it then trains the federated stage's trainable tensors (LoRA r=8 on
+encoder and LLM, connector, CTC head) centrally on the pooled ``train`` split for N AdamW steps
+and evaluates ``test`` again: what the clients' data can teach those tensors when pooled, the
+ceiling a federated run approaches.
+
 With ``--run <output_folder of recipes/MLS/train_fl.py>`` it also reads that run's
 ``test_utterances_round0.csv`` and ``test_utterances.csv`` and prints the paired change from
 round 0 on each of those subsets: which part of the gap federated training closed.
@@ -40,11 +45,12 @@ from speechbrain_fl.metrics.utterances import (
     utterance_errors_from_stats,
 )
 from speechbrain_fl.models.presets import build_speech_llm
+from speechbrain_fl.models.pretrain import pretrain_seed_model
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "MLS")
 sys.path.insert(0, RECIPE)
 from mls_prepare import prepare_mls  # noqa: E402
-from train_fl import make_dataset  # noqa: E402
+from train_fl import _Batches, make_dataset  # noqa: E402
 
 
 def speaker_voices(corpus: str) -> dict[str, dict]:
@@ -122,10 +128,13 @@ def main() -> None:
     parser.add_argument("--prompt", default="transcribe {language}")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument("--adapt-steps", type=int, default=0)
+    parser.add_argument("--adapt-lr", type=float, default=1e-3)
+    parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
 
     manifests = args.manifests or args.corpus.rstrip("/") + "_gap"
-    prepare_mls(args.corpus, manifests, splits=("test", "public_test"))
+    prepare_mls(args.corpus, manifests, splits=("train", "test", "public_test"))
     voices = speaker_voices(args.corpus)
     test_rows = _rows(os.path.join(manifests, "test.csv"))
     masks = subsets(test_rows, voices)
@@ -162,6 +171,39 @@ def main() -> None:
             interval = bootstrap_details(details, num_resamples=args.resamples)
             report["seed"][name.strip()] = interval.to_dict()
             print(f"seed  {name:28} {len(details.ids):>5}  {_fmt(interval)}")
+    if args.seed_model and args.adapt_steps:
+        torch.manual_seed(0)
+        model = build_speech_llm(
+            args.seed_model, cache_dir=os.path.dirname(args.seed_model), lora_r=8,
+            freeze_encoder=False, ctc_weight=0.5, prompt=args.prompt,
+        )  # fmt: skip
+        loader = sb.dataio.dataloader.make_dataloader(
+            make_dataset(os.path.join(manifests, "train.csv"), args.corpus),
+            batch_size=args.batch_size,
+            shuffle=True,
+        )
+        history = pretrain_seed_model(
+            model, _Batches(loader), steps=args.adapt_steps, lr=args.adapt_lr,
+            warmup_steps=min(30, args.adapt_steps // 10), train_base=False, log_every=25,
+        )  # fmt: skip
+        adapted = evaluate(
+            model, os.path.join(manifests, "test.csv"), args.corpus,
+            max_new_tokens=args.max_new_tokens,
+        )  # fmt: skip
+        report["central_adaptation"] = {"steps": args.adapt_steps, "lr": args.adapt_lr,
+                                        "seconds": round(history["seconds"], 1)}  # fmt: skip
+        print(f"\ncentral adaptation: {args.adapt_steps} steps, lr {args.adapt_lr}")
+        for name, mask in {"test": np.ones(len(test_rows), bool), **masks}.items():
+            a, b = take(adapted, mask), take(seed["test"], mask)
+            cmp = paired_bootstrap_details(
+                a, b, names=("adapted", "seed"), num_resamples=args.resamples
+            )
+            report["central_adaptation"][name] = cmp.to_dict()
+            print(
+                f"{name:34} {len(a.ids):>5}  {cmp.wer_b:.3f}  {cmp.wer_a:.3f}  "
+                f"{cmp.difference:+.3f} [{cmp.ci_low:+.3f}, {cmp.ci_high:+.3f}]  "
+                f"{cmp.difference / max(cmp.wer_b, 1e-9):+.0%}"
+            )
     if args.run:
         before = read_utterance_details(os.path.join(args.run, "test_utterances_round0.csv"))
         after = read_utterance_details(os.path.join(args.run, "test_utterances.csv"))
