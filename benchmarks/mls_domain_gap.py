@@ -12,9 +12,10 @@ intervals (``speechbrain_fl/metrics/utterances.py``):
   (speakers with a client-only variant, or a rate outside the public window, / the others).
 
 With ``--adapt-steps N`` it then trains the federated stage's trainable tensors (LoRA r=8 on
-encoder and LLM, connector, CTC head) centrally on the pooled ``train`` split for N AdamW steps
-and evaluates ``test`` again: what the clients' data can teach those tensors when pooled, the
-ceiling a federated run approaches.
+encoder and LLM, connector, CTC head; every parameter with ``--adapt-whole-model``) centrally
+for N AdamW steps on the pooled ``train`` split (``--adapt-on``: or its utterances without a
+client-only word, or the public split as a control) and evaluates ``test`` and ``public_test``
+again: what the clients' data can teach when pooled, the ceiling a federated run approaches.
 
 With ``--run <output_folder of recipes/MLS/train_fl.py>`` it also reads that run's
 ``test_utterances_round0.csv`` and ``test_utterances.csv`` and prints the paired change from
@@ -29,6 +30,7 @@ Run (the corpus and seed model of a recipe run with ``--cache_folder /tmp/c``)::
 import argparse
 import csv
 import json
+import logging
 import os
 import sys
 
@@ -131,10 +133,23 @@ def main() -> None:
     parser.add_argument("--adapt-steps", type=int, default=0)
     parser.add_argument("--adapt-lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--adapt-on",
+        choices=("train", "train_public_words", "public"),
+        default="train",
+        help="pooled client train split, its utterances without client-only words, or the "
+        "public split (control)",
+    )
+    parser.add_argument(
+        "--adapt-whole-model",
+        action="store_true",
+        help="train every parameter (as the seed pretraining) instead of the federated set",
+    )
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s - %(message)s")
 
     manifests = args.manifests or args.corpus.rstrip("/") + "_gap"
-    prepare_mls(args.corpus, manifests, splits=("train", "test", "public_test"))
+    prepare_mls(args.corpus, manifests, splits=("train", "test", "public_test", "public"))
     voices = speaker_voices(args.corpus)
     test_rows = _rows(os.path.join(manifests, "test.csv"))
     masks = subsets(test_rows, voices)
@@ -168,32 +183,62 @@ def main() -> None:
         sets.update({f"  test, {k}": take(seed["test"], m) for k, m in masks.items()})
         report["seed"] = {}
         for name, details in sets.items():
+            if not details.ids:
+                print(f"seed  {name:28} {0:>5}  (none)")
+                continue
             interval = bootstrap_details(details, num_resamples=args.resamples)
             report["seed"][name.strip()] = interval.to_dict()
             print(f"seed  {name:28} {len(details.ids):>5}  {_fmt(interval)}")
     if args.seed_model and args.adapt_steps:
         torch.manual_seed(0)
         model = build_speech_llm(
-            args.seed_model, cache_dir=os.path.dirname(args.seed_model), lora_r=8,
-            freeze_encoder=False, ctc_weight=0.5, prompt=args.prompt,
+            args.seed_model, cache_dir=os.path.dirname(args.seed_model),
+            lora_r=0 if args.adapt_whole_model else 8, freeze_encoder=False, ctc_weight=0.5,
+            prompt=args.prompt,
         )  # fmt: skip
+        data_csv = os.path.join(
+            manifests, "public.csv" if args.adapt_on == "public" else "train.csv"
+        )
+        if args.adapt_on == "train_public_words":
+            rows = _rows(data_csv)
+            keep = [r for r in rows if not set(r["wrd"].split()) & novel_words(r["language"])]
+            data_csv = os.path.join(manifests, "train_public_words.csv")
+            with open(data_csv, "w", newline="", encoding="utf-8") as handle:
+                writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(keep)
         loader = sb.dataio.dataloader.make_dataloader(
-            make_dataset(os.path.join(manifests, "train.csv"), args.corpus),
-            batch_size=args.batch_size,
-            shuffle=True,
+            make_dataset(data_csv, args.corpus), batch_size=args.batch_size, shuffle=True
         )
         history = pretrain_seed_model(
             model, _Batches(loader), steps=args.adapt_steps, lr=args.adapt_lr,
-            warmup_steps=min(30, args.adapt_steps // 10), train_base=False, log_every=25,
+            warmup_steps=min(30, args.adapt_steps // 10), train_base=args.adapt_whole_model,
+            log_every=25,
         )  # fmt: skip
         adapted = evaluate(
             model, os.path.join(manifests, "test.csv"), args.corpus,
             max_new_tokens=args.max_new_tokens,
         )  # fmt: skip
-        report["central_adaptation"] = {"steps": args.adapt_steps, "lr": args.adapt_lr,
-                                        "seconds": round(history["seconds"], 1)}  # fmt: skip
-        print(f"\ncentral adaptation: {args.adapt_steps} steps, lr {args.adapt_lr}")
+        adapted_public = evaluate(
+            model, os.path.join(manifests, "public_test.csv"), args.corpus,
+            max_new_tokens=args.max_new_tokens,
+        )  # fmt: skip
+        ce = history["ce"]
+        report["central_adaptation"] = {
+            "steps": args.adapt_steps, "lr": args.adapt_lr, "data": args.adapt_on,
+            "whole_model": args.adapt_whole_model, "seconds": round(history["seconds"], 1),
+            "ce_first_25": float(np.nanmean(ce[:25])), "ce_last_25": float(np.nanmean(ce[-25:])),
+            "public_test": bootstrap_details(adapted_public, num_resamples=args.resamples).to_dict(),
+        }  # fmt: skip
+        print(
+            f"\ncentral adaptation on {args.adapt_on}: {args.adapt_steps} steps, lr {args.adapt_lr}"
+            f"{', whole model' if args.adapt_whole_model else ''}; cross-entropy "
+            f"{np.nanmean(ce[:25]):.2f} -> {np.nanmean(ce[-25:]):.2f}; public_test WER "
+            f"{seed['public_test'].wer:.3f} -> {adapted_public.wer:.3f}"
+        )
         for name, mask in {"test": np.ones(len(test_rows), bool), **masks}.items():
+            if not mask.any():
+                continue
             a, b = take(adapted, mask), take(seed["test"], mask)
             cmp = paired_bootstrap_details(
                 a, b, names=("adapted", "seed"), num_resamples=args.resamples
@@ -210,6 +255,8 @@ def main() -> None:
         report["run"] = {}
         print(f"\n{'run: final - round 0':34} {'utts':>5}  round0  final  change [95% CI]  rel.")
         for name, mask in {"test": np.ones(len(test_rows), bool), **masks}.items():
+            if not mask.any():
+                continue
             a, b = take(after, mask), take(before, mask)
             cmp = paired_bootstrap_details(
                 a, b, names=("final", "round0"), num_resamples=args.resamples
