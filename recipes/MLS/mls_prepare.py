@@ -19,7 +19,15 @@ and writes SpeechBrain CSV manifests ``<save_folder>/<split>.csv`` with the colu
   without a transcript, each listed by path or ID.
 
 The embedded corpus (``speechbrain_fl.data.mls_synth``) adds a non-MLS ``public`` split with
-its own speakers; ask for it with ``splits=("train", "dev", "test", "public")``.
+its own speakers; ask for it with ``splits=("train", "dev", "test", "public")``. A real MLS
+folder has no ``public`` split: with ``public_speaker_share`` set, one is carved from the
+training speakers instead (see :func:`carve_public_split`), and those speakers are no longer
+clients (they leave ``train.csv``).
+
+Languages: ``languages=None`` uses every ``mls_<language>`` folder found. A list names the
+wanted ones; those absent from ``data_folder`` (a user who downloaded only some archives) are
+logged and left out, and the run goes on with the languages present. Only a folder with none
+of them is an error.
 
 Authors
  * speechbrain-fl contributors
@@ -28,8 +36,10 @@ Authors
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import logging
+import math
 import os
 
 import soundfile as sf
@@ -66,6 +76,8 @@ def prepare_mls(
     splits: tuple[str, ...] = ("train", "dev", "test"),
     skip_prep: bool = False,
     max_utts_per_split: int | None = None,
+    public_speaker_share: float | None = None,
+    seed: int = 1234,
 ) -> dict:
     """Prepare CSV manifests, the Table VI statistics and the overlap report for MLS.
 
@@ -83,12 +95,20 @@ def prepare_mls(
         If True, do nothing (SpeechBrain convention).
     max_utts_per_split : int or None
         Keep at most this many utterances per language and split (first IDs in sorted order).
+    public_speaker_share : float or None
+        For a language without a ``public`` split on disk (real MLS) and ``"public"`` in
+        ``splits``: the share of its training speakers moved out of ``train`` into ``public``
+        (:func:`carve_public_split`). None: such a language is an error naming this key.
+    seed : int
+        Seed of the speaker choice of :func:`carve_public_split`.
 
     Returns
     -------
     dict
         ``{"csv": {split: path}, "counts": {split: {language: n}}, "skipped": {...},
-        "statistics": path, "overlap": path}`` (empty when ``skip_prep``).
+        "num_skipped": {...}, "languages": [...], "missing_languages": [...],
+        "public_from_train": {language: [speaker, ...]}, "statistics": path, "overlap": path}``
+        (empty when ``skip_prep``).
 
     Example
     -------
@@ -105,13 +125,18 @@ def prepare_mls(
     """
     if skip_prep:
         return {}
+    if public_speaker_share is not None and not 0.0 < public_speaker_share < 1.0:
+        raise ValueError(f"public_speaker_share must be in (0, 1), got {public_speaker_share}")
     data_folder = os.path.abspath(data_folder)
-    language_dirs = _find_languages(data_folder, languages, splits)
+    language_dirs, missing = _find_languages(data_folder, languages)
+    carve = _check_splits(data_folder, language_dirs, splits, public_speaker_share)
     options = {
         "data_folder": data_folder,
         "languages": sorted(language_dirs),
         "splits": list(splits),
         "max_utts_per_split": max_utts_per_split,
+        "public_speaker_share": public_speaker_share if carve else None,
+        "seed": seed if carve else None,
         "transcripts": _transcripts_fingerprint(data_folder, language_dirs, splits),
     }
     os.makedirs(save_folder, exist_ok=True)
@@ -125,16 +150,32 @@ def prepare_mls(
         "transcript_without_audio": [],
         "audio_without_transcript": [],
     }
-    rows_by_split: dict[str, list[dict]] = {}
-    for split in splits:
-        rows = []
-        for language, lang_dir in sorted(language_dirs.items()):
-            rows.extend(
-                _prepare_split(
-                    data_folder, lang_dir, language, split, skipped, max_utts=max_utts_per_split
-                )
+    rows_by_split: dict[str, list[dict]] = {split: [] for split in splits}
+    carved: dict[str, list[str]] = {}
+    for language, lang_dir in sorted(language_dirs.items()):
+        rows = {
+            split: _prepare_split(
+                data_folder, lang_dir, language, split, skipped, max_utts=max_utts_per_split
             )
-        rows_by_split[split] = rows
+            for split in splits
+            if not (split == "public" and language in carve)
+        }
+        if language in carve:
+            held = {r["spk_id"] for split in ("dev", "test") for r in rows.get(split, [])}
+            rows["train"], rows["public"], carved[language] = carve_public_split(
+                rows["train"], share=public_speaker_share, seed=seed, exclude=held
+            )
+            logger.info(
+                "%s has no public split on disk: %d of its %d training speakers moved to "
+                "public (public_speaker_share %.2f); they are not clients.",
+                language,
+                len(carved[language]),
+                len(carved[language]) + len({r["spk_id"] for r in rows["train"]}),
+                public_speaker_share,
+            )
+        for split in splits:
+            rows_by_split[split].extend(rows[split])
+    for split, rows in rows_by_split.items():
         _write_csv(os.path.join(save_folder, f"{split}.csv"), rows)
         logger.info("%s.csv: %d utterances", split, len(rows))
 
@@ -146,6 +187,9 @@ def prepare_mls(
         },
         "skipped": {k: sorted(v) for k, v in skipped.items()},
         "num_skipped": {k: len(v) for k, v in skipped.items()},
+        "languages": sorted(language_dirs),
+        "missing_languages": missing,
+        "public_from_train": carved,
     }
     with open(os.path.join(save_folder, SKIPPED_FILE), "w", encoding="utf-8") as handle:
         json.dump(report["skipped"], handle, indent=2)
@@ -188,36 +232,99 @@ def _transcripts_fingerprint(data_folder: str, language_dirs: dict, splits) -> d
     return stamps
 
 
-def _find_languages(data_folder: str, languages, splits) -> dict[str, str]:
+def _find_languages(data_folder: str, languages) -> tuple[dict[str, str], list[str]]:
+    """The ``mls_<language>`` folders present, and the requested languages that are absent."""
     if languages is not None:
         unknown = [lang for lang in languages if lang not in MLS_LANGUAGES]
         if unknown:
             raise ValueError(f"unknown MLS language(s) {unknown}; MLS has {list(MLS_LANGUAGES)}")
     if not os.path.isdir(data_folder):
         raise OSError(f"MLS data_folder {data_folder!r} does not exist. {_GET_MLS}")
-    found = {}
+    found, missing = {}, []
     for language in languages or MLS_LANGUAGES:
         for name in (f"mls_{language}", f"mls_{language}_opus"):
             if os.path.isdir(os.path.join(data_folder, name)):
                 found[language] = name
                 break
         else:
-            if languages is not None:
-                raise OSError(
-                    f"{data_folder!r} has no mls_{language}/ (or mls_{language}_opus/) folder. "
-                    f"{_GET_MLS}"
-                )
+            missing.append(language)
+    wanted = list(languages) if languages is not None else list(MLS_LANGUAGES)
     if not found:
         raise OSError(
             f"{data_folder!r} is not an MLS folder: none of "
-            f"{[f'mls_{lang}' for lang in MLS_LANGUAGES]} is in it. {_GET_MLS}"
+            f"{[f'mls_{lang}' for lang in wanted]} (nor their _opus variants) is in it. {_GET_MLS}"
         )
-    for name in found.values():
+    if missing:
+        logger.warning(
+            "MLS languages present in %s: %s; missing (left out): %s.",
+            data_folder,
+            ", ".join(sorted(found)),
+            ", ".join(missing),
+        )
+    else:
+        logger.info("MLS languages present in %s: %s.", data_folder, ", ".join(sorted(found)))
+    return found, missing
+
+
+def _check_splits(data_folder, language_dirs, splits, public_speaker_share) -> set[str]:
+    """Raise for a missing split; return the languages whose public split is carved from train."""
+    carve = set()
+    for language, name in sorted(language_dirs.items()):
         for split in splits:
             transcripts = os.path.join(data_folder, name, split, "transcripts.txt")
-            if not os.path.isfile(transcripts):
-                raise OSError(f"MLS file missing: {transcripts}. {_GET_MLS}")
-    return found
+            if os.path.isfile(transcripts):
+                continue
+            if split == "public":
+                if public_speaker_share is not None:
+                    carve.add(language)
+                    continue
+                raise OSError(
+                    f"{transcripts} is missing: real MLS has no public split. Set "
+                    "public_speaker_share (e.g. 0.1) to carve one from the training speakers."
+                )
+            raise OSError(f"MLS file missing: {transcripts}. {_GET_MLS}")
+    if carve and "train" not in splits:
+        raise ValueError("a public split carved from train needs 'train' in splits")
+    return carve
+
+
+def carve_public_split(
+    rows: list[dict], *, share: float, seed: int, exclude: set[str] = frozenset()
+) -> tuple[list[dict], list[dict], list[str]]:
+    """Move a share of the training speakers of one language to a public split.
+
+    Real MLS has no data for central (seed-model) pretraining. Our choice: ``ceil(share * n)``
+    of the ``n`` training speakers not in ``exclude`` (the dev/test speakers, so the test stays
+    unseen by the seed model) are chosen by ``sha256(f"{seed}:{speaker}")`` order (deterministic,
+    independent of the row order and of the other languages), at least one speaker is left as
+    a client, and every utterance of a chosen speaker moves.
+
+    Returns
+    -------
+    (train_rows, public_rows, public_speakers)
+
+    Example
+    -------
+    >>> rows = [{"spk_id": str(s), "ID": f"{s}_1_{u}"} for s in range(10) for u in range(2)]
+    >>> train, public, speakers = carve_public_split(rows, share=0.2, seed=0)
+    >>> len(speakers), len(public), len(train)
+    (2, 4, 16)
+    """
+    speakers = sorted({r["spk_id"] for r in rows})
+    candidates = [s for s in speakers if s not in exclude]
+    ranked = sorted(candidates, key=lambda s: hashlib.sha256(f"{seed}:{s}".encode()).hexdigest())
+    n = min(math.ceil(share * len(speakers)), len(candidates), len(speakers) - 1)
+    chosen = sorted(ranked[: max(n, 0)])
+    if not chosen:
+        logger.warning(
+            "No training speaker can move to the public split (%d speakers, %d in dev/test).",
+            len(speakers),
+            len(speakers) - len(candidates),
+        )
+    picked = set(chosen)
+    train = [r for r in rows if r["spk_id"] not in picked]
+    public = [r for r in rows if r["spk_id"] in picked]
+    return train, public, chosen
 
 
 def _read_transcripts(path: str) -> dict[str, str]:

@@ -10,6 +10,14 @@ transcript cannot be guessed from its length.
 Transcripts are normalised as MLS transcripts are: lower case, no punctuation (apostrophes
 inside words kept, hyphens become spaces), single spaces.
 
+Text domains (our choice, not MLS's): a real seed model is pretrained on text that does not
+cover what the federated clients read. Here every third phrase of each grammar slot (and every
+third number) is *client-only* (:func:`is_client_only`: index ``i % 3 == 2``); the ``public``
+domain draws only the other phrases, the ``client`` domain draws each slot from the
+client-only phrases with probability ``novel_share`` (else from the public ones), and ``all``
+(the default) draws uniformly from every phrase. :func:`novel_words` lists the words only the
+client domain has.
+
 Example
 -------
 >>> from speechbrain_fl.data.sentences import make_sentences
@@ -33,7 +41,13 @@ __all__ = [
     "normalize_transcript",
     "make_sentences",
     "vocabulary",
+    "novel_words",
+    "is_client_only",
+    "DOMAINS",
 ]
+
+#: Text domains of :func:`make_sentences`.
+DOMAINS = ("all", "public", "client")
 
 #: The 8 MLS languages, as MLS names them, with their espeak-ng / num2words codes.
 LANGUAGE_CODES = {
@@ -179,11 +193,42 @@ def _number(language: str, n: int) -> str:
     return normalize_transcript(num2words(n, lang=LANGUAGE_CODES[language]))
 
 
-def make_sentences(language: str, num_sentences: int, *, seed: int) -> list[str]:
+def is_client_only(index: int) -> bool:
+    """True for the phrase (or number) positions held out of the public text domain.
+
+    Every third entry of each slot (``index % 3 == 2``): 3 of 10 subjects, verbs and objects,
+    2 of 8 adverbials, 1 of 4 labels, 8 of 28 numbers.
+
+    Example
+    -------
+    >>> [is_client_only(i) for i in range(4)]
+    [False, False, True, False]
+    """
+    return index % 3 == 2
+
+
+def _slot(values: tuple, part: str) -> tuple:
+    if part == "all":
+        return tuple(values)
+    novel = part == "novel"
+    return tuple(v for i, v in enumerate(values) if is_client_only(i) == novel)
+
+
+def make_sentences(
+    language: str,
+    num_sentences: int,
+    *,
+    seed: int,
+    domain: str = "all",
+    novel_share: float = 0.3,
+) -> list[str]:
     """Draw ``num_sentences`` normalised sentences in ``language``, deterministically.
 
     Templates (probabilities): subject verb object (0.35), subject verb object adverbial
-    (0.45), label number (0.1), subject verb object label number (0.1).
+    (0.45), label number (0.1), subject verb object label number (0.1). In the ``public``
+    domain every slot (and number) is drawn from the public phrases only; in the ``client``
+    domain each slot is drawn from the client-only phrases with probability ``novel_share``,
+    else from the public ones; ``all`` draws uniformly from every phrase.
 
     Arguments
     ---------
@@ -193,22 +238,51 @@ def make_sentences(language: str, num_sentences: int, *, seed: int) -> list[str]
         How many sentences.
     seed : int
         Random seed.
+    domain : str
+        ``"all"``, ``"public"`` or ``"client"`` (see the module docstring).
+    novel_share : float
+        In the ``client`` domain, probability that a slot is filled with a client-only phrase.
 
     Returns
     -------
     list of str
+
+    Example
+    -------
+    >>> novel = novel_words("english")
+    >>> any(set(s.split()) & novel for s in make_sentences("english", 50, seed=0,
+    ...     domain="public"))
+    False
     """
     grammar = _check(language)
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    if not 0.0 <= novel_share <= 1.0:
+        raise ValueError(f"novel_share must be in [0, 1], got {novel_share}")
     rng = np.random.default_rng([int(seed), sorted(_GRAMMARS).index(language)])
+    slots = {key: _slot(grammar[key], "all" if domain == "all" else "public") for key in grammar}
+    numbers = _slot(NUMBERS, "all" if domain == "all" else "public")
+    if domain == "client":
+        novel = {key: _slot(grammar[key], "novel") for key in grammar}
+        novel_numbers = _slot(NUMBERS, "novel")
 
     def pick(key):
-        return grammar[key][int(rng.integers(len(grammar[key])))]
+        pool = slots[key]
+        if domain == "client" and rng.random() < novel_share:
+            pool = novel[key]
+        return pool[int(rng.integers(len(pool)))]
+
+    def number():
+        pool = numbers
+        if domain == "client" and rng.random() < novel_share:
+            pool = novel_numbers
+        return int(rng.choice(pool))
 
     out = []
     for _ in range(num_sentences):
         u = rng.random()
         svo = f"{pick('subjects')} {pick('verbs')} {pick('objects')}"
-        labelled = f"{pick('labels')} {_number(language, int(rng.choice(NUMBERS)))}"
+        labelled = f"{pick('labels')} {_number(language, number())}"
         if u < 0.35:
             text = svo
         elif u < 0.8:
@@ -221,13 +295,30 @@ def make_sentences(language: str, num_sentences: int, *, seed: int) -> list[str]
     return out
 
 
-def vocabulary(language: str) -> set[str]:
-    """Every word :func:`make_sentences` can produce for ``language``."""
+def vocabulary(language: str, *, domain: str = "all") -> set[str]:
+    """Every word :func:`make_sentences` can produce for ``language`` in ``domain``.
+
+    The ``client`` domain (with ``novel_share`` > 0) can produce every word, as ``all``.
+    """
     grammar = _check(language)
+    if domain not in DOMAINS:
+        raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
+    part = "public" if domain == "public" else "all"
     words = set()
     for phrases in grammar.values():
-        for phrase in phrases:
+        for phrase in _slot(phrases, part):
             words.update(normalize_transcript(phrase).split())
-    for n in NUMBERS:
+    for n in _slot(NUMBERS, part):
         words.update(_number(language, n).split())
     return words
+
+
+def novel_words(language: str) -> set[str]:
+    """Words of the client domain that the public domain never produces.
+
+    Example
+    -------
+    >>> "bringt" in novel_words("german") and "der" not in novel_words("german")
+    True
+    """
+    return vocabulary(language) - vocabulary(language, domain="public")

@@ -22,6 +22,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,7 +123,13 @@ def _pool(gender: str) -> list[str]:
 
 
 def make_speakers(
-    num_speakers: int, *, seed: int, gender: str | None = None, offset: int = 0
+    num_speakers: int,
+    *,
+    seed: int,
+    gender: str | None = None,
+    offset: int = 0,
+    variants: Sequence[str] | None = None,
+    rate: tuple[int, int] = _RATE,
 ) -> list[SpeakerVoice]:
     """Draw ``num_speakers`` distinct synthetic speakers, deterministically for ``seed``.
 
@@ -142,6 +149,11 @@ def make_speakers(
     offset : int
         Index of the first speaker (to draw further, disjoint-looking speakers with the same
         seed, e.g. a public split after the federated ones).
+    variants : sequence of str or None
+        Restrict each gender's pool to these variant names (None: the whole pool), e.g. to
+        keep some variants out of a public split (``speechbrain_fl/data/mls_synth.py``).
+    rate : (int, int)
+        Window of speaking rates in words per minute (inclusive; default 140-200).
 
     Returns
     -------
@@ -151,8 +163,17 @@ def make_speakers(
         raise ValueError(f"num_speakers must be >= 0, got {num_speakers}")
     if gender not in (None, "female", "male"):
         raise ValueError(f"gender must be 'female', 'male' or None, got {gender!r}")
+    if not 80 <= rate[0] <= rate[1] <= 450:
+        raise ValueError(f"rate must be a window (low, high) inside [80, 450] wpm, got {rate}")
     rng = np.random.default_rng([int(seed), 7919])
-    pools = {g: list(rng.permutation(_pool(g))) for g in ("female", "male")}
+    pools = {}
+    for g in ("female", "male"):
+        pool = _pool(g)
+        if variants is not None:
+            pool = [v for v in pool if v in set(variants)]
+            if not pool and g in ((gender,) if gender else ("female", "male")):
+                raise ValueError(f"none of the variants {list(variants)} is an installed {g} voice")
+        pools[g] = list(rng.permutation(pool)) if pool else []
     used: set[tuple[str, int, int]] = set()
     speakers, count = [], {"female": 0, "male": 0}
     # Draw the first `offset` speakers too, so speaker offset+i is the same whatever the offset.
@@ -163,12 +184,12 @@ def make_speakers(
         count[g] += 1
         while True:
             pitch = int(rng.integers(*_PITCH[g], endpoint=True))
-            rate = int(rng.integers(*_RATE, endpoint=True))
-            key = (variant, pitch, rate)
+            rate_wpm = int(rng.integers(*rate, endpoint=True))
+            key = (variant, pitch, rate_wpm)
             if key not in used:
                 used.add(key)
                 break
         pitch_range = int(rng.integers(*_RANGE, endpoint=True))
         if i >= offset:
-            speakers.append(SpeakerVoice(variant, g, pitch, rate, pitch_range))
+            speakers.append(SpeakerVoice(variant, g, pitch, rate_wpm, pitch_range))
     return speakers

@@ -91,6 +91,18 @@ def test_speakers_deterministic_distinct_gendered():
     assert {s.gender for s in make_speakers(5, seed=0, gender="male")} == {"male"}
 
 
+def test_speakers_restricted_variants_and_rates():
+    allowed = ("f1", "f2", "m1", "m2")
+    spk = make_speakers(20, seed=1, variants=allowed, rate=(220, 260))
+    assert {s.variant for s in spk} == set(allowed)
+    assert all(220 <= s.rate <= 260 for s in spk)
+    assert make_speakers(12, seed=3, variants=None) == make_speakers(12, seed=3)
+    with pytest.raises(ValueError, match="installed female voice"):
+        make_speakers(2, seed=0, variants=("nope",))
+    with pytest.raises(ValueError, match="rate"):
+        make_speakers(2, seed=0, rate=(300, 200))
+
+
 def test_prosody_presets():
     base = make_speakers(1, seed=0)[0].voice("es")
     for name in PROSODY_PRESETS:

@@ -20,7 +20,8 @@ prepare_mls = mls_prepare.prepare_mls
 TINY = dict(
     languages=["english", "german"], speakers_per_language=2, utterances_per_speaker=3, seed=2,
     public_speakers_per_language=1, public_utterances_per_speaker=2, dev_speakers=1,
-    test_speakers=1, test_overlap_speakers=1, eval_utterances_per_speaker=2, progress=False,
+    test_speakers=1, test_overlap_speakers=1, eval_utterances_per_speaker=2,
+    public_test_speakers=1, progress=False,
 )  # fmt: skip
 
 
@@ -130,7 +131,62 @@ def test_not_mls_folder(tmp_path):
         prepare_mls(str(tmp_path), str(tmp_path / "prep"))
     with pytest.raises(OSError, match="does not exist"):
         prepare_mls(str(tmp_path / "nope"), str(tmp_path / "prep"))
-    with pytest.raises(OSError, match="no mls_polish/"):
+    with pytest.raises(OSError, match=r"not an MLS folder: none of \['mls_polish'\]"):
         prepare_mls(str(tmp_path), str(tmp_path / "prep"), languages=["polish"])
     with pytest.raises(ValueError, match="klingon"):
         prepare_mls(str(tmp_path), str(tmp_path / "prep"), languages=["klingon"])
+
+
+def test_only_some_languages_downloaded(pristine, tmp_path, caplog):
+    # The recipe asks for all 8 languages; the user unpacked English and German only.
+    wanted = ["english", "german", "dutch", "french", "spanish", "italian", "portuguese", "polish"]
+    with caplog.at_level("WARNING", logger=mls_prepare.logger.name):
+        report = prepare_mls(pristine, str(tmp_path / "prep"), languages=wanted)
+    assert report["languages"] == ["english", "german"]
+    assert report["missing_languages"] == wanted[2:]
+    assert {r["language"] for r in _rows(report["csv"]["train"])} == {"english", "german"}
+    assert "present in" in caplog.text and "english, german" in caplog.text
+    assert "missing (left out): dutch, french" in caplog.text
+
+
+def _drop_public(corpus):
+    for language in ("english", "german"):
+        for split in ("public", "public_test"):
+            shutil.rmtree(os.path.join(corpus, f"mls_{language}", split))
+
+
+def test_public_split_carved_from_training_speakers(corpus, tmp_path):
+    _drop_public(corpus)  # a real MLS tree: train, dev, test only
+    splits = ("train", "dev", "test", "public")
+    with pytest.raises(OSError, match="no public split.*public_speaker_share"):
+        prepare_mls(corpus, str(tmp_path / "refused"), splits=splits)
+    before = _rows(prepare_mls(corpus, str(tmp_path / "all"))["csv"]["train"])
+    report = prepare_mls(corpus, str(tmp_path / "prep"), splits=splits, public_speaker_share=0.5)
+    train, public = _rows(report["csv"]["train"]), _rows(report["csv"]["public"])
+    test_spk = {r["spk_id"] for r in _rows(report["csv"]["test"])}
+    test_spk |= {r["spk_id"] for r in _rows(report["csv"]["dev"])}
+    public_spk, train_spk = {r["spk_id"] for r in public}, {r["spk_id"] for r in train}
+    # Each language has 2 training speakers, one of them also in test: the other one moves.
+    assert len(public_spk) == 2 and not public_spk & train_spk and not public_spk & test_spk
+    assert sorted(r["ID"] for r in train + public) == sorted(r["ID"] for r in before)
+    assert report["public_from_train"] == {
+        lang: sorted({r["spk_id"] for r in public if r["language"] == lang})
+        for lang in ("english", "german")
+    }
+    stats = _rows(os.path.join(str(tmp_path / "prep"), "train_statistics.csv"))
+    assert stats[-1]["clients"] == "2"  # the public speakers are not clients
+    again = prepare_mls(corpus, str(tmp_path / "again"), splits=splits, public_speaker_share=0.5)
+    assert _rows(again["csv"]["public"]) == public  # deterministic
+    with pytest.raises(ValueError, match="public_speaker_share"):
+        prepare_mls(corpus, str(tmp_path / "bad"), splits=splits, public_speaker_share=1.5)
+
+
+def test_carve_public_split_choice():
+    rows = [{"spk_id": str(s), "ID": f"{s}_1_{u}"} for s in range(20) for u in range(3)]
+    train, public, chosen = mls_prepare.carve_public_split(rows, share=0.25, seed=1, exclude={"3"})
+    assert len(chosen) == 5 and "3" not in chosen and len(public) == 15 and len(train) == 45
+    shuffled = list(reversed(rows))
+    assert mls_prepare.carve_public_split(shuffled, share=0.25, seed=1, exclude={"3"})[2] == chosen
+    assert mls_prepare.carve_public_split(rows, share=0.25, seed=2)[2] != chosen
+    one = [{"spk_id": "7", "ID": "7_1_0"}]
+    assert mls_prepare.carve_public_split(one, share=0.5, seed=0)[2] == []  # a client remains
