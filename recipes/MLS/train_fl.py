@@ -210,7 +210,10 @@ def prepare_data(hparams, *, progressbar=True):
         )
         timings["corpus"] = time.time() - start
     start = time.time()
-    splits = ("train", "dev", "test", "public") if embedded else ("train", "dev", "test")
+    # the tiny seed model pretrains on a public split: the embedded corpus has one; on a real
+    # MLS folder prepare_mls carves it from training speakers (public_speaker_share)
+    public = embedded or hparams["model"] == "tiny"
+    splits = ("train", "dev", "test") + (("public",) if public else ())
     manifests = os.path.join(hparams["save_folder"], "manifests")
     report = prepare_mls(
         data_folder,
@@ -219,6 +222,8 @@ def prepare_data(hparams, *, progressbar=True):
         splits=splits,
         skip_prep=hparams["skip_prep"],
         max_utts_per_split=hparams["max_utts_per_split"],
+        public_speaker_share=None if embedded else hparams["public_speaker_share"],
+        seed=hparams["seed"],
     )
     partition = partition_manifest(
         os.path.join(manifests, "train.csv"),
@@ -265,7 +270,9 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts):
     if not os.path.isfile(public_csv):
         raise OSError(
             f"model: tiny needs a public split to pretrain on ({public_csv} is missing); use the "
-            "embedded corpus (data_folder: null) or a real preset such as whisper_tinyllama"
+            "embedded corpus (data_folder: null), set public_speaker_share to carve one from the "
+            "training speakers of a real MLS folder, or use a real preset such as "
+            "whisper_tinyllama"
         )
     max_grad_norm = run_opts.get("max_grad_norm", hparams["pretrain_max_grad_norm"])
     accumulation = int(run_opts.get("grad_accumulation_factor", 1))
@@ -455,6 +462,8 @@ def prepare_run(hparams, run_opts):
         }
         info = {"timings": {**timings, **pretrain_info}}
         info.update({k: prep_report.get(k, {}) for k in ("skipped", "num_skipped")})
+        info["languages"] = prep_report.get("languages")
+        info["missing_languages"] = prep_report.get("missing_languages", [])
         return {"settings": settings, "info": info}
 
     key = {**{k: hparams[k] for k in PREPARATION_KEYS}, "run_opts": run_opts}
@@ -780,6 +789,8 @@ def main(argv):
             "embedded_corpus": hparams["data_folder"] is None,
             "skipped": info["skipped"],
             "num_skipped": info["num_skipped"],
+            "languages": info.get("languages"),
+            "missing_languages": info.get("missing_languages", []),
         },
         "profile": profile,
         "stopped_early": result.stopped_early,

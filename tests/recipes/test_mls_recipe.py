@@ -148,3 +148,41 @@ def test_recipe_norm_profile_and_auto_alpha(tmp_path, recipe_cache):
     assert any("profiling" in c for c in privacy["caveats"])
     assert any("alpha: auto" in c for c in privacy["caveats"])
     assert "NOT covered by epsilon" in proc.stdout
+
+
+@pytest.mark.slow
+def test_debug_run_on_a_real_layout_tree_with_some_languages(tmp_path):
+    """A user's MLS folder: only two of the eight languages downloaded and no public split. The
+    run uses the languages present (naming the missing ones) and carves the tiny seed model's
+    public split from training speakers (``public_speaker_share``)."""
+    import shutil
+
+    from speechbrain_fl.data.mls_synth import generate_mls_corpus
+
+    synth = tmp_path / "synth"
+    generate_mls_corpus(
+        str(synth), languages=["english", "german"], speakers_per_language=3,
+        utterances_per_speaker=4, public_speakers_per_language=1,
+        public_utterances_per_speaker=2, eval_utterances_per_speaker=2, progress=False,
+    )  # fmt: skip
+    real = tmp_path / "mls"
+    for lang in ("english", "german"):  # the real release: train, dev, test and metainfo only
+        src, dst = synth / f"mls_{lang}", real / f"mls_{lang}"
+        for split in ("train", "dev", "test"):
+            shutil.copytree(src / split, dst / split)
+        for extra in src.iterdir():
+            if extra.is_file():
+                shutil.copy(extra, dst / extra.name)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "hparams/fedavg.yaml", "--debug", "--data_folder",
+           str(real), "--output_folder", str(out), "--cache_folder", str(tmp_path / "cache"),
+           "--public_speaker_share", "0.34", "--sampling_rate", "1.0"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads((out / "results.json").read_text())["data"]
+    assert sorted(data["languages"]) == ["english", "german"]
+    assert "french" in data["missing_languages"] and len(data["missing_languages"]) == 6
+    public = (out / "save" / "manifests" / "public.csv").read_text().splitlines()
+    train = (out / "save" / "manifests" / "train.csv").read_text().splitlines()
+    speakers = {line.split(",")[3] for line in public[1:]}
+    assert speakers and not speakers & {line.split(",")[3] for line in train[1:]}
