@@ -9,6 +9,7 @@ sampling, server-side re-clipping, a pluggable aggregation rule, central Gaussia
 accounting; every round is checkpointed so the same command resumes. See docs/fl_engine.md.
 """
 
+from . import layerwise  # noqa: E402,F401  (registers the layer-wise rules)
 from .aggregation import ClientUpdate, get_rule, uniform_mean, weighted_mean
 from .client import ClientTask, make_client_app, train_round, trainable_parameters
 from .config import FLConfig

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["AggregationRule", "ClientUpdate", "get_rule", "uniform_mean", "weighted_mean"]
+__all__ = [
+    "AggregationRule",
+    "ClientUpdate",
+    "get_rule",
+    "register_rule",
+    "uniform_mean",
+    "weighted_mean",
+]
 
 
 @dataclass
@@ -131,6 +138,17 @@ def weighted_mean(
 weighted_mean.dp_sensitivity_bounded = False  # type: ignore[attr-defined]
 
 _RULES: dict[str, AggregationRule] = {"uniform": uniform_mean, "weighted": weighted_mean}
+
+
+def register_rule(name: str, rule: AggregationRule) -> None:
+    """Register ``rule`` under ``name`` for :func:`get_rule` (e.g. :mod:`.layerwise`'s rules).
+
+    A rule may set ``accepts_partial = True``: its replies may then carry any non-empty subset
+    of the global tensors (the ones the client trained), see :mod:`.replies`.
+    """
+    if name in _RULES and _RULES[name] is not rule:
+        raise ValueError(f"aggregation rule {name!r} is already registered")
+    _RULES[name] = rule
 
 
 def get_rule(rule: str | AggregationRule) -> AggregationRule:

@@ -128,8 +128,9 @@ class DPFedAvg(FedAvg):
         if config.private and not getattr(self.rule, "dp_sensitivity_bounded", False):
             raise ValueError(
                 f"aggregation {config.aggregation_rule_name!r} does not declare "
-                "dp_sensitivity_bounded=True, so the noise would not cover its sensitivity; "
-                "use 'uniform' for private runs"
+                "dp_sensitivity_bounded=True, so the noise would not cover its sensitivity"
+                + (f" ({self.rule.dp_refusal})" if getattr(self.rule, "dp_refusal", None) else "")
+                + "; use 'uniform' for private runs"
             )
         self.sampler = PoissonSampler(config.sampling_rate, seed=config.seed)
         self.seed_rng = np.random.default_rng(None if config.seed is None else config.seed + 1)
@@ -287,7 +288,13 @@ class DPFedAvg(FedAvg):
         for message in replies:
             replied.add(message.metadata.src_node_id)
             try:
-                updates.append(parse_train_reply(message, expected_shapes=shapes))
+                updates.append(
+                    parse_train_reply(
+                        message,
+                        expected_shapes=shapes,
+                        allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
+                    )
+                )
             except ReplyRejected as err:
                 failures.append(str(err))
         for node in sorted(set(self.cohort) - replied):
