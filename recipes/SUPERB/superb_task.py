@@ -345,7 +345,7 @@ def build_client(context, *, settings):
     from speechbrain_fl.fl.client import ClientTask
 
     partition_id = int(context.node_config["partition-id"])
-    torch.set_num_threads(max(1, int(settings["cpus_per_client"])))
+    torch.set_num_threads(max(1, min(int(settings["cpus_per_client"]), settings["num_threads"])))
     brain = build_brain(settings, depth=settings["depths"][partition_id])
     return ClientTask(
         brain=brain,
@@ -484,6 +484,7 @@ def make_settings(hparams, run_opts):
         "data_kw": {"ctc": True} if ctc else {"labels": data["labels"]},
         "extra": data.get("extra", {}),
         "cpus_per_client": hparams["num_cpus_per_client"],
+        "num_threads": int(hparams["num_threads"]),
         "depths": client_depths(hparams, num_clients),
         "eval_exits": trained_exits(hparams),
         "model": {
@@ -573,7 +574,6 @@ def run_centralized(settings, hparams):
     """
     from speechbrain_fl.fl.client import trainable_parameters
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
     depth = settings["eval_exits"][0]
     brain = build_brain(settings, depth=depth)
     pooled = os.path.join(hparams["save_folder"], "centralized_train.csv")

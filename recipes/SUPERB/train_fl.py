@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 import speechbrain as sb
+import torch
 
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
@@ -80,6 +81,9 @@ def main(argv):
         hyperparams_to_save=str(base_file),
         overrides=merged,
     )
+    # One intra-op thread by default (num_threads): on a shared, oversubscribed CPU, OpenMP's
+    # spin-waiting made a 2-thread training step 20x slower than a 1-thread one here.
+    torch.set_num_threads(max(1, int(hparams["num_threads"])))
     settings = make_settings(hparams, run_opts)
     timings = dict(settings["timings"])
     logger.info(
