@@ -101,6 +101,16 @@ class SuperbBrain(sb.Brain):
                 self.records.extend(zip(batch.id, batch.spk_id, target.tolist(), strict=True))
         return losses[max(losses)]
 
+    def on_fit_start(self):
+        """Re-decide L_max for this round when the client declared a memory budget (ours)."""
+        rule = getattr(self, "depth_rule", None)
+        if rule is not None:
+            depth = rule()
+            if depth is None:
+                raise RuntimeError("memory budget fits no exit; this client should be excluded")
+            self.depth = depth
+        super().on_fit_start()
+
     def init_optimizers(self):
         """AdamW over the trainable tensors (tensors without a gradient are skipped)."""
         params = [p for p in self.modules.parameters() if p.requires_grad]
@@ -347,6 +357,11 @@ def build_client(context, *, settings):
     partition_id = int(context.node_config["partition-id"])
     torch.set_num_threads(max(1, min(int(settings["cpus_per_client"]), settings["num_threads"])))
     brain = build_brain(settings, depth=settings["depths"][partition_id])
+    budget = settings["budgets"][partition_id] if settings["budgets"] else None
+    if budget is not None:
+        brain.depth_rule = functools.partial(
+            budget_depth, budget_mb=budget, budget_settings=settings["budget_settings"]
+        )
     return ClientTask(
         brain=brain,
         train_set=make_dataset(
@@ -397,6 +412,102 @@ def client_depths(hparams, num_clients):
     return [int(hparams["shallow_exit"]) if i in shallow else deep for i in range(num_clients)]
 
 
+def budget_depth(*, budget_mb, budget_settings):
+    """Deepest exit <= the task cap whose measured peak training memory fits ``budget_mb``.
+
+    Ours (the paper decides L_max from "local hardware resources" without a rule). The peak
+    memory per exit is measured once per model and batch shape (a fresh subprocess per depth on
+    CPU) and cached in ``<cache_folder>/exit_memory.json``; every later call, e.g. each round,
+    reads the cache. Returns ``None`` when even the shallowest exit does not fit.
+    """
+    from speechbrain_fl.models.exit_memory import choose_depth, peak_training_memory
+
+    b = budget_settings
+    measure = functools.partial(
+        peak_training_memory,
+        b["source"],
+        batch_size=b["batch_size"],
+        seconds=b["seconds"],
+        head=b["head"],
+        num_outputs=b["num_outputs"],
+        freeze_feature_encoder=b["freeze_feature_encoder"],
+        device=b["device"],
+    )
+    return choose_depth(
+        budget_mb=budget_mb,
+        exits=b["exits"],
+        cap=b["cap"],
+        measure=lambda depth: measure(depth=depth)["peak_mb"],
+        cache_file=b["cache_file"],
+        cache_key=budget_cache_key(b),
+    )
+
+
+def budget_cache_key(budget_settings):
+    """Key of a model, batch shape and options in the memory cache file."""
+    return json.dumps(
+        {k: v for k, v in budget_settings.items() if k != "cache_file"}, sort_keys=True
+    )
+
+
+def budget_settings_for(hparams, settings):
+    """What :func:`budget_depth` measures with: model, batch shape, exits, cap, cache file."""
+    model = settings["model"]
+    return {
+        "source": model["source"],
+        "batch_size": int(hparams["batch_size"]),
+        "seconds": float(TASKS[hparams["task"]]["seconds"]),
+        "head": model["head"],
+        "num_outputs": model["num_outputs"],
+        "freeze_feature_encoder": model["freeze_feature_encoder"],
+        "device": settings["run_opts"].get("device", "cpu"),
+        "exits": model["exits"],
+        "cap": int(hparams["exit"] or hparams["best_exit"]),
+        "cache_file": os.path.join(hparams["cache_folder"], "exit_memory.json"),
+    }
+
+
+def apply_memory_budgets(hparams, settings):
+    """Depth policy ``memory_budget`` (ours): L_max per client from its declared budget.
+
+    Budgets come from ``client_memory_budgets_mb`` (cycled over the clients). A client whose
+    budget fits no exit is excluded with a log line, or trains the shallowest exit when
+    ``budget_fallback: shallowest``. Returns the decisions (logged and kept in results.json).
+    """
+    budgets = list(hparams["client_memory_budgets_mb"] or [])
+    if not budgets:
+        raise ValueError("depth_policy: memory_budget needs client_memory_budgets_mb (a list)")
+    model = settings["model"]
+    settings["budget_settings"] = budget_settings_for(hparams, settings)
+    clients, depths, kept_budgets, decisions = [], [], [], []
+    for i, manifest in enumerate(settings["clients"]):
+        budget = float(budgets[i % len(budgets)])
+        depth = budget_depth(budget_mb=budget, budget_settings=settings["budget_settings"])
+        action = "trains" if depth is not None else hparams["budget_fallback"]
+        if depth is None and hparams["budget_fallback"] == "shallowest":
+            depth = min(model["exits"])
+        if depth is None:
+            logger.warning(
+                "client %d: memory budget %.0f MB fits no exit <= %d; excluded",
+                i,
+                budget,
+                settings["budget_settings"]["cap"],
+            )
+        else:
+            clients.append(manifest)
+            depths.append(depth)
+            kept_budgets.append(budget)
+            logger.info(
+                "client %d: memory budget %.0f MB -> exit %d (%s)", i, budget, depth, action
+            )
+        decisions.append({"client": i, "budget_mb": budget, "exit": depth, "action": action})
+    if not clients:
+        raise ValueError(f"no client's memory budget fits any exit (budgets {budgets} MB)")
+    settings.update(clients=clients, depths=depths, budgets=kept_budgets)
+    settings["eval_exits"] = sorted(set(depths))
+    return decisions
+
+
 def fl_config(hparams):
     """The engine's FLConfig from the recipe's hparams."""
     from speechbrain_fl.fl.config import FLConfig
@@ -445,6 +556,14 @@ def check_hparams(hparams):
             f"noise_multiplier={hparams['noise_multiplier']}: a private run is refused with "
             f"aggregation {hparams['aggregation']!r}: {rule.dp_refusal}"
         )
+    if hparams["depth_policy"] not in ("groups", "memory_budget"):
+        raise ValueError(
+            f"depth_policy: {hparams['depth_policy']!r} must be 'groups' or 'memory_budget'"
+        )
+    if hparams["budget_fallback"] not in ("exclude", "shallowest"):
+        raise ValueError(
+            f"budget_fallback: {hparams['budget_fallback']!r} must be 'exclude' or 'shallowest'"
+        )
     if not 0.0 < hparams["shallow_fraction"] < 1.0:
         raise ValueError(f"shallow_fraction: {hparams['shallow_fraction']} must be in (0, 1)")
 
@@ -468,7 +587,7 @@ def make_settings(hparams, run_opts):
     spec = TASKS[hparams["task"]]
     ctc = spec["head"] == "ctc"
     num_clients = len(data["clients"])
-    return {
+    settings = {
         "hparams": {k: hparams[k] for k in BRAIN_KEYS},
         "run_opts": {
             k: v
@@ -486,6 +605,7 @@ def make_settings(hparams, run_opts):
         "cpus_per_client": hparams["num_cpus_per_client"],
         "num_threads": int(hparams["num_threads"]),
         "depths": client_depths(hparams, num_clients),
+        "budgets": None,
         "eval_exits": trained_exits(hparams),
         "model": {
             "source": seed_source,
@@ -498,6 +618,9 @@ def make_settings(hparams, run_opts):
         },
         "timings": timings,
     }
+    if hparams["depth_policy"] == "memory_budget":
+        settings["depth_decisions"] = apply_memory_budgets(hparams, settings)
+    return settings
 
 
 def load_hparams(hparams_file, overrides=None, run_opts=None):

@@ -134,6 +134,7 @@ def main(argv):
         "memory_mb": memory,
         **extra,
         "depths": settings["depths"],
+        "depth_decisions": settings.get("depth_decisions"),
         "num_clients": len(settings["clients"]),
         "rounds": result.last_round,
         "freeze_feature_encoder": hparams["freeze_feature_encoder"],
