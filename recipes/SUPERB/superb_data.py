@@ -240,7 +240,7 @@ def score_asv(brain, settings, hparams):
             for r in csv.DictReader(handle)
         ]
     paths = sorted({p for _, a, b in trials for p in (a, b)})
-    device = settings["run_opts"].get("device", "cpu")
+    device = settings["run_opts"].get("device") or "cpu"
     embeddings = _embeddings(brain.modules.model, paths, brain.eval_exits, device)
     rng = np.random.default_rng(hparams["seed"])
     out = {}

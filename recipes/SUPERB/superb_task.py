@@ -349,7 +349,7 @@ def build_model(settings):
             head=options["head"],
             freeze_feature_encoder=options["freeze_feature_encoder"],
             seed=options["seed"],
-        ).to(settings["run_opts"].get("device", "cpu"))
+        ).to(settings["run_opts"].get("device") or "cpu")
     return _WORKER_MODELS[key]
 
 
@@ -486,7 +486,7 @@ def budget_settings_for(hparams, settings):
         "head": model["head"],
         "num_outputs": model["num_outputs"],
         "freeze_feature_encoder": model["freeze_feature_encoder"],
-        "device": settings["run_opts"].get("device", "cpu"),
+        "device": (settings["run_opts"].get("device") or "cpu"),
         "exits": model["exits"],
         "cap": int(hparams["exit"] or hparams["best_exit"]),
         "cache_file": os.path.join(hparams["cache_folder"], "exit_memory.json"),
@@ -815,14 +815,20 @@ def evaluate_test(brain, settings, hparams):
 
 
 def memory_by_exit(settings, hparams):
-    """Peak training memory (MB) per trained exit for this task's batch shape."""
+    """Peak training memory (MiB) per trained exit for this task's batch shape.
+
+    Returns ``(peak, step)``: ``peak`` is CUDA ``max_memory_allocated`` or, on CPU, the peak RSS
+    of a fresh process per exit (interpreter and all weights included); ``step`` is what the
+    training step itself allocated (peak minus the memory just before it).
+    """
     if not hparams["measure_memory"]:
-        return {}
+        return {}, {}
     from speechbrain_fl.models.exit_memory import peak_training_memory
 
     options = settings["model"]
-    return {
-        str(e): peak_training_memory(
+    peak, step = {}, {}
+    for e in settings["eval_exits"]:
+        m = peak_training_memory(
             options["source"],
             depth=e,
             batch_size=hparams["batch_size"],
@@ -830,10 +836,10 @@ def memory_by_exit(settings, hparams):
             head=options["head"],
             num_outputs=options["num_outputs"],
             freeze_feature_encoder=options["freeze_feature_encoder"],
-            device=settings["run_opts"].get("device", "cpu"),
-        )["peak_mb"]
-        for e in settings["eval_exits"]
-    }
+            device=(settings["run_opts"].get("device") or "cpu"),
+        )
+        peak[str(e)], step[str(e)] = m["peak_mb"], m["step_mb"]
+    return peak, step
 
 
 def format_table(results):
@@ -842,7 +848,7 @@ def format_table(results):
     lines = [
         f"SUPERB {results['task']} | scenario {results['scenario']} | aggregation "
         f"{results['aggregation']} ({results['weighting']}) | model {results['checkpoint']}",
-        f"{'exit':>5} | {metric:>9} | {'95% CI':>17} | {'memory MB':>9}"
+        f"{'exit':>5} | {metric:>9} | {'95% CI':>17} | {'memory MB':>9} | {'step MB':>7}"
         + (" | EER    | minDCF" if "asv" in results else ""),
     ]
     for e, entry in results["test"].items():
@@ -850,7 +856,8 @@ def format_table(results):
         mem = results["memory_mb"].get(e)
         line = (
             f"{e:>5} | {entry[metric]:9.4f} | [{lo:.4f}, {hi:.4f}] | "
-            f"{mem if mem is None else round(mem, 1)!s:>9}"
+            f"{mem if mem is None else round(mem, 1)!s:>9} | "
+            f"{results['memory_step_mb'].get(e, '-')!s:>7}"
         )
         if "asv" in results:
             asv = results["asv"][e]

@@ -120,7 +120,7 @@ def main(argv):
             writer.writeheader()
             writer.writerows(rows)
     start = time.time()
-    memory = memory_by_exit(settings, hparams)
+    memory, memory_step = memory_by_exit(settings, hparams)
     timings["memory"] = time.time() - start
     timings["total"] = time.time() - start_all
     results = {
@@ -132,6 +132,7 @@ def main(argv):
         "checkpoint_source": settings["model"]["source"],
         "test": test,
         "memory_mb": memory,
+        "memory_step_mb": {k: round(v, 1) for k, v in memory_step.items()},
         **extra,
         "depths": settings["depths"],
         "depth_decisions": settings.get("depth_decisions"),

@@ -29,7 +29,7 @@ SMALL = {
     "utterances_per_video: 3}",
     "asv.yaml": "{iden_speakers: 4, veri_speakers: 2, videos_per_speaker: 2, "
     "utterances_per_video: 3, trials_per_speaker: 2}",
-    "er.yaml": "{sessions: 3, utterances_per_emotion: 2}",
+    "er.yaml": "{sessions: 5, utterances_per_emotion: 1}",
     "asr.yaml": "{splits: {train-clean-100: 4, dev-clean: 1, test-clean: 1}, "
     "utterances_per_speaker: 3}",
 }
