@@ -155,6 +155,7 @@ def main(argv=None):
     parser.add_argument("--grid_folder", default=None)
     parser.add_argument("--rounds", type=int, default=None, help="number_of_rounds override")
     parser.add_argument("--best_exit", type=int, default=None, help="default: the task file's")
+    parser.add_argument("--cache_folder", default=None, help="cache_folder override")
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(RECIPE_DIR))
@@ -168,6 +169,8 @@ def main(argv=None):
     extra = {"measure_memory": False}
     if args.rounds:
         extra["number_of_rounds"] = args.rounds
+    if args.cache_folder:
+        extra["cache_folder"] = args.cache_folder
     results = {
         name: run(args.hparams, name, overrides, folder, extra)
         for name, overrides in grid(best, args.tables)

@@ -168,12 +168,13 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     }
     if task.partial is not None:
         names, extra = task.partial(task.brain)
-        unknown = sorted(set(names) - set(delta))
+        names = set(names)
+        unknown = sorted(names - set(delta))
         if unknown:
             raise KeyError(
                 f"ClientTask.partial named tensors {unknown[:5]} not in the global model"
             )
-        delta = {n: delta[n] for n in delta if n in set(names)}
+        delta = {n: v for n, v in delta.items() if n in names}
         metrics.update(extra)
     if "clip-budgets" in config:
         budgets = json.loads(str(config["clip-budgets"]))
