@@ -15,7 +15,8 @@ ASR 9.59%, GPU memory of wav2vec 2.0 Base).
 
 The CPU peak RSS includes the interpreter, torch and the weights of all 12 layers (which are
 loaded whatever the depth), so its relative reduction understates the activation savings;
-the ``step`` columns (peak minus the RSS before the step) isolate what the step allocates.
+the ``step`` columns (the high-water mark after the step minus the one before it) show how
+much the step raised the peak.
 """
 
 from __future__ import annotations

@@ -819,7 +819,7 @@ def memory_by_exit(settings, hparams):
 
     Returns ``(peak, step)``: ``peak`` is CUDA ``max_memory_allocated`` or, on CPU, the peak RSS
     of a fresh process per exit (interpreter and all weights included); ``step`` is what the
-    training step itself allocated (peak minus the memory just before it).
+    training step raised the peak (see ``speechbrain_fl/models/exit_memory.py``).
     """
     if not hparams["measure_memory"]:
         return {}, {}
