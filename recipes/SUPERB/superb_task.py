@@ -109,6 +109,9 @@ class SuperbBrain(sb.Brain):
             if depth is None:
                 raise RuntimeError("memory budget fits no exit; this client should be excluded")
             self.depth = depth
+        # transformers draws SpecAugment masks from numpy's global generator: tie it to the
+        # torch seed the engine set for this client and round, so a run is reproducible
+        np.random.seed(torch.initial_seed() % 2**32)
         super().on_fit_start()
 
     def init_optimizers(self):
