@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["AggregationRule", "ClientUpdate", "get_rule", "uniform_mean", "weighted_mean"]
+__all__ = [
+    "AggregationRule",
+    "ClientUpdate",
+    "get_rule",
+    "register_rule",
+    "uniform_mean",
+    "weighted_mean",
+]
 
 
 @dataclass
@@ -133,10 +140,24 @@ weighted_mean.dp_sensitivity_bounded = False  # type: ignore[attr-defined]
 _RULES: dict[str, AggregationRule] = {"uniform": uniform_mean, "weighted": weighted_mean}
 
 
+def register_rule(name: str, rule: AggregationRule) -> None:
+    """Register ``rule`` under ``name`` for :func:`get_rule` (e.g. :mod:`.layerwise`'s rules).
+
+    A rule may set ``accepts_partial = True``: its replies may then carry any non-empty subset
+    of the global tensors (the ones the client trained), see :mod:`.replies`.
+    """
+    if name in _RULES and _RULES[name] is not rule:
+        raise ValueError(f"aggregation rule {name!r} is already registered")
+    _RULES[name] = rule
+
+
 def get_rule(rule: str | AggregationRule) -> AggregationRule:
     """Return the rule named ``rule`` (``uniform``/``weighted``) or ``rule`` if callable."""
     if callable(rule):
         return rule
+    if rule not in _RULES:
+        # the layer-wise rules register themselves when their module is imported
+        from . import layerwise  # noqa: F401
     if rule not in _RULES:
         raise ValueError(f"aggregation must be one of {sorted(_RULES)} or a callable, got {rule!r}")
     return _RULES[rule]

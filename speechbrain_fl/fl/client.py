@@ -64,12 +64,18 @@ class ClientTask:
         Passed to ``brain.fit`` (batch size, collate function, ...).
     layout : speechbrain_fl.privacy.Layout, optional
         Groups and components for clipping.
+    partial : callable, optional
+        ``partial(brain) -> (names, metrics)``, called after local training: the reply then
+        carries only the tensors in ``names`` (those this client trained, for a rule with
+        ``accepts_partial`` such as :mod:`.layerwise`) and adds ``metrics`` (e.g. the
+        client's ``exit-depth``) to its MetricRecord.
     """
 
     brain: sb.Brain
     train_set: Any
     train_loader_kwargs: dict[str, Any] = field(default_factory=dict)
     layout: Layout | None = None
+    partial: Callable[[sb.Brain], tuple[Any, dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:
         if getattr(self.brain, "checkpointer", None) is not None:
@@ -158,6 +164,16 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         "num-examples": len(task.train_set),
         "train-loss": train_losses[-1] if train_losses else float("nan"),
     }
+    if task.partial is not None:
+        names, extra = task.partial(task.brain)
+        names = set(names)
+        unknown = sorted(names - set(delta))
+        if unknown:
+            raise KeyError(
+                f"ClientTask.partial named tensors {unknown[:5]} not in the global model"
+            )
+        delta = {n: v for n, v in delta.items() if n in names}
+        metrics.update(extra)
     if "clip-budgets" in config:
         budgets = json.loads(str(config["clip-budgets"]))
         delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)

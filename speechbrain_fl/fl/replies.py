@@ -35,7 +35,7 @@ class ReplyRejected(Exception):
 
 
 def parse_train_reply(
-    message: Message, *, expected_shapes: dict[str, tuple[int, ...]]
+    message: Message, *, expected_shapes: dict[str, tuple[int, ...]], allow_partial: bool = False
 ) -> ClientUpdate:
     """Turn a training reply into a :class:`ClientUpdate` or raise :class:`ReplyRejected`.
 
@@ -45,6 +45,9 @@ def parse_train_reply(
         The reply.
     expected_shapes : dict of str to tuple
         Name and shape of every global trainable parameter.
+    allow_partial : bool
+        Accept a reply carrying a non-empty subset of the names (the tensors its client
+        trained), for rules with ``accepts_partial`` (e.g. :mod:`.layerwise`).
 
     Returns
     -------
@@ -63,7 +66,8 @@ def parse_train_reply(
     arrays = next(iter(content.array_records.values()))
     metrics = dict(next(iter(content.metric_records.values())))
     names = set(arrays.keys())
-    if names != set(expected_shapes):
+    partial_ok = allow_partial and names and names <= set(expected_shapes)
+    if names != set(expected_shapes) and not partial_ok:
         missing = sorted(set(expected_shapes) - names)
         extra = sorted(names - set(expected_shapes))
         raise ReplyRejected(
@@ -71,6 +75,8 @@ def parse_train_reply(
         )
     decoded = {}
     for name in expected_shapes:  # the parameter order, whatever the reply's order
+        if name not in names:  # a partial reply (allowed above): the client did not train it
+            continue
         try:
             array = arrays[name].numpy()
         except Exception as err:  # corrupt bytes, another serialisation: any decode error

@@ -195,8 +195,9 @@ class DPFedAvg(FedAvg):
         if config.private and not getattr(self.rule, "dp_sensitivity_bounded", False):
             raise ValueError(
                 f"aggregation {config.aggregation_rule_name!r} does not declare "
-                "dp_sensitivity_bounded=True, so the noise would not cover its sensitivity; "
-                "use 'uniform' for private runs"
+                "dp_sensitivity_bounded=True, so the noise would not cover its sensitivity"
+                + (f" ({self.rule.dp_refusal})" if getattr(self.rule, "dp_refusal", None) else "")
+                + "; use 'uniform' for private runs"
             )
         self.population_size = config.population_size or population_size
         if config.private and self.population_size is None:
@@ -484,7 +485,13 @@ class DPFedAvg(FedAvg):
                 continue
             replied.add(node)
             try:
-                updates.append(parse_train_reply(message, expected_shapes=shapes))
+                updates.append(
+                    parse_train_reply(
+                        message,
+                        expected_shapes=shapes,
+                        allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
+                    )
+                )
             except ReplyRejected as err:
                 failures.append(str(err))
             except Exception as err:  # defence in depth: no reply may crash the round

@@ -1,0 +1,82 @@
+"""Helpers the SUPERB prepare scripts share: layout checks, manifests, re-preparation.
+
+- :func:`require`: raise ``OSError`` naming every missing file or folder of a corpus layout and
+  where to get the corpus;
+- :func:`write_manifest`: a SpeechBrain CSV (``$data_root`` in paths), written atomically;
+- :func:`skip` / :func:`save_options`: a saved-options file, so a changed option re-prepares.
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+from speechbrain_fl.atomic import atomic_open
+
+OPTIONS_FILE = "prepare_options.json"
+
+
+def require(data_folder: str, paths: Iterable[str], *, corpus: str, where: str) -> None:
+    """Raise ``OSError`` if any of ``paths`` (relative to ``data_folder``) is missing.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> try:
+    ...     require(tempfile.mkdtemp(), ["testing_list.txt"], corpus="X", where="get it at Y")
+    ... except OSError as err:
+    ...     print("testing_list.txt" in str(err) and "get it at Y" in str(err))
+    True
+    """
+    if not os.path.isdir(data_folder):
+        raise OSError(f"{corpus}: data_folder {data_folder!r} does not exist. {where}")
+    missing = [p for p in paths if not os.path.exists(os.path.join(data_folder, p))]
+    if missing:
+        raise OSError(
+            f"{corpus}: {data_folder!r} is not in the expected layout; missing {missing}. {where}"
+        )
+
+
+def rel(path: str, data_folder: str) -> str:
+    """``$data_root/<path relative to data_folder>`` (forward slashes)."""
+    return "$data_root/" + os.path.relpath(path, data_folder).replace(os.sep, "/")
+
+
+def write_manifest(path: str, rows: Sequence[dict], header: Sequence[str]) -> None:
+    """Write ``rows`` to a CSV with ``header`` (atomically)."""
+    with atomic_open(path, newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(header))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in header})
+
+
+def skip(save_folder: str, options: dict, files: Iterable[str]) -> bool:
+    """True if every file in ``files`` exists and the saved options equal ``options``."""
+    path = os.path.join(save_folder, OPTIONS_FILE)
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as handle:
+        if json.load(handle).get("options") != options:
+            return False
+    return all(os.path.isfile(os.path.join(save_folder, f)) for f in files)
+
+
+def save_options(save_folder: str, options: dict, report: dict) -> None:
+    """Record the options (and a report) the manifests were made with; written last."""
+    with atomic_open(os.path.join(save_folder, OPTIONS_FILE)) as handle:
+        json.dump({"options": options, "report": report}, handle, indent=2)
+
+
+def corpus_stamp(data_folder: str) -> str | None:
+    """The embedded corpus's generation stamp (options), if ``data_folder`` has one."""
+    path = os.path.join(data_folder, ".superb_synth.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.dumps(json.load(handle).get("options"), sort_keys=True)

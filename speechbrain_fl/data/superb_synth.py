@@ -1,0 +1,548 @@
+"""Embedded SUPERB corpora: espeak-ng speech written in the real corpora's on-disk layouts.
+
+Each generator writes what the real corpus unpacks to, so the recipe's prepare scripts
+(``recipes/SUPERB/*_prepare.py``) run unchanged on it:
+
+- :func:`generate_speech_commands` (KWS): Speech Commands v0.01 / v0.02,
+  ``<word>/<speaker-hash>_nohash_<k>.wav`` (1 s, 16 kHz), ``validation_list.txt``,
+  ``testing_list.txt`` (split by speaker, as the real lists are) and ``_background_noise_/``.
+  Keywords are spoken by many synthetic voices; each clip is the word at a random offset in
+  one second, mixed with a crop of a background-noise file at a random SNR (ours).
+- :func:`generate_librispeech` (ASR, and the seed-model corpus): ``LibriSpeech/<split>/<spk>/
+  <chapter>/<spk>-<chapter>-<utt>.flac`` with ``<spk>-<chapter>.trans.txt`` (upper-case
+  transcripts) and ``SPEAKERS.TXT``. A ``public`` split (not in real LibriSpeech; its voices
+  are disjoint from every other corpus here) pretrains the tiny seed model, the way the paper's
+  initialisation was fine-tuned on LibriSpeech 100 h.
+- :func:`generate_voxceleb1` (SID, ASV): ``wav/id1xxxx/<video>/<nnnnn>.wav``,
+  ``iden_split.txt`` (1 train, 2 dev, 3 test) and the trial list ``veri_test.txt`` over the
+  last speakers (VoxCeleb1's 40 test speakers id10270-id10309 play this role).
+- :func:`generate_iemocap` (ER): ``Session<n>/sentences/wav/<dialog>/<utt>.wav`` and
+  ``Session<n>/dialog/EmoEvaluation/<dialog>.txt``; two speakers (F, M) per session, prosody
+  presets as emotions (:data:`EMOTION_PROSODY`, ours).
+
+Generation is deterministic for a seed, written atomically (a temporary sibling folder renamed
+at the end) and cached: a stamp file records the options; other options regenerate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import soundfile as sf
+from tqdm.auto import tqdm
+
+from speechbrain_fl.atomic import atomic_folder
+from speechbrain_fl.data.espeak import SAMPLE_RATE, Voice, synthesize
+from speechbrain_fl.data.sentences import make_sentences
+from speechbrain_fl.data.voices import apply_prosody, make_speakers
+
+__all__ = [
+    "COMMANDS",
+    "EMOTION_PROSODY",
+    "SC_WORDS",
+    "STAMP_FILE",
+    "generate_iemocap",
+    "generate_librispeech",
+    "generate_speech_commands",
+    "generate_voxceleb1",
+]
+
+logger = logging.getLogger(__name__)
+
+STAMP_FILE = ".superb_synth.json"
+_VERSION = 1
+
+#: The 10 command words of KWS-12 (SUPERB's KS task).
+COMMANDS = ("yes", "no", "up", "down", "left", "right", "on", "off", "stop", "go")
+_V1_OTHERS = (
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+    "bed", "bird", "cat", "dog", "happy", "house", "marvin", "sheila", "tree", "wow",
+)  # fmt: skip
+#: Words of Speech Commands v0.01 (30) and v0.02 (35).
+SC_WORDS = {
+    1: COMMANDS + _V1_OTHERS,
+    2: COMMANDS + _V1_OTHERS + ("backward", "forward", "follow", "learn", "visual"),
+}
+_NOISES = ("white_noise", "pink_noise", "brown_noise")
+
+#: IEMOCAP emotion label -> prosody preset of :data:`speechbrain_fl.data.voices.PROSODY_PRESETS`
+#: (ours). ``exc`` uses the same preset as ``hap``: the recipe merges them, as SUPERB does.
+EMOTION_PROSODY = {
+    "neu": "neutral",
+    "hap": "excited",
+    "exc": "excited",
+    "sad": "sad",
+    "ang": "fast",
+    "fru": "monotone",
+}
+
+
+# --------------------------------------------------------------------------- caching
+def _cached(out_dir: str, options: dict, build: Callable[[str], dict], *, name: str) -> dict:
+    """Return the stamp of a corpus built by ``build(tmp_dir)`` with ``options`` (cached)."""
+    out_dir = os.path.abspath(out_dir)
+    stamp_path = os.path.join(out_dir, STAMP_FILE)
+    options = {"version": _VERSION, "sample_rate": SAMPLE_RATE, **options}
+    if os.path.isfile(stamp_path):
+        with open(stamp_path, encoding="utf-8") as handle:
+            stamp = json.load(handle)
+        if stamp.get("options") == options:
+            logger.info("Embedded %s corpus found in %s (cached).", name, out_dir)
+            return {**stamp, "path": out_dir, "cached": True}
+        logger.info(
+            "Embedded %s corpus in %s was made with other options: regenerating.", name, out_dir
+        )
+    start = time.perf_counter()
+    with atomic_folder(out_dir) as tmp:
+        summary = build(str(tmp))
+        stamp = {
+            "options": options,
+            "seconds": round(time.perf_counter() - start, 2),
+            "summary": summary,
+        }
+        with open(os.path.join(tmp, STAMP_FILE), "w", encoding="utf-8") as handle:
+            json.dump(stamp, handle, indent=2)
+    logger.info("Embedded %s corpus written to %s in %.1f s.", name, out_dir, stamp["seconds"])
+    return {**stamp, "path": out_dir, "cached": False}
+
+
+def _jitter(voice: Voice, rng: np.random.Generator, scale: float = 0.08) -> Voice:
+    """The same speaker with a slightly different rate and pitch (one more take)."""
+    return Voice(
+        language=voice.language,
+        variant=voice.variant,
+        rate=int(np.clip(round(voice.rate * rng.uniform(1 - scale, 1 + scale)), 80, 450)),
+        pitch=int(np.clip(voice.pitch + rng.integers(-3, 4), 0, 100)),
+        pitch_range=voice.pitch_range,
+    )
+
+
+def _noise(kind: str, seconds: float, rng: np.random.Generator) -> np.ndarray:
+    """White, pink (1/f) or brown (1/f^2) noise, peak-normalised to 0.5."""
+    n = int(seconds * SAMPLE_RATE)
+    white = rng.standard_normal(n)
+    if kind == "white_noise":
+        out = white
+    else:
+        spectrum = np.fft.rfft(white)
+        freqs = np.fft.rfftfreq(n, 1.0 / SAMPLE_RATE)
+        freqs[0] = freqs[1]
+        power = 0.5 if kind == "pink_noise" else 1.0
+        out = np.fft.irfft(spectrum / freqs**power, n)
+    return (0.5 * out / np.abs(out).max()).astype(np.float32)
+
+
+def _write_wav(path: str, wav: np.ndarray) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sf.write(path, np.clip(wav, -1.0, 1.0), SAMPLE_RATE, subtype="PCM_16")
+
+
+# --------------------------------------------------------------------------- Speech Commands
+def generate_speech_commands(
+    out_dir: str,
+    *,
+    version: int = 1,
+    train_speakers: int = 24,
+    valid_speakers: int = 4,
+    test_speakers: int = 6,
+    repeats: int = 2,
+    unknown_words_per_speaker: int = 4,
+    noise_seconds: float = 20.0,
+    snr_db: tuple[float, float] = (10.0, 30.0),
+    seed: int = 1234,
+    progress: bool = True,
+) -> dict:
+    """Generate (or reuse) a Speech Commands tree (v0.01 or v0.02 layout).
+
+    Every speaker says each of the 10 command words ``repeats`` times and
+    ``unknown_words_per_speaker`` other words of the version's vocabulary once (KWS-35 uses all
+    words as classes, so for ``version=2`` every word is said ``repeats`` times).
+
+    Arguments
+    ---------
+    out_dir : str
+        Corpus root (the folder holding the word folders).
+    version : int
+        1 (30 words) or 2 (35 words).
+    train_speakers, valid_speakers, test_speakers : int
+        Speakers per split (listed by speaker in ``validation_list.txt`` / ``testing_list.txt``).
+    repeats : int
+        Takes of each word per speaker (``<hash>_nohash_<k>.wav``).
+    unknown_words_per_speaker : int
+        v0.01 only: non-command words per speaker.
+    noise_seconds : float
+        Length of each ``_background_noise_`` file.
+    snr_db : tuple of float
+        Range of the speech-to-noise ratio of each clip.
+    seed : int
+        Random seed.
+    progress : bool
+        tqdm bar.
+
+    Returns
+    -------
+    dict
+        The stamp: ``options``, ``seconds``, ``summary`` (clips per split), ``path``, ``cached``.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> info = generate_speech_commands(tempfile.mkdtemp() + "/sc", train_speakers=1,
+    ...     valid_speakers=1, test_speakers=1, repeats=1, unknown_words_per_speaker=1,
+    ...     noise_seconds=2, progress=False)
+    >>> sorted(info["summary"])
+    ['test', 'train', 'validation']
+    """
+    if version not in SC_WORDS:
+        raise ValueError(f"version must be 1 or 2, got {version}")
+    options = {
+        "corpus": "speech_commands",
+        "version": version,
+        "train_speakers": int(train_speakers),
+        "valid_speakers": int(valid_speakers),
+        "test_speakers": int(test_speakers),
+        "repeats": int(repeats),
+        "unknown_words_per_speaker": int(unknown_words_per_speaker),
+        "noise_seconds": float(noise_seconds),
+        "snr_db": [float(snr_db[0]), float(snr_db[1])],
+        "seed": int(seed),
+    }
+    words = SC_WORDS[version]
+
+    def build(tmp: str) -> dict:
+        rng = np.random.default_rng([seed, 11, version])
+        noises = {}
+        for kind in _NOISES:
+            noises[kind] = _noise(kind, noise_seconds, rng)
+            _write_wav(os.path.join(tmp, "_background_noise_", f"{kind}.wav"), noises[kind])
+        roles = (
+            ["train"] * train_speakers + ["validation"] * valid_speakers + ["test"] * test_speakers
+        )
+        voices = make_speakers(len(roles), seed=seed * 13 + version)
+        hashes = set()
+        plan = []
+        for role, voice in zip(roles, voices, strict=True):
+            while (spk := f"{int(rng.integers(16**8)):08x}") in hashes:
+                pass
+            hashes.add(spk)
+            others = [w for w in words if w not in COMMANDS]
+            if version == 1:
+                chosen = [(w, repeats) for w in COMMANDS] + [
+                    (str(w), 1)
+                    for w in rng.choice(others, unknown_words_per_speaker, replace=False)
+                ]
+            else:
+                chosen = [(w, repeats) for w in words]
+            for word, takes in chosen:
+                for k in range(takes):
+                    plan.append((role, spk, voice, word, k))
+        lists = {"validation": [], "test": []}
+        summary = {"train": 0, "validation": 0, "test": 0}
+        for role, spk, voice, word, k in tqdm(
+            plan, desc="espeak-ng Speech Commands", unit="clip", disable=not progress
+        ):
+            wav = synthesize(word, _jitter(voice.voice("en"), rng), seed=k)[:SAMPLE_RATE]
+            clip = np.zeros(SAMPLE_RATE, dtype=np.float32)
+            offset = int(rng.integers(0, SAMPLE_RATE - len(wav) + 1))
+            clip[offset : offset + len(wav)] = wav
+            noise = noises[_NOISES[int(rng.integers(len(_NOISES)))]]
+            start = int(rng.integers(0, len(noise) - SAMPLE_RATE + 1))
+            crop = noise[start : start + SAMPLE_RATE]
+            snr = rng.uniform(*snr_db)
+            gain = np.sqrt((wav**2).mean() / max((crop**2).mean(), 1e-12) / 10 ** (snr / 10))
+            rel = f"{word}/{spk}_nohash_{k}.wav"
+            _write_wav(os.path.join(tmp, rel), clip + gain * crop)
+            summary[role] += 1
+            if role in lists:
+                lists[role].append(rel)
+        for role, name in (("validation", "validation_list.txt"), ("test", "testing_list.txt")):
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as handle:
+                handle.write("".join(f"{rel}\n" for rel in sorted(lists[role])))
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(
+                f"Synthetic Speech Commands v0.0{version} (espeak-ng voices, speechbrain-fl).\n"
+            )
+        return summary
+
+    return _cached(out_dir, options, build, name=f"Speech Commands v0.0{version}")
+
+
+# --------------------------------------------------------------------------- LibriSpeech
+def generate_librispeech(
+    out_dir: str,
+    *,
+    splits: dict[str, int] | None = None,
+    utterances_per_speaker: int = 12,
+    seed: int = 1234,
+    speaker_offset: int = 1000,
+    progress: bool = True,
+) -> dict:
+    """Generate (or reuse) a LibriSpeech tree: ``LibriSpeech/<split>/<spk>/<chapter>/...``.
+
+    Arguments
+    ---------
+    out_dir : str
+        Corpus root (the folder holding ``LibriSpeech/``).
+    splits : dict of str to int
+        Speakers per split, e.g. ``{"train-clean-100": 12, "dev-clean": 3, "test-clean": 3}``;
+        a ``public`` split holds the seed model's pretraining speech.
+    utterances_per_speaker : int
+        Sentences per speaker (one chapter per speaker).
+    seed : int
+        Random seed.
+    speaker_offset : int
+        Index of the first synthetic voice (:func:`make_speakers` ``offset``), so two corpora
+        generated with different offsets do not share voices.
+    progress : bool
+        tqdm bar.
+
+    Returns
+    -------
+    dict
+        The stamp (``summary``: utterances per split).
+
+    Example
+    -------
+    >>> import tempfile
+    >>> info = generate_librispeech(tempfile.mkdtemp() + "/ls", splits={"dev-clean": 1},
+    ...     utterances_per_speaker=2, progress=False)
+    >>> info["summary"]
+    {'dev-clean': 2}
+    """
+    splits = dict(splits or {"train-clean-100": 12, "dev-clean": 3, "test-clean": 3})
+    options = {
+        "corpus": "librispeech",
+        "splits": splits,
+        "utterances_per_speaker": int(utterances_per_speaker),
+        "seed": int(seed),
+        "speaker_offset": int(speaker_offset),
+    }
+
+    def build(tmp: str) -> dict:
+        total = sum(splits.values())
+        voices = make_speakers(total, seed=seed, offset=speaker_offset)
+        texts = make_sentences("english", total * utterances_per_speaker, seed=seed + 17)
+        root = os.path.join(tmp, "LibriSpeech")
+        summary, speakers_txt, cursor, index = {}, [], 0, 0
+        plan = []
+        for split, count in splits.items():
+            summary[split] = 0
+            for _ in range(count):
+                spk, chapter = 100 + 7 * index, 1000 + index
+                speakers_txt.append(
+                    f"{spk:<5}| {'F' if voices[index].gender == 'female' else 'M'} | "
+                    f"{split:<16}| 10.00 | espeak-ng {voices[index].variant}"
+                )
+                for u in range(utterances_per_speaker):
+                    plan.append((split, spk, chapter, u, voices[index], texts[cursor]))
+                    cursor += 1
+                index += 1
+        transcripts: dict[str, list[str]] = {}
+        for split, spk, chapter, u, voice, text in tqdm(
+            plan, desc="espeak-ng LibriSpeech", unit="utt", disable=not progress
+        ):
+            uid = f"{spk}-{chapter}-{u:04d}"
+            folder = os.path.join(root, split, str(spk), str(chapter))
+            os.makedirs(folder, exist_ok=True)
+            sf.write(
+                os.path.join(folder, f"{uid}.flac"),
+                synthesize(text, voice.voice("en")),
+                SAMPLE_RATE,
+                subtype="PCM_16",
+            )
+            transcripts.setdefault(os.path.join(folder, f"{spk}-{chapter}.trans.txt"), []).append(
+                f"{uid} {text.upper()}"
+            )
+            summary[split] += 1
+        for path, lines in transcripts.items():
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write("\n".join(lines) + "\n")
+        with open(os.path.join(root, "SPEAKERS.TXT"), "w", encoding="utf-8") as handle:
+            handle.write(";ID  |SEX| SUBSET          |MINUTES| NAME\n")
+            handle.write("\n".join(speakers_txt) + "\n")
+        return summary
+
+    return _cached(out_dir, options, build, name="LibriSpeech")
+
+
+# --------------------------------------------------------------------------- VoxCeleb1
+def generate_voxceleb1(
+    out_dir: str,
+    *,
+    iden_speakers: int = 16,
+    veri_speakers: int = 4,
+    videos_per_speaker: int = 3,
+    utterances_per_video: int = 3,
+    trials_per_speaker: int = 6,
+    seed: int = 1234,
+    speaker_offset: int = 2000,
+    progress: bool = True,
+) -> dict:
+    """Generate (or reuse) a VoxCeleb1 tree: ``wav/``, ``iden_split.txt``, ``veri_test.txt``.
+
+    Speakers ``id10001...`` say sentences; within a speaker, videos differ by a prosody take.
+    In ``iden_split.txt`` (every speaker, as in the real list) each speaker's last utterance of
+    the first video is dev (2), the last of the second video test (3), the rest train (1). The
+    last ``veri_speakers`` speakers form the verification test set: ``veri_test.txt`` lists
+    ``trials_per_speaker`` target and as many non-target trials per speaker.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> info = generate_voxceleb1(tempfile.mkdtemp() + "/vox", iden_speakers=2, veri_speakers=2,
+    ...     videos_per_speaker=2, utterances_per_video=2, trials_per_speaker=1, progress=False)
+    >>> info["summary"]["utterances"], info["summary"]["trials"]
+    (16, 4)
+    """
+    options = {
+        "corpus": "voxceleb1",
+        "iden_speakers": int(iden_speakers),
+        "veri_speakers": int(veri_speakers),
+        "videos_per_speaker": int(videos_per_speaker),
+        "utterances_per_video": int(utterances_per_video),
+        "trials_per_speaker": int(trials_per_speaker),
+        "seed": int(seed),
+        "speaker_offset": int(speaker_offset),
+    }
+    if videos_per_speaker < 2 or utterances_per_video < 2:
+        raise ValueError("videos_per_speaker and utterances_per_video must be >= 2")
+
+    def build(tmp: str) -> dict:
+        rng = np.random.default_rng([seed, 23])
+        total = iden_speakers + veri_speakers
+        voices = make_speakers(total, seed=seed, offset=speaker_offset)
+        n_utts = total * videos_per_speaker * utterances_per_video
+        texts = make_sentences("english", n_utts, seed=seed + 29)
+        presets = ("neutral", "slow", "fast", "monotone")
+        iden, by_speaker, cursor = [], {}, 0
+        plan = []
+        for s in range(total):
+            spk = f"id{10001 + s}"
+            for v in range(videos_per_speaker):
+                video = "".join(rng.choice(list("abcdefghijkLMNOPQ0123456789_-"), 11))
+                for u in range(utterances_per_video):
+                    rel = f"{spk}/{video}/{u + 1:05d}.wav"
+                    split = 1
+                    if u == utterances_per_video - 1 and v == 0:
+                        split = 2
+                    elif u == utterances_per_video - 1 and v == 1:
+                        split = 3
+                    iden.append(f"{split} {rel}")
+                    by_speaker.setdefault(spk, []).append(rel)
+                    voice = apply_prosody(voices[s].voice("en"), presets[v % len(presets)])
+                    plan.append((rel, _jitter(voice, rng), texts[cursor]))
+                    cursor += 1
+        for rel, voice, text in tqdm(
+            plan, desc="espeak-ng VoxCeleb1", unit="utt", disable=not progress
+        ):
+            _write_wav(os.path.join(tmp, "wav", rel), synthesize(text, voice))
+        with open(os.path.join(tmp, "iden_split.txt"), "w", encoding="utf-8") as handle:
+            handle.write("\n".join(iden) + "\n")
+        veri = sorted(by_speaker)[iden_speakers:]
+        trials = []
+        for spk in veri:
+            utts = by_speaker[spk]
+            others = [u for s in veri if s != spk for u in by_speaker[s]]
+            for _ in range(trials_per_speaker):
+                a, b = rng.choice(len(utts), 2, replace=False)
+                trials.append(f"1 {utts[a]} {utts[b]}")
+                trials.append(f"0 {utts[a]} {others[int(rng.integers(len(others)))]}")
+        with open(os.path.join(tmp, "veri_test.txt"), "w", encoding="utf-8") as handle:
+            handle.write("\n".join(trials) + "\n")
+        return {"utterances": len(plan), "trials": len(trials), "veri_speakers": veri}
+
+    return _cached(out_dir, options, build, name="VoxCeleb1")
+
+
+# --------------------------------------------------------------------------- IEMOCAP
+def generate_iemocap(
+    out_dir: str,
+    *,
+    sessions: int = 5,
+    utterances_per_emotion: int = 4,
+    emotions: tuple[str, ...] = ("neu", "hap", "exc", "sad", "ang", "fru"),
+    seed: int = 1234,
+    speaker_offset: int = 3000,
+    progress: bool = True,
+) -> dict:
+    """Generate (or reuse) an IEMOCAP tree (``Session<n>/sentences/wav``, ``EmoEvaluation``).
+
+    Each session has one female and one male speaker and one improvised dialog per speaker
+    (``Ses0<n>F_impro01``, ``Ses0<n>M_impro01``); each speaker says ``utterances_per_emotion``
+    sentences in every emotion, the emotion rendered by a prosody preset
+    (:data:`EMOTION_PROSODY`).
+
+    Example
+    -------
+    >>> import tempfile
+    >>> info = generate_iemocap(tempfile.mkdtemp() + "/iemocap", sessions=1,
+    ...     utterances_per_emotion=1, emotions=("neu", "sad"), progress=False)
+    >>> info["summary"]
+    {'Session1': 4}
+    """
+    unknown = [e for e in emotions if e not in EMOTION_PROSODY]
+    if unknown:
+        raise ValueError(
+            f"emotions {unknown} have no prosody preset; known {sorted(EMOTION_PROSODY)}"
+        )
+    options = {
+        "corpus": "iemocap",
+        "sessions": int(sessions),
+        "utterances_per_emotion": int(utterances_per_emotion),
+        "emotions": list(emotions),
+        "seed": int(seed),
+        "speaker_offset": int(speaker_offset),
+    }
+
+    def build(tmp: str) -> dict:
+        rng = np.random.default_rng([seed, 37])
+        speakers = []
+        for s in range(sessions):
+            speakers += [
+                make_speakers(1, seed=seed + s, gender="female", offset=speaker_offset)[0],
+                make_speakers(1, seed=seed + s, gender="male", offset=speaker_offset)[0],
+            ]
+        per_speaker = utterances_per_emotion * len(emotions)
+        texts = make_sentences("english", len(speakers) * per_speaker, seed=seed + 41)
+        summary, plan, cursor = {}, [], 0
+        evaluations: dict[str, list[str]] = {}
+        for s in range(sessions):
+            session = f"Session{s + 1}"
+            summary[session] = 0
+            for g, gender in enumerate("FM"):
+                dialog = f"Ses{s + 1:02d}{gender}_impro01"
+                order = [e for e in emotions for _ in range(utterances_per_emotion)]
+                rng.shuffle(order)
+                t = 0.0
+                for u, emotion in enumerate(order):
+                    utt = f"{dialog}_{gender}{u:03d}"
+                    voice = apply_prosody(speakers[2 * s + g].voice("en"), EMOTION_PROSODY[emotion])
+                    plan.append((session, dialog, utt, _jitter(voice, rng, 0.04), texts[cursor]))
+                    cursor += 1
+                    evaluations.setdefault(f"{session}/{dialog}", []).append(
+                        f"[{t:.4f} - {t + 2.0:.4f}]\t{utt}\t{emotion}\t[2.5000, 2.5000, 2.5000]"
+                    )
+                    t += 2.5
+                    summary[session] += 1
+        for session, dialog, utt, voice, text in tqdm(
+            plan, desc="espeak-ng IEMOCAP", unit="utt", disable=not progress
+        ):
+            _write_wav(
+                os.path.join(tmp, session, "sentences", "wav", dialog, f"{utt}.wav"),
+                synthesize(text, voice),
+            )
+        for key, lines in evaluations.items():
+            session, dialog = key.split("/")
+            path = os.path.join(tmp, session, "dialog", "EmoEvaluation", f"{dialog}.txt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write("% [START_TIME - END_TIME] TURN_NAME EMOTION [V, A, D]\n\n")
+                handle.write("\n\n".join(lines) + "\n")
+        return summary
+
+    return _cached(out_dir, options, build, name="IEMOCAP")

@@ -1,0 +1,198 @@
+"""Peak training memory of a multi-exit wav2vec 2.0 per exit, and depth choice under a budget.
+
+:func:`peak_training_memory` measures one optimiser step (forward to the exit, loss, backward,
+AdamW step) for a batch shape:
+
+- CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (weights,
+  activations, gradients, optimiser state), in this process;
+- CPU: the peak resident set size (``ru_maxrss``) of a *fresh* Python subprocess that loads the
+  model and runs the step, so one depth's allocations cannot hide another's. ``step_mb`` is how
+  much the step raised that peak (the high-water mark after the step minus the one before it:
+  activations, gradients and optimiser state beyond what loading already touched; 0 when the
+  step stays below the loading peak, so it is a lower bound of what the step allocates).
+
+:func:`choose_depth` (ours; the paper decides L_max from "local hardware resources" without a
+rule) picks the deepest exit not above the task cap whose measured peak fits a memory budget;
+measurements are cached per model, shape and options in a JSON file, so a client measures once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["choose_depth", "peak_training_memory"]
+
+logger = logging.getLogger(__name__)
+
+
+def _step(options: dict) -> dict:
+    """Build the model and run one training step; return memory figures (runs in the worker)."""
+    import resource
+
+    from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit
+
+    device = options["device"]
+    cuda = device.startswith("cuda")
+    model = build_multi_exit(
+        options["source"],
+        num_outputs=options["num_outputs"],
+        cache_dir=options.get("cache_dir") or ".",
+        head=options["head"],
+        freeze_feature_encoder=options["freeze_feature_encoder"],
+    ).to(device)
+    model.train()
+    samples = int(options["seconds"] * 16000)
+    wavs = torch.randn(options["batch_size"], samples, device=device)
+    lens = torch.ones(options["batch_size"], device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = model(wavs, lens, depth=options["depth"])
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device)
+        return {"peak_mb": peak / 2**20, "step_mb": (peak - before) / 2**20, "kind": "cuda"}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return {"peak_mb": peak / 1024, "step_mb": (peak - before) / 1024, "kind": "cpu_rss"}
+
+
+def peak_training_memory(
+    source: str,
+    *,
+    depth: int,
+    batch_size: int,
+    seconds: float,
+    head: str = "utterance",
+    num_outputs: int = 12,
+    freeze_feature_encoder: bool = False,
+    device: str = "cpu",
+    cache_dir: str | None = None,
+    timeout: float = 600.0,
+) -> dict:
+    """Peak memory (MiB) of one training step at exit ``depth`` (see the module docstring).
+
+    Returns
+    -------
+    dict
+        ``{"peak_mb", "step_mb", "kind"}`` (``kind`` is ``cuda`` or ``cpu_rss``).
+
+    Example
+    -------
+    >>> import tempfile
+    >>> from speechbrain_fl.models.multi_exit_wav2vec2 import resolve_backbone
+    >>> src = resolve_backbone("tiny", cache_dir=tempfile.mkdtemp())
+    >>> m = peak_training_memory(src, depth=3, batch_size=2, seconds=0.5)
+    >>> m["kind"], m["peak_mb"] > m["step_mb"] >= 0
+    ('cpu_rss', True)
+    """
+    options = {
+        "source": str(source),
+        "depth": int(depth),
+        "batch_size": int(batch_size),
+        "seconds": float(seconds),
+        "head": head,
+        "num_outputs": int(num_outputs),
+        "freeze_feature_encoder": bool(freeze_feature_encoder),
+        "device": device,
+        "cache_dir": cache_dir,
+    }
+    if device.startswith("cuda"):
+        return _step(options)
+    code = (
+        "import json, sys; from speechbrain_fl.models.exit_memory import _step; "
+        "print('RESULT ' + json.dumps(_step(json.loads(sys.argv[1]))))"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"memory measurement failed for {options}: {proc.stderr[-2000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def choose_depth(
+    *,
+    budget_mb: float,
+    exits: list[int],
+    cap: int,
+    measure,
+    cache_file: str | os.PathLike | None = None,
+    cache_key: str = "",
+) -> int | None:
+    """Deepest exit <= ``cap`` whose measured peak memory fits ``budget_mb`` (ours).
+
+    Arguments
+    ---------
+    budget_mb : float
+        The client's memory budget.
+    exits : list of int
+        The model's exits.
+    cap : int
+        The task's deepest useful exit (the paper's task-awareness bound).
+    measure : callable
+        ``measure(depth) -> peak MiB`` (e.g. a partial of :func:`peak_training_memory`).
+    cache_file : path, optional
+        JSON file of earlier measurements ``{cache_key: {depth: mb}}``.
+    cache_key : str
+        Identifies the model, batch shape and options of the measurements.
+
+    Returns
+    -------
+    int or None
+        The exit, or ``None`` when even the shallowest does not fit.
+
+    Example
+    -------
+    >>> fake = {3: 100.0, 6: 150.0, 9: 200.0, 12: 250.0}.__getitem__
+    >>> choose_depth(budget_mb=210, exits=[3, 6, 9, 12], cap=12, measure=fake)
+    9
+    >>> choose_depth(budget_mb=210, exits=[3, 6, 9, 12], cap=6, measure=fake)
+    6
+    >>> choose_depth(budget_mb=50, exits=[3, 6, 9, 12], cap=12, measure=fake) is None
+    True
+    """
+    cache: dict = {}
+    if cache_file is not None and os.path.isfile(cache_file):
+        with open(cache_file, encoding="utf-8") as handle:
+            cache = json.load(handle)
+    known = cache.setdefault(cache_key, {})
+    chosen = None
+    for depth in sorted(e for e in exits if e <= cap):
+        if str(depth) not in known:
+            known[str(depth)] = float(measure(depth))
+        if known[str(depth)] <= budget_mb:
+            chosen = depth
+        else:
+            break  # memory grows with depth
+    if cache_file is not None:
+        from speechbrain_fl.atomic import atomic_open
+
+        with atomic_open(cache_file) as handle:
+            json.dump(cache, handle, indent=2)
+    return chosen
