@@ -145,6 +145,7 @@ def test_sigkill_and_rerun_matches_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_os_seeded_resume_continues_from_the_saved_round(tmp_path):
     """OS randomness (a private run): no secret on disk, and the resumed run continues the round,
     the accountant and the parameters of the state (number_of_rounds is no privacy setting)."""

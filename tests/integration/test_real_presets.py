@@ -144,6 +144,7 @@ NUM_LAYERS = None if FULL_SIZE else 2
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_smallest_real_preset_end_to_end(tmp_path):
     """whisper_tinyllama, random weights: write, load, one client update, decode (offline)."""
     output = tmp_path / "result.json"

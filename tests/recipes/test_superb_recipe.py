@@ -48,8 +48,15 @@ def _run(hparams, tmp_path, *extra):
     return json.loads((tmp_path / "out" / "results.json").read_text()), proc.stdout
 
 
+# In CI: KWS (pooled heads) and ASR (CTC heads); the other files run with ``-m heavy``.
+IN_CI = ("kws.yaml", "asr.yaml")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("hparams", sorted(SMALL))
+@pytest.mark.parametrize(
+    "hparams",
+    [h if h in IN_CI else pytest.param(h, marks=pytest.mark.heavy) for h in sorted(SMALL)],
+)
 def test_every_hparams_file_in_debug(hparams, tmp_path):
     results, stdout = _run(hparams, tmp_path)
     expected_exits = {"3", "6"} if hparams.startswith("kws") else {"3", "9"}
@@ -70,6 +77,7 @@ def test_every_hparams_file_in_debug(hparams, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_centralized_and_homogeneous_scenarios(tmp_path):
     results, _ = _run("kws.yaml", tmp_path / "c", "--scenario", "centralized", "--exit", "3")
     assert results["scenario"] == "centralized" and set(results["test"]) == {"3"}
