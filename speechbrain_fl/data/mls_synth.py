@@ -59,6 +59,7 @@ import torch
 from tqdm.auto import tqdm
 
 from speechbrain_fl.atomic import atomic_folder
+from speechbrain_fl.data.corpus_cache import cached_stamp
 from speechbrain_fl.data.espeak import SAMPLE_RATE, synthesize
 from speechbrain_fl.data.sentences import LANGUAGE_CODES, LANGUAGES, make_sentences
 from speechbrain_fl.data.voices import (
@@ -361,14 +362,9 @@ def generate_mls_corpus(
         "sample_rate": SAMPLE_RATE,
     }
     out_dir = os.path.abspath(out_dir)
-    stamp_path = os.path.join(out_dir, STAMP_FILE)
-    if os.path.isfile(stamp_path):
-        with open(stamp_path, encoding="utf-8") as handle:
-            stamp = json.load(handle)
-        if stamp.get("options") == options:
-            logger.info("Embedded MLS corpus found in %s (cached).", out_dir)
-            return {**stamp, "path": out_dir, "cached": True}
-        logger.info("Embedded MLS corpus in %s was made with other options: regenerating.", out_dir)
+    cached = cached_stamp(out_dir, STAMP_FILE, options, name="MLS")
+    if cached is not None:
+        return cached
 
     start = time.perf_counter()
     tasks = _plan(options)

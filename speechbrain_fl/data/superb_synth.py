@@ -37,6 +37,7 @@ import soundfile as sf
 from tqdm.auto import tqdm
 
 from speechbrain_fl.atomic import atomic_folder
+from speechbrain_fl.data.corpus_cache import cached_stamp
 from speechbrain_fl.data.espeak import SAMPLE_RATE, Voice, synthesize
 from speechbrain_fl.data.sentences import make_sentences
 from speechbrain_fl.data.voices import apply_prosody, make_speakers
@@ -86,17 +87,10 @@ EMOTION_PROSODY = {
 def _cached(out_dir: str, options: dict, build: Callable[[str], dict], *, name: str) -> dict:
     """Return the stamp of a corpus built by ``build(tmp_dir)`` with ``options`` (cached)."""
     out_dir = os.path.abspath(out_dir)
-    stamp_path = os.path.join(out_dir, STAMP_FILE)
     options = {"version": _VERSION, "sample_rate": SAMPLE_RATE, **options}
-    if os.path.isfile(stamp_path):
-        with open(stamp_path, encoding="utf-8") as handle:
-            stamp = json.load(handle)
-        if stamp.get("options") == options:
-            logger.info("Embedded %s corpus found in %s (cached).", name, out_dir)
-            return {**stamp, "path": out_dir, "cached": True}
-        logger.info(
-            "Embedded %s corpus in %s was made with other options: regenerating.", name, out_dir
-        )
+    cached = cached_stamp(out_dir, STAMP_FILE, options, name=name)
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     with atomic_folder(out_dir) as tmp:
         summary = build(str(tmp))
