@@ -1,100 +1,386 @@
-"""Overhead of Flower's Simulation Engine over a plain in-process loop (issue 3, item 8).
+"""Framework overhead of the federated engine against a plain PyTorch loop and pfl-research.
 
-Rounds of K=32 clients, each running the same local training (the toy SpeechBrain Brain,
-``examples_per_client / batch_size`` SGD steps, DP clipping of the update), measured
-(a) through :func:`speechbrain_fl.fl.run_simulation` (Ray backend, one ClientApp per CPU) and
-(b) as the same ``train_round`` calls in a plain Python loop in this process, plus the same
-server aggregation. Prints the wall times, the ratio and the overhead per client in ms, for the
-first round (cold actors import torch/SpeechBrain and build their tasks), for the second
-(warm actors, the steady state of a long run) and for the whole run including Ray start-up.
+The workload: K=32 clients x 64 examples of a ~101k-parameter MLP regression
+(136 -> 256 -> 256 -> 1), 4 local SGD steps per client per round (batch 16), 10 rounds; each
+with and without flat DP (clip C=1, noise multiplier sigma=1, Poisson sampling q=0.5). Every
+configuration runs in a fresh Python process, so the "whole run" time is what a user waits for
+(interpreter start, imports, Ray start, rounds, shutdown, process exit):
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--clients 32] [--steps 4]``
+- ``engine``: :func:`speechbrain_fl.fl.run_simulation` on a :class:`TaskSpec` naming
+  :func:`mlp_task` below (Ray backend, one ClientApp per CPU, each actor builds the task once);
+- ``plain``: the same training in one loop in one process (torch only: FedAvg, and for DP
+  Poisson client sampling, per-client update clipping to C and Gaussian noise
+  ``N(0, (sigma C)^2)`` on the sum divided by the expected cohort ``q K``);
+- ``pfl``: pfl-research's ``FederatedAveraging`` on the same model, data and DP settings
+  (``pip install pfl``; skipped when absent).
+
+"steady round" is the median wall time of rounds 3..10. The engine's breakdown adds the import
+time of ``speechbrain_fl.fl`` and of ``run_simulation`` (with torch, Flower, Ray), the Ray start
+(a separate ``ray.init``/``ray.shutdown`` with the engine's arguments) and the time from the
+last round to the process exit.
+
+Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]``
 """
+
+from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+T0 = time.perf_counter()
 
-from speechbrain_fl.fl import run_simulation, train_round, trainable_parameters
-from speechbrain_fl.fl.toy import toy_client, toy_settings, toy_task
+CLIENTS, EXAMPLES, BATCH, ROUNDS, FEATURES, HIDDEN, LR = 32, 64, 16, 10, 136, 256, 0.05
+DP = {"clip": 1.0, "noise_multiplier": 1.0, "sampling_rate": 0.5}
+HERE = os.path.abspath(__file__)
 
 
-def plain_loop(settings: dict, clients: int) -> float:
-    """Build each client's task and run its round in-process, like a client would."""
+def _mlp():
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, 1),
+    )
+
+
+def _data(seed: int, count: int):
+    """Inputs N(0, I) and targets of a fixed random teacher plus noise (seeded, test-only)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(FEATURES, 1, generator=gen) / FEATURES**0.5
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, FEATURES, generator=gen)
+    return x, torch.tanh(x @ w) + 0.1 * torch.randn(count, 1, generator=gen)
+
+
+def mlp_task(hparams: str | None, overrides: dict):
+    """The engine's factory of the workload (a :class:`~speechbrain_fl.fl.task.FLTask`)."""
+    import functools
+
+    from speechbrain.dataio.batch import PaddedBatch
+
+    from speechbrain_fl.fl.client import ClientTask
+    from speechbrain_fl.fl.config import FLConfig
+    from speechbrain_fl.fl.server import ServerTask
+    from speechbrain_fl.fl.task import FLTask
+    from speechbrain_fl.fl.toy import ToyBrain, _Examples
+
+    def brain():
+        import torch
+
+        torch.manual_seed(0)
+        return ToyBrain(
+            modules={"model": _mlp()},
+            opt_class=lambda params: torch.optim.SGD(params, lr=LR),
+            run_opts={"device": "cpu", "noprogressbar": True},
+        )
+
+    def client(context):
+        pid = int(context.node_config.get("partition-id", 0))
+        return ClientTask(
+            brain=brain(),
+            train_set=_Examples(*_data(1 + pid, EXAMPLES)),
+            train_loader_kwargs={"batch_size": BATCH, "shuffle": True, "collate_fn": PaddedBatch},
+        )
+
+    def server(context):
+        keys = FLConfig.yaml_keys()
+        config = FLConfig.from_hparams({k: v for k, v in overrides.items() if k in keys})
+        return ServerTask(
+            brain=brain(),
+            config=config,
+            valid_set=_Examples(*_data(10_000, 256)),
+            valid_loader_kwargs={"batch_size": 256, "collate_fn": PaddedBatch},
+            min_available_nodes=CLIENTS,
+            num_partitions=CLIENTS,
+        )
+
+    del hparams, functools
+    return FLTask(build_client=client, build_server=server, num_partitions=CLIENTS)
+
+
+def run_engine(dp: bool) -> dict:
+    """One engine run in this process; returns its timings."""
+    t = time.perf_counter()
+    import speechbrain_fl.fl  # noqa: F401
+
+    t_pkg = time.perf_counter() - t
+    from speechbrain_fl.fl import TaskSpec, run_simulation
+
+    t_imports = time.perf_counter() - t
+    import ray
+
+    init = {"include_dashboard": False, "num_cpus": os.cpu_count(), "log_to_driver": False}
+    t = time.perf_counter()
+    ray.init(**init)
+    ray.shutdown()
+    t_ray = time.perf_counter() - t
+    with tempfile.TemporaryDirectory() as out:
+        overrides = {
+            "output_folder": out,
+            "number_of_rounds": ROUNDS,
+            "eval_every": 0,
+            "method": "flat" if dp else "fedavg",
+            **(DP if dp else {}),
+        }
+        t = time.perf_counter()
+        result = run_simulation(
+            TaskSpec(task=f"{HERE}:mlp_task", overrides=overrides),
+            client_resources={"num_cpus": 1},
+        )
+        t_sim = time.perf_counter() - t
+    rounds = result.round_seconds
+    return {
+        "import_pkg": t_pkg,
+        "imports": t_imports,
+        "ray_start_stop": t_ray,
+        "run_simulation": t_sim,
+        "first_round": rounds[0],
+        "rounds": rounds,
+        "epsilon": result.epsilon,
+        "after_rounds": t_sim - sum(rounds),
+    }
+
+
+def run_plain(dp: bool) -> dict:
+    """The same training as one loop in one process (torch only)."""
+    import torch
+
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    model = _mlp()
+    data = [_data(1 + pid, EXAMPLES) for pid in range(CLIENTS)]
+    x_val, y_val = _data(10_000, 256)
+    params = [p.detach().clone() for p in model.parameters()]
+    gen = torch.Generator().manual_seed(1)
+    rounds = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        cohort = range(CLIENTS)
+        if dp:
+            mask = torch.rand(CLIENTS, generator=gen) < DP["sampling_rate"]
+            cohort = [i for i in range(CLIENTS) if mask[i]]
+        total = [torch.zeros_like(p) for p in params]
+        for pid in cohort:
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), params, strict=False):
+                    p.copy_(g)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            x, y = data[pid]
+            order = torch.randperm(EXAMPLES, generator=gen)
+            for step in range(EXAMPLES // BATCH):
+                idx = order[step * BATCH : (step + 1) * BATCH]
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+            delta = [p.detach() - g for p, g in zip(model.parameters(), params, strict=False)]
+            if dp:
+                norm = torch.sqrt(sum((d**2).sum() for d in delta))
+                scale = min(1.0, DP["clip"] / (float(norm) + 1e-12))
+                delta = [d * scale for d in delta]
+            for s, d in zip(total, delta, strict=False):
+                s += d
+        if dp:
+            denom = DP["sampling_rate"] * CLIENTS
+            std = DP["noise_multiplier"] * DP["clip"]
+            total = [s + std * torch.randn(s.shape, generator=gen) for s in total]
+        else:
+            denom = max(len(cohort), 1)
+        params = [g + s / denom for g, s in zip(params, total, strict=False)]
+        rounds.append(time.perf_counter() - start)
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), params, strict=False):
+            p.copy_(g)
+        loss = float(torch.nn.functional.mse_loss(model(x_val), y_val))
+    return {
+        "rounds": rounds,
+        "first_round": rounds[0],
+        "loss": loss,
+        "run": time.perf_counter() - t,
+    }
+
+
+def run_pfl(dp: bool) -> dict:
+    """pfl-research's FederatedAveraging on the same workload (pfl's own simulator)."""
+    import torch
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.data.sampling import get_user_sampler
+    from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+    from pfl.metrics import Metrics, Weighted
+    from pfl.model.pytorch import PyTorchModel
+    from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def loss(self, x, y, eval=False):
+            self.eval() if eval else self.train()
+            return torch.nn.functional.mse_loss(self(x), y)
+
+        @torch.no_grad()
+        def metrics(self, x, y, eval=True):
+            return {"loss": Weighted(float(self.loss(x, y, True)) * len(x), len(x))}
+
+    t = time.perf_counter()
+    data = {pid: _data(1 + pid, EXAMPLES) for pid in range(CLIENTS)}
+    fed = FederatedDataset(
+        lambda uid: Dataset(raw_data=list(data[uid]), user_id=str(uid)),
+        get_user_sampler("minimize_reuse", list(range(CLIENTS))),
+    )
+    net = Net()
+    model = PyTorchModel(
+        model=net,
+        local_optimizer_create=torch.optim.SGD,
+        central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+    )
+    # pfl draws a fixed cohort; DP: the expected Poisson cohort q K, clip C, noise sigma C.
+    cohort = int(DP["sampling_rate"] * CLIENTS) if dp else CLIENTS
+    postprocessors = []
+    if dp:
+        mech = GaussianMechanism(DP["clip"], DP["noise_multiplier"])
+        postprocessors.append(CentrallyAppliedPrivacyMechanism(mech))
+    backend = SimulatedBackend(training_data=fed, val_data=None, postprocessors=postprocessors)
+    rounds: list[float] = []
+
+    class Timer(TrainingProcessCallback):
+        def __init__(self):
+            self.last = time.perf_counter()
+
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            now = time.perf_counter()
+            rounds.append(now - self.last)
+            self.last = now
+            return False, Metrics()
+
+    timer = Timer()
+    FederatedAveraging().run(
+        algorithm_params=NNAlgorithmParams(
+            central_num_iterations=ROUNDS,
+            evaluation_frequency=10**6,
+            train_cohort_size=cohort,
+            val_cohort_size=0,
+        ),
+        backend=backend,
+        model=model,
+        model_train_params=NNTrainHyperParams(
+            local_learning_rate=LR, local_num_epochs=1, local_batch_size=BATCH
+        ),
+        model_eval_params=NNEvalHyperParams(local_batch_size=256),
+        callbacks=[timer],
+    )
+    return {"rounds": rounds, "first_round": rounds[0], "run": time.perf_counter() - t}
+
+
+def child(kind: str, dp: bool) -> None:
+    """Run one configuration and print its timings as one JSON line."""
+    out = {"engine": run_engine, "plain": run_plain, "pfl": run_pfl}[kind](dp)
+    out["since_start"] = time.perf_counter() - T0
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def measure(kind: str, dp: bool) -> dict | None:
+    """Run ``child`` in a fresh interpreter; add the whole wall time."""
     start = time.perf_counter()
-    model = toy_client(
-        Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}), settings
-    ).brain
-    glob = {k: v.detach().clone() for k, v in trainable_parameters(model.modules).items()}
-    budgets = json.dumps(1.0)
-    total = {k: torch.zeros_like(v) for k, v in glob.items()}
-    for pid in range(clients):
-        ctx = Context(
-            run_id=0,
-            node_id=pid,
-            node_config={"partition-id": pid},
-            state=RecordDict(),
-            run_config={},
-        )
-        task = toy_client(ctx, settings)
-        config = ConfigRecord(
-            {
-                "local-epochs": 1,
-                "round-seed": 0,
-                "clip-budgets": budgets,
-                "clip-groups": json.dumps(list(glob)),
-                "clip-components": json.dumps(["all"]),
-            }
-        )
-        out = train_round(
-            task, RecordDict({"arrays": ArrayRecord(glob), "config": config}), partition_id=pid
-        )
-        for k, v in out["arrays"].to_torch_state_dict().items():
-            total[k] += v / clients
-    return time.perf_counter() - start
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, HERE, "--child", kind] + (["--dp"] if dp else []),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    whole = time.perf_counter() - start
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        print(f"{kind} dp={dp} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    out = json.loads(lines[-1][len("RESULT ") :])
+    out["whole"] = whole
+    out["steady"] = statistics.median(out["rounds"][2:])
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--cpus", type=int, default=None, help="Ray CPUs (default: all)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", default="plain,engine,pfl")
+    parser.add_argument("--child", default=None)
+    parser.add_argument("--dp", action="store_true")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out:
-        overrides = {
-            "output_folder": out,
-            "num_partitions": args.clients,
-            "number_of_rounds": 2,
-            "examples_per_client": 8 * args.steps,
-            "batch_size": 8,
-            "method": "flat",
-            "noise_multiplier": 1.0,
-            "clip": 1.0,
-            "eval_every": 0,
-        }
-        settings = toy_settings(overrides=overrides)
-        plain = plain_loop(settings, args.clients)
-        start = time.perf_counter()
-        init = {"num_cpus": args.cpus} if args.cpus else None
-        result = run_simulation(
-            toy_task(overrides=overrides), client_resources={"num_cpus": 1}, ray_init_args=init
-        )
-        total = time.perf_counter() - start
-    first, second = result.round_seconds
-    print(f"clients={args.clients} local steps={args.steps}")
-    print(f"plain in-process loop           : {plain:8.3f} s")
-    for name, sec in (("round 1 (cold actors)", first), ("round 2 (warm actors)", second)):
-        print(
-            f"simulation, {name:21s}: {sec:8.3f} s  ratio {sec / plain:5.2f}x  "
-            f"overhead {1000 * (sec - plain) / args.clients:7.1f} ms/client"
-        )
+    if args.child:
+        child(args.child, args.dp)
+        return
+    kinds = args.kinds.split(",")
+    if "pfl" in kinds:
+        try:
+            import pfl  # noqa: F401
+        except ImportError:
+            print("pfl-research not installed (pip install pfl): skipped")
+            kinds.remove("pfl")
+    runs: dict = {}
+    for rep in range(args.repeats):  # interleaved, so load changes hit every kind alike
+        for dp in (False, True):
+            for kind in kinds:
+                res = measure(kind, dp)
+                if res is not None:
+                    runs.setdefault((kind, dp), []).append(res)
+                    print(
+                        f"  rep {rep} {kind:6s} dp={dp!s:5s} whole {res['whole']:6.2f} s "
+                        f"steady {res['steady']:.3f} s",
+                        flush=True,
+                    )
+    med = {
+        k: {m: statistics.median(r[m] for r in v) for m in ("whole", "steady")}
+        for k, v in runs.items()
+    }
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
     print(
-        f"simulation, whole 2-round run    : {total:8.3f} s (Ray start-up, round 0 eval included)"
+        f"\n{args.repeats} runs each, medians; load average {load[0]:.1f} {load[1]:.1f}, "
+        f"{os.cpu_count()} CPUs"
     )
+    print("| | whole run | vs plain | steady round | vs plain |\n|---|---|---|---|---|")
+    for (kind, dp), m in med.items():
+        base = med.get(("plain", dp))
+        rw = f"{m['whole'] / base['whole']:.1f}x" if base else "-"
+        rs = f"{m['steady'] / base['steady']:.1f}x" if base else "-"
+        print(
+            f"| {kind}{', DP' if dp else ''} | {m['whole']:.2f} s | {rw} | "
+            f"{m['steady'] * 1000:.0f} ms | {rs} |"
+        )
+    for dp in (False, True):
+        eng = runs.get(("engine", dp))
+        if eng:
+            keys = ("import_pkg", "imports", "ray_start_stop", "first_round", "after_rounds")
+            parts = {k: statistics.median(r[k] for r in eng) for k in keys}
+            print(
+                f"engine{' DP' if dp else ''} breakdown (medians): "
+                + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
+                + f", epsilon {eng[0]['epsilon']}"
+            )
 
 
 if __name__ == "__main__":
