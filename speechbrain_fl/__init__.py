@@ -3,10 +3,11 @@
 Subpackages
 -----------
 privacy   component-aware DP: layouts, clip budgets, clipping, noise, accounting (torch only)
-fl        Flower integration: ClientApp/ServerApp factories, DP strategy, telemetry
+fl        Flower integration: ClientApp/ServerApp factories, DP strategy, layer-wise partial
+          aggregation, telemetry
 models    speech LLM (encoder + connector + LLM with LoRA), its presets and seed pretraining;
-          a multi-exit wav2vec 2.0 for the SUPERB recipe is planned
-distill   planned (empty today): DP teacher helpers and offline knowledge distillation
+          multi-exit wav2vec 2.0 (SUPERB); gender classifier with DSAF (Private-Gender)
+distill   offline knowledge distillation: teacher-output store, KD loss, collapse-aware metrics
 data      corpus preparation helpers, client partitions and the embedded synthetic corpora
 metrics   speaker-level bootstrap confidence intervals (WER, classification)
 
