@@ -531,7 +531,9 @@ class DPFedAvg(FedAvg):
             ignored=ignored,
         )
         budgets = self.budgets()
-        if budgets is not None and updates:
+        if budgets is not None:
+            # the round's budgets are recorded even when nobody replied (a private round is
+            # released all the same): the privacy report's per-pool sigma_eff reads them
             self._client_statistics(updates, budgets, report)
             for update in updates:  # server-side enforcement of the budgets (contract 3)
                 update.delta, _ = clip_update(

@@ -341,3 +341,20 @@ def test_disclosure_labels_what_the_epsilon_does_not_cover(tmp_path):
     assert len(raw["caveats"]) == 3 and any("profile" in c for c in raw["caveats"])
     assert any("alpha" in c for c in raw["caveats"]) and any("raw" in c for c in raw["caveats"])
     assert privacy_disclosure(FLConfig(output_folder=str(tmp_path)))["guarantee"] is None
+
+
+def test_budgets_recorded_for_a_round_nobody_replied_to(tmp_path):
+    """An empty private round still records its per-component budgets, so the privacy report's
+    per-pool sigma_eff is the method's (alpha-split: sigma / sqrt(alpha)), not sigma."""
+    lay = Layout([Group("e", "encoder", 4), Group("l", "llm", 4), Group("c", "connector", 2)])
+    cfg = FLConfig(
+        output_folder=str(tmp_path), noise_multiplier=0.1, clip=1.0, sampling_rate=0.5,
+        clip_method="alpha_split", alpha=0.05, noise_seed=0, sampler_seed=0,
+    )  # fmt: skip
+    strategy = DPFedAvg(config=cfg, layout=lay, population_size=4)
+    strategy.current_arrays = ArrayRecord({g.name: torch.zeros(g.numel) for g in lay})
+    strategy.cohort, strategy.population = [], 4
+    strategy.aggregate_train(1, [])
+    budgets = strategy.last_report.component_budgets
+    assert budgets["encoder"] == pytest.approx(math.sqrt(0.05))
+    assert math.hypot(budgets["llm"], budgets["connector"]) == pytest.approx(math.sqrt(0.95))
