@@ -100,10 +100,10 @@ def main(argv):
         result = run_federated(settings, hparams)
     timings["training"] = time.time() - start
 
-    from speechbrain_fl.fl.server import _load_into
+    from speechbrain_fl.fl.params import load_trainable
 
     brain = build_brain(settings)
-    _load_into(brain, result.params)
+    load_trainable(brain.modules, result.params)
     start = time.time()
     test, rows = evaluate_test(brain, settings, hparams)
     extra = {}
