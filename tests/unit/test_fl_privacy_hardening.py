@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig, RoundFailed
 from speechbrain_fl.fl.disclosure import OUTSIDE_GUARANTEE, privacy_disclosure
@@ -25,34 +24,15 @@ from speechbrain_fl.fl.state import STATE_FILE
 from speechbrain_fl.fl.toy import toy_server, toy_settings
 from speechbrain_fl.privacy import Group, Layout
 
+from .strategy_toys import GLOBAL, LAYOUT, make_reply, make_strategy, ones
+
 
 @pytest.fixture(autouse=True)
-def _server_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+def _server_identity(server_identity):
+    """Every test here builds Messages as the ServerApp would."""
 
 
-LAYOUT = Layout([Group("model.weight", "all", 4), Group("model.bias", "all", 1)])
-GLOBAL = {"model.weight": torch.zeros(1, 4), "model.bias": torch.zeros(1)}
 PRIVATE = dict(sampling_rate=0.5, noise_multiplier=1.0, clip=1.0, population_size=4)
-
-
-def _strategy(tmp_path, layout=LAYOUT, **kw):
-    strategy = DPFedAvg(config=FLConfig(output_folder=str(tmp_path), **kw), layout=layout)
-    strategy.current_arrays = ArrayRecord({k: v.clone() for k, v in GLOBAL.items()})
-    return strategy
-
-
-def _reply(node, delta=None, metrics=None):
-    out = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
-    content = RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
-    return Message(content, reply_to=out)
-
-
-def _ones():
-    return {k: torch.ones_like(v) for k, v in GLOBAL.items()}
 
 
 def _leaves(obj, path=""):
@@ -72,35 +52,35 @@ def test_private_cohorts_do_not_follow_the_public_seed(tmp_path, caplog):
     nodes = list(range(200))
     cfg = dict(PRIVATE, population_size=200, seed=1234)
     with caplog.at_level(logging.WARNING):
-        a, b = _strategy(tmp_path, **cfg), _strategy(tmp_path, **cfg)
+        a, b = make_strategy(tmp_path, **cfg), make_strategy(tmp_path, **cfg)
     assert not any("testing only" in r.getMessage() for r in caplog.records)
     # P(equal cohorts of 200 independent Bernoulli(0.5) draws) = 2^-200
     assert a.sampler.sample(nodes, draw=(1, 0)) != b.sampler.sample(nodes, draw=(1, 0))
     # the non-private run keeps the recipe seed: reproducible cohorts
     c, d = (
-        _strategy(tmp_path, sampling_rate=0.5, seed=7),
-        _strategy(tmp_path, sampling_rate=0.5, seed=7),
+        make_strategy(tmp_path, sampling_rate=0.5, seed=7),
+        make_strategy(tmp_path, sampling_rate=0.5, seed=7),
     )
     assert c.sampler.sample(nodes, draw=(1, 0)) == d.sampler.sample(nodes, draw=(1, 0))
 
 
 def test_fixed_sampler_and_noise_seeds_warn_and_are_recorded(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        strategy = _strategy(tmp_path, **PRIVATE, sampler_seed=3, noise_seed=4)
+        strategy = make_strategy(tmp_path, **PRIVATE, sampler_seed=3, noise_seed=4)
     text = caplog.text
     assert "sampler_seed=3" in text and "noise_seed=4" in text and "testing only" in text
     caveats = strategy.disclosure()["caveats"]
     assert any("sampler_seed" in c for c in caveats) and any("noise_seed" in c for c in caveats)
-    again = _strategy(tmp_path, **PRIVATE, sampler_seed=3, noise_seed=4)
+    again = make_strategy(tmp_path, **PRIVATE, sampler_seed=3, noise_seed=4)
     assert strategy.sampler.sample(range(50), draw=(2, 0)) == again.sampler.sample(
         range(50), draw=(2, 0)
     )
-    assert _strategy(tmp_path, **PRIVATE).disclosure()["caveats"] == []
+    assert make_strategy(tmp_path, **PRIVATE).disclosure()["caveats"] == []
 
 
 # ----------------------------------------------------------------------------- 3. every draw
 def test_private_empty_cohort_is_released_and_accounted(tmp_path):
-    strategy = _strategy(tmp_path, **PRIVATE, min_clients=2)
+    strategy = make_strategy(tmp_path, **PRIVATE, min_clients=2)
     strategy.cohort, strategy.population = [], 4
     arrays, metrics = strategy.aggregate_train(1, [])
     new = arrays.to_torch_state_dict()
@@ -111,10 +91,10 @@ def test_private_empty_cohort_is_released_and_accounted(tmp_path):
 
 
 def test_private_round_below_min_clients_is_released_not_resampled(tmp_path, caplog):
-    strategy = _strategy(tmp_path, **PRIVATE, min_clients=3)
+    strategy = make_strategy(tmp_path, **PRIVATE, min_clients=3)
     strategy.cohort, strategy.population = [1, 2], 4
     with caplog.at_level(logging.WARNING):
-        strategy.aggregate_train(1, [_reply(1, _ones(), {"num-examples": 1})])
+        strategy.aggregate_train(1, [make_reply(1, ones(), {"num-examples": 1})])
     assert strategy.accountant.rounds == 1
     assert "released" in caplog.text
     # a second draw for the same round would be a re-sample: refused in a private run
@@ -122,18 +102,18 @@ def test_private_round_below_min_clients_is_released_not_resampled(tmp_path, cap
     with pytest.raises(RuntimeError, match="re-sampl"):
         strategy._next_draw(1)
     # a non-private run still fails the round so that it can be retried
-    plain = _strategy(tmp_path, min_clients=3)
+    plain = make_strategy(tmp_path, min_clients=3)
     plain.cohort, plain.population = [1, 2], 2
     with pytest.raises(RoundFailed):
-        plain.aggregate_train(1, [_reply(1, _ones(), {"num-examples": 1})])
+        plain.aggregate_train(1, [make_reply(1, ones(), {"num-examples": 1})])
     assert plain._next_draw(1) == (1, 0) and plain._next_draw(1) == (1, 1)
 
 
 # ----------------------------------------------------------------------------- 4. no secret
 def test_state_holds_nothing_that_regenerates_noise_or_cohorts(tmp_path):
-    strategy = _strategy(tmp_path, **PRIVATE)
+    strategy = make_strategy(tmp_path, **PRIVATE)
     strategy.cohort, strategy.population = [1], 4
-    strategy.aggregate_train(1, [_reply(1, _ones(), {"num-examples": 1})])
+    strategy.aggregate_train(1, [make_reply(1, ones(), {"num-examples": 1})])
     state = strategy.state_dict()
     for path, value in _leaves(state):
         if path.startswith("/seed_rng"):
@@ -143,7 +123,7 @@ def test_state_holds_nothing_that_regenerates_noise_or_cohorts(tmp_path):
         assert not isinstance(value, torch.Tensor), path  # no generator state tensors
     assert "sampler" not in state and "seed" not in (state.get("noise") or {})
     # a resumed strategy continues the accountant but draws fresh noise
-    resumed = _strategy(tmp_path, **PRIVATE)
+    resumed = make_strategy(tmp_path, **PRIVATE)
     resumed.load_state_dict(state, source="test state")
     assert resumed.accountant.rounds == 1
     x = {"w": torch.zeros(64)}
@@ -206,11 +186,11 @@ def test_resume_refuses_a_changed_layout(tmp_path):
 # ----------------------------------------------------------------------------- 9. population
 def test_declared_population_sets_the_denominator(tmp_path):
     # K = 4 declared, only 2 nodes connected this round: n = qK = 2, not q * 2 = 1
-    strategy = _strategy(tmp_path, **dict(PRIVATE, noise_multiplier=1e-9))
+    strategy = make_strategy(tmp_path, **dict(PRIVATE, noise_multiplier=1e-9))
     strategy.cohort, strategy.population = [1, 2], 2
-    ones = _ones()
+    delta = ones()
     arrays, _ = strategy.aggregate_train(
-        1, [_reply(1, ones, {"num-examples": 1}), _reply(2, ones, {"num-examples": 1})]
+        1, [make_reply(1, delta, {"num-examples": 1}), make_reply(2, delta, {"num-examples": 1})]
     )
     clipped = 1.0 / math.sqrt(5.0)  # each reply re-clipped to C = 1 over its 5 entries
     new = arrays.to_torch_state_dict()
@@ -221,12 +201,12 @@ def test_declared_population_sets_the_denominator(tmp_path):
 
 
 def test_population_warns_and_private_run_needs_one(tmp_path, caplog):
-    strategy = _strategy(tmp_path, **PRIVATE)
+    strategy = make_strategy(tmp_path, **PRIVATE)
     with caplog.at_level(logging.WARNING):
         strategy.check_population(3)
     assert "population_size=4" in caplog.text and "3 nodes connected" in caplog.text
     with pytest.raises(ValueError, match="population_size"):
-        _strategy(tmp_path, **dict(PRIVATE, population_size=None))
+        make_strategy(tmp_path, **dict(PRIVATE, population_size=None))
     assert (
         DPFedAvg(
             config=FLConfig(output_folder=str(tmp_path), **dict(PRIVATE, population_size=None)),
@@ -253,24 +233,24 @@ def _big_endian_reply(node):
 
 
 def _corrupt_reply(node):
-    message = _reply(node, _ones(), {"num-examples": 1})
+    message = make_reply(node, ones(), {"num-examples": 1})
     array = next(iter(message.content.array_records.values()))["model.weight"]
     array.data = array.data[:-3]
     return message
 
 
 def _bad_metric_reply(node, key, value):
-    message = _reply(node, _ones(), {"num-examples": 1})
+    message = make_reply(node, ones(), {"num-examples": 1})
     metrics = next(iter(message.content.metric_records.values()))
     metrics._data[key] = value  # bypass Flower's type check, as a hostile client's bytes could
     return message
 
 
 def test_malformed_replies_are_rejected_with_a_log_line(tmp_path, caplog):
-    strategy = _strategy(tmp_path, clip=1.0, min_clients=1)
+    strategy = make_strategy(tmp_path, clip=1.0, min_clients=1)
     strategy.cohort, strategy.population = [1, 2, 3, 4, 5, 6, 7], 7
     replies = [
-        _reply(1, _ones(), {"num-examples": 1}),
+        make_reply(1, ones(), {"num-examples": 1}),
         _corrupt_reply(2),
         _big_endian_reply(3),
         _bad_metric_reply(4, "num-examples", [1.0, 2.0]),
@@ -287,14 +267,14 @@ def test_malformed_replies_are_rejected_with_a_log_line(tmp_path, caplog):
 
 
 def test_reply_taken_once_and_only_from_a_sampled_node(tmp_path, caplog):
-    strategy = _strategy(tmp_path, min_clients=1)
+    strategy = make_strategy(tmp_path, min_clients=1)
     strategy.cohort, strategy.population = [1], 3
-    ones = _ones()
-    twice = {k: 2 * v for k, v in ones.items()}
+    once = ones()
+    twice = {k: 2 * v for k, v in once.items()}
     replies = [
-        _reply(1, ones, {"num-examples": 1}),
-        _reply(1, twice, {"num-examples": 1}),  # a second reply of node 1
-        _reply(9, twice, {"num-examples": 1}),  # node 9 was not sampled
+        make_reply(1, once, {"num-examples": 1}),
+        make_reply(1, twice, {"num-examples": 1}),  # a second reply of node 1
+        make_reply(9, twice, {"num-examples": 1}),  # node 9 was not sampled
     ]
     with caplog.at_level(logging.WARNING):
         arrays, _ = strategy.aggregate_train(1, replies)

@@ -15,45 +15,19 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Context,
-    Error,
-    Message,
-    MessageType,
-    MetricRecord,
     RecordDict,
 )
-from flwr.supercore.task_identity import TaskIdentity
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig, RoundFailed, train_round
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 from speechbrain_fl.privacy import Group, Layout
 
+from .strategy_toys import GLOBAL, LAYOUT, make_reply, make_strategy, ones
+
 
 @pytest.fixture(autouse=True)
-def _server_identity():
-    """Messages are created inside a ServerApp process, whose task identity Flower sets."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
-
-
-LAYOUT = Layout([Group("model.weight", "all", 4), Group("model.bias", "all", 1)])
-GLOBAL = {"model.weight": torch.zeros(1, 4), "model.bias": torch.zeros(1)}
-
-
-def _strategy(tmp_path, **kw):
-    cfg = FLConfig(output_folder=str(tmp_path), **kw)
-    strategy = DPFedAvg(config=cfg, layout=LAYOUT)
-    strategy.current_arrays = ArrayRecord({k: v.clone() for k, v in GLOBAL.items()})
-    return strategy
-
-
-def _reply(node, delta=None, metrics=None, error=None):
-    out = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
-    if error is not None:
-        return Message(Error(code=0, reason=error), reply_to=out)
-    content = RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
-    return Message(content, reply_to=out)
+def _server_identity(server_identity):
+    """Every test here builds Messages as the ServerApp would."""
 
 
 def _set_round(strategy, cohort, population):
@@ -63,13 +37,13 @@ def _set_round(strategy, cohort, population):
 def test_dp_mean_divides_by_qk_not_the_realised_cohort(tmp_path):
     # q = 0.5 of K = 6 declared clients: n = qK = 3, while only 2 were sampled and replied
     q, k, clip = 0.5, 6, 1.0
-    strategy = _strategy(
+    strategy = make_strategy(
         tmp_path, sampling_rate=q, noise_multiplier=1e-9, clip=clip, population_size=k
     )
     _set_round(strategy, [1, 2], k)
     big = {"model.weight": torch.full((1, 4), 10.0), "model.bias": torch.full((1,), 10.0)}
     small = {"model.weight": torch.full((1, 4), 0.1), "model.bias": torch.zeros(1)}
-    replies = [_reply(1, big, {"num-examples": 5}), _reply(2, small, {"num-examples": 50})]
+    replies = [make_reply(1, big, {"num-examples": 5}), make_reply(2, small, {"num-examples": 50})]
     arrays, _ = strategy.aggregate_train(1, replies)
     new = arrays.to_torch_state_dict()
     # the non-compliant reply is re-clipped to C; the sum is divided by qK = 3 (not by 2)
@@ -98,7 +72,7 @@ def test_noise_std_is_sigma_clip_over_qk(tmp_path):
     for server_round in (1, 2):
         strategy.current_arrays = ArrayRecord({"w": params["w"].clone()})
         _set_round(strategy, [1], k)
-        zero = _reply(1, {"w": torch.zeros(400_000)}, {"num-examples": 1})
+        zero = make_reply(1, {"w": torch.zeros(400_000)}, {"num-examples": 1})
         arrays, _ = strategy.aggregate_train(server_round, [zero])
         new = arrays.to_torch_state_dict()["w"].double()
         draws.append(new - params["w"].double())
@@ -134,7 +108,7 @@ def test_ema_budgets_are_updated_by_the_strategy(tmp_path):
         _set_round(strategy, [1, 2], 2)
         # group a moves 20x more than group b
         delta = {"a": torch.full((2000,), 0.02), "b": torch.full((2000,), 0.001)}
-        replies = [_reply(n, delta, {"num-examples": 1}) for n in (1, 2)]
+        replies = [make_reply(n, delta, {"num-examples": 1}) for n in (1, 2)]
         arrays, _ = strategy.aggregate_train(server_round, replies)
         params = arrays.to_torch_state_dict()
         history.append(strategy.budgets())
@@ -146,11 +120,11 @@ def test_ema_budgets_are_updated_by_the_strategy(tmp_path):
 
 
 def test_weighted_mean_for_plain_fedavg(tmp_path):
-    strategy = _strategy(tmp_path)  # no noise, no clip -> num-examples weighting
+    strategy = make_strategy(tmp_path)  # no noise, no clip -> num-examples weighting
     _set_round(strategy, [1, 2], 2)
-    ones = {k: torch.ones_like(v) for k, v in GLOBAL.items()}
+    unit = ones()
     zeros = {k: torch.zeros_like(v) for k, v in GLOBAL.items()}
-    replies = [_reply(1, zeros, {"num-examples": 1}), _reply(2, ones, {"num-examples": 3})]
+    replies = [make_reply(1, zeros, {"num-examples": 1}), make_reply(2, unit, {"num-examples": 3})]
     arrays, _ = strategy.aggregate_train(1, replies)
     assert torch.allclose(arrays.to_torch_state_dict()["model.weight"], torch.full((1, 4), 0.75))
     assert strategy.accountant is None and strategy.last_report.noise_std is None
@@ -158,22 +132,22 @@ def test_weighted_mean_for_plain_fedavg(tmp_path):
 
 def test_private_run_rejects_weighted_rule(tmp_path):
     with pytest.raises(ValueError, match="dp_sensitivity_bounded"):
-        _strategy(tmp_path, noise_multiplier=1.0, clip=1.0, aggregation="weighted")
+        make_strategy(tmp_path, noise_multiplier=1.0, clip=1.0, aggregation="weighted")
 
 
 def test_faulty_replies_dropped_with_reason(tmp_path, caplog):
-    strategy = _strategy(tmp_path, min_clients=1)
+    strategy = make_strategy(tmp_path, min_clients=1)
     _set_round(strategy, [1, 2, 3, 4, 5, 6], 6)
-    good = {k: torch.ones_like(v) for k, v in GLOBAL.items()}
+    good = ones()
     nan = {"model.weight": torch.full((1, 4), float("nan")), "model.bias": torch.zeros(1)}
     wrong_name = {"model.weight": torch.zeros(1, 4), "other": torch.zeros(1)}
     wrong_shape = {"model.weight": torch.zeros(4), "model.bias": torch.zeros(1)}
     replies = [
-        _reply(1, good, {"num-examples": 2}),
-        _reply(2, error="ValueError: boom"),
-        _reply(3, nan, {"num-examples": 2}),
-        _reply(4, wrong_name, {"num-examples": 2}),
-        _reply(5, wrong_shape, {"num-examples": 2}),
+        make_reply(1, good, {"num-examples": 2}),
+        make_reply(2, error="ValueError: boom"),
+        make_reply(3, nan, {"num-examples": 2}),
+        make_reply(4, wrong_name, {"num-examples": 2}),
+        make_reply(5, wrong_shape, {"num-examples": 2}),
     ]  # node 6 never replies (timeout)
     with caplog.at_level(logging.WARNING):
         arrays, _ = strategy.aggregate_train(1, replies)
@@ -191,11 +165,13 @@ def test_faulty_replies_dropped_with_reason(tmp_path, caplog):
 
 
 def test_too_few_replies_raise_round_failed(tmp_path):
-    strategy = _strategy(tmp_path, min_clients=2)
+    strategy = make_strategy(tmp_path, min_clients=2)
     _set_round(strategy, [1, 2], 2)
-    good = {k: torch.ones_like(v) for k, v in GLOBAL.items()}
+    good = ones()
     with pytest.raises(RoundFailed, match="1 valid replies.*min_clients=2"):
-        strategy.aggregate_train(1, [_reply(1, good, {"num-examples": 1}), _reply(2, error="x")])
+        strategy.aggregate_train(
+            1, [make_reply(1, good, {"num-examples": 1}), make_reply(2, error="x")]
+        )
 
 
 def test_client_round_clips_with_sent_budgets_and_reports_stats():
@@ -243,7 +219,7 @@ def test_strategy_accounts_with_the_chosen_accountant(tmp_path):
 
     eps = {}
     for name in ("rdp", "prv"):
-        strategy = _strategy(
+        strategy = make_strategy(
             tmp_path,
             sampling_rate=0.5,
             noise_multiplier=2.0,
@@ -252,8 +228,8 @@ def test_strategy_accounts_with_the_chosen_accountant(tmp_path):
             accountant=name,
         )
         _set_round(strategy, [1], 2)
-        good = {k: torch.ones_like(v) for k, v in GLOBAL.items()}
-        _, metrics = strategy.aggregate_train(1, [_reply(1, good, {"num-examples": 1})])
+        good = ones()
+        _, metrics = strategy.aggregate_train(1, [make_reply(1, good, {"num-examples": 1})])
         eps[name] = metrics["epsilon"]
     for name, cls in (("rdp", RDPAccountant), ("prv", PRVAccountant)):
         reference = cls()
