@@ -6,8 +6,11 @@ with and without flat DP (clip C=1, noise multiplier sigma=1, Poisson sampling q
 configuration runs in a fresh Python process, so the "whole run" time is what a user waits for
 (interpreter start, imports, Ray start, rounds, shutdown, process exit):
 
-- ``engine``: :func:`speechbrain_fl.fl.run_simulation` on a :class:`TaskSpec` naming
-  :func:`mlp_task` below (Ray backend, one ClientApp per CPU, each actor builds the task once);
+- ``local``: :func:`speechbrain_fl.fl.run_simulation` on a :class:`TaskSpec` naming
+  :func:`mlp_task` below with ``backend="local"`` (:class:`speechbrain_fl.fl.local_grid.LocalGrid`:
+  the same ServerApp, ClientApp and Messages, run in this process, each client built once);
+- ``ray``: the same call with ``backend="ray"`` (Flower's Simulation Engine, Ray backend, one
+  ClientApp per CPU, each actor builds the task once);
 - ``plain``: the same training in one loop in one process (torch only: FedAvg, and for DP
   Poisson client sampling, per-client update clipping to C and Gaussian noise
   ``N(0, (sigma C)^2)`` on the sum divided by the expected cohort ``q K``);
@@ -15,9 +18,12 @@ configuration runs in a fresh Python process, so the "whole run" time is what a 
   (``pip install pfl``; skipped when absent).
 
 "steady round" is the median wall time of rounds 3..10. The engine's breakdown adds the import
-time of ``speechbrain_fl.fl`` and of ``run_simulation`` (with torch, Flower, Ray), the Ray start
-(a separate ``ray.init``/``ray.shutdown`` with the engine's arguments) and the time from the
-last round to the process exit.
+time of ``speechbrain_fl.fl`` and of ``run_simulation`` (with torch, Flower), the Ray start
+(``ray`` only: a separate ``ray.init``/``ray.shutdown`` with the engine's arguments), the first
+round (which builds the clients) and the time from the last round to the end of
+``run_simulation``. The engine's Brain keeps SpeechBrain's per-step gradient-norm clipping
+(``max_grad_norm`` 5, never reached here, so the same arithmetic as the plain loop, but its
+norm is computed every step): a cost of SpeechBrain's ``fit``, counted in the engine's figures.
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]``
 """
@@ -109,8 +115,8 @@ def mlp_task(hparams: str | None, overrides: dict):
     return FLTask(build_client=client, build_server=server, num_partitions=CLIENTS)
 
 
-def run_engine(dp: bool) -> dict:
-    """One engine run in this process; returns its timings."""
+def run_engine(dp: bool, backend: str) -> dict:
+    """One engine run in this process on ``backend``; returns its timings."""
     t = time.perf_counter()
     import speechbrain_fl.fl  # noqa: F401
 
@@ -118,13 +124,15 @@ def run_engine(dp: bool) -> dict:
     from speechbrain_fl.fl import TaskSpec, run_simulation
 
     t_imports = time.perf_counter() - t
-    import ray
+    t_ray = 0.0
+    if backend == "ray":
+        import ray
 
-    init = {"include_dashboard": False, "num_cpus": os.cpu_count(), "log_to_driver": False}
-    t = time.perf_counter()
-    ray.init(**init)
-    ray.shutdown()
-    t_ray = time.perf_counter() - t
+        init = {"include_dashboard": False, "num_cpus": os.cpu_count(), "log_to_driver": False}
+        t = time.perf_counter()
+        ray.init(**init)
+        ray.shutdown()
+        t_ray = time.perf_counter() - t
     with tempfile.TemporaryDirectory() as out:
         overrides = {
             "output_folder": out,
@@ -136,6 +144,7 @@ def run_engine(dp: bool) -> dict:
         t = time.perf_counter()
         result = run_simulation(
             TaskSpec(task=f"{HERE}:mlp_task", overrides=overrides),
+            backend=backend,
             client_resources={"num_cpus": 1},
         )
         t_sim = time.perf_counter() - t
@@ -294,13 +303,20 @@ def run_pfl(dp: bool) -> dict:
 
 def child(kind: str, dp: bool) -> None:
     """Run one configuration and print its timings as one JSON line."""
-    out = {"engine": run_engine, "plain": run_plain, "pfl": run_pfl}[kind](dp)
+    runners = {
+        "local": lambda dp: run_engine(dp, "local"),
+        "ray": lambda dp: run_engine(dp, "ray"),
+        "plain": run_plain,
+        "pfl": run_pfl,
+    }
+    out = runners[kind](dp)
     out["since_start"] = time.perf_counter() - T0
     print("RESULT " + json.dumps(out), flush=True)
 
 
 def measure(kind: str, dp: bool) -> dict | None:
     """Run ``child`` in a fresh interpreter; add the whole wall time."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     start = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -317,6 +333,7 @@ def measure(kind: str, dp: bool) -> dict | None:
         return None
     out = json.loads(lines[-1][len("RESULT ") :])
     out["whole"] = whole
+    out["load"] = load
     out["steady"] = statistics.median(out["rounds"][2:])
     return out
 
@@ -324,7 +341,7 @@ def measure(kind: str, dp: bool) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kinds", default="plain,engine,pfl")
+    parser.add_argument("--kinds", default="plain,local,ray,pfl")
     parser.add_argument("--child", default=None)
     parser.add_argument("--dp", action="store_true")
     args = parser.parse_args()
@@ -347,7 +364,7 @@ def main() -> None:
                     runs.setdefault((kind, dp), []).append(res)
                     print(
                         f"  rep {rep} {kind:6s} dp={dp!s:5s} whole {res['whole']:6.2f} s "
-                        f"steady {res['steady']:.3f} s",
+                        f"steady {res['steady']:.3f} s (load {res['load']:.1f})",
                         flush=True,
                     )
     med = {
@@ -358,9 +375,10 @@ def main() -> None:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
+    loads = [r["load"] for v in runs.values() for r in v]
     print(
-        f"\n{args.repeats} runs each, medians; load average {load[0]:.1f} {load[1]:.1f}, "
-        f"{os.cpu_count()} CPUs"
+        f"\n{args.repeats} runs each, medians; load average {min(loads):.1f}-{max(loads):.1f} "
+        f"at the runs' starts, {load[0]:.1f} at the end; {os.cpu_count()} CPUs"
     )
     print("| | whole run | vs plain | steady round | vs plain |\n|---|---|---|---|---|")
     for (kind, dp), m in med.items():
@@ -371,13 +389,15 @@ def main() -> None:
             f"| {kind}{', DP' if dp else ''} | {m['whole']:.2f} s | {rw} | "
             f"{m['steady'] * 1000:.0f} ms | {rs} |"
         )
-    for dp in (False, True):
-        eng = runs.get(("engine", dp))
-        if eng:
+    for kind in ("local", "ray"):
+        for dp in (False, True):
+            eng = runs.get((kind, dp))
+            if not eng:
+                continue
             keys = ("import_pkg", "imports", "ray_start_stop", "first_round", "after_rounds")
             parts = {k: statistics.median(r[k] for r in eng) for k in keys}
             print(
-                f"engine{' DP' if dp else ''} breakdown (medians): "
+                f"{kind}{' DP' if dp else ''} breakdown (medians): "
                 + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
                 + f", epsilon {eng[0]['epsilon']}"
             )

@@ -30,7 +30,7 @@ from typing import Any
 
 from speechbrain_fl.privacy import METHODS
 
-__all__ = ["FLConfig", "NO_CLIP_METHOD", "YAML_KEYS"]
+__all__ = ["BACKENDS", "FLConfig", "NO_CLIP_METHOD", "YAML_KEYS"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,9 @@ EMA_METHODS = {"pfl_dim_ema": "dim", "pfl_unif_ema": "uniform"}
 
 # The YAML method that clips nothing and adds no noise (plain FedAvg, McMahan et al. 2017).
 NO_CLIP_METHOD = "fedavg"
+
+# Simulation backends of speechbrain_fl.fl.engine.run_simulation (see its module docstring).
+BACKENDS = ("local", "ray")
 
 # YAML key -> FLConfig field, for every key whose name differs; every other field is read under
 # its own name (``sampling_rate``, ``clip``, ``delta``, ...).
@@ -99,6 +102,10 @@ class FLConfig:
     sampler_seed : int, optional
         Seed of a private run's cohort sampler; for tests only (warns, recorded). Private runs
         otherwise draw it from the OS; ``seed`` then seeds only the clients' training.
+    backend : str
+        Simulation backend of :func:`speechbrain_fl.fl.engine.run_simulation`: ``local`` (one
+        process, the default on one machine) or ``ray`` (Flower's Ray backend, for clusters);
+        a ``ray_address`` given to the engine selects ``ray``. Not used by ``flwr run``.
 
     Example
     -------
@@ -131,6 +138,7 @@ class FLConfig:
     noise_seed: int | None = None
     population_size: int | None = None
     sampler_seed: int | None = None
+    backend: str = "local"
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -158,6 +166,8 @@ class FLConfig:
             raise bad("max_retries", "must be >= 0")
         if self.round_timeout <= 0:
             raise bad("round_timeout", "must be > 0")
+        if self.backend not in BACKENDS:
+            raise bad("backend", f"must be one of {list(BACKENDS)}")
         if self.population_size is not None and (
             isinstance(self.population_size, bool)
             or not isinstance(self.population_size, int)

@@ -1,10 +1,30 @@
 """Run an :class:`~speechbrain_fl.fl.task.FLTask` on Flower's Simulation or Deployment Engine.
 
-- ``engine: simulation``: :func:`run_simulation` calls ``flwr.simulation.run_simulation`` with the
-  Ray backend; one virtual SuperNode per partition, ``client_resources`` (``num_cpus``,
-  ``num_gpus``) per ClientApp, and ``ray_address`` to join a running Ray cluster instead of
-  starting one. Given a :class:`~speechbrain_fl.fl.task.TaskSpec` (what a recipe script
-  passes), only the spec travels to the Ray actors, which load the recipe's factory once each.
+- ``engine: simulation``: :func:`run_simulation` runs the recipe's ServerApp and ClientApp on one
+  of two backends, chosen by the ``backend`` key of the federated config
+  (:class:`~speechbrain_fl.fl.config.FLConfig`, YAML ``backend: local | ray``) or the
+  ``backend`` argument:
+
+  - ``local`` (the default): :class:`~speechbrain_fl.fl.local_grid.LocalGrid`, a Flower Grid
+    that hands each message to the ClientApp in this process, one after another, each node
+    with its own persistent Context. Same ServerApp, ClientApp and Messages as the Ray
+    backend, and the same results for the same seeds
+    (``tests/integration/test_fl_local_backend.py``). Each partition's client is built once
+    per run and reused across rounds.
+  - ``ray``: ``flwr.simulation.run_simulation`` with the Ray backend; one virtual SuperNode per
+    partition, ``client_resources`` (``num_cpus``, ``num_gpus``) per ClientApp, and
+    ``ray_address`` to join a running Ray cluster (a ``ray_address`` selects this backend).
+    Given a :class:`~speechbrain_fl.fl.task.TaskSpec` (what a recipe script passes), only the
+    spec travels to the Ray actors, which load the recipe's factory once each.
+
+  Why ``local`` is the default on one machine (measured with ``benchmarks/fl_overhead.py``,
+  README "Overhead of the Simulation Engine"): Ray's start, its actors' imports of torch,
+  Flower and the recipe, the per-message pickling of the ClientApp and Flower's 0.1 s
+  hand-off threads cost seconds per run and tens of milliseconds per client, more than a
+  small model's training; the local backend has none of them. Ray stays the backend for a
+  cluster (``ray_address``) and for several GPUs shared by fractional ``client_resources``;
+  the Deployment Engine for many machines. The server task is built in this process before
+  the backend starts (its config names the backend), then handed to the ServerApp.
 - Why not ``flwr run`` here: Flower 1.42 marks ``run_simulation`` deprecated in favour of
   ``flwr run`` against a simulation federation, and ``flwr run`` with the apps of
   :mod:`speechbrain_fl.fl.apps` does run the same recipes (recipes/MLS/README.md). A recipe
@@ -37,11 +57,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from flwr.app import Context, RecordDict
 from flwr.common.logger import FLOWER_LOGGER, console_handler
-from flwr.simulation import run_simulation as flwr_run_simulation
 
 from .client import make_client_app
-from .server import ServerResult, make_server_app
+from .config import BACKENDS
+from .server import ServerResult, ServerTask, make_server_app
 from .task import FLTask, SpecClient, SpecServer, TaskSpec, load_task
 
 DEPRECATION_NOTICE = "`run_simulation` function is deprecated"
@@ -74,23 +95,27 @@ __all__ = ["run_deployment", "run_simulation"]
 def run_simulation(
     task: FLTask | TaskSpec,
     *,
+    backend: str | None = None,
     num_supernodes: int | None = None,
     client_resources: dict[str, float] | None = None,
     ray_address: str | None = None,
     ray_init_args: dict[str, Any] | None = None,
     verbose: bool = False,
 ) -> ServerResult:
-    """Run ``task`` on the Simulation Engine (Ray backend) and return the server's result.
+    """Run ``task`` on the Simulation Engine and return the server's result.
 
     Arguments
     ---------
     task : FLTask or TaskSpec
-        The recipe's builders, or the spec of its factory (then the actors load the factory
+        The recipe's builders, or the spec of its factory (then Ray actors load the factory
         themselves and keep the built client per process, see :mod:`speechbrain_fl.fl.task`).
+    backend : str, optional
+        ``local`` or ``ray`` (see the module docstring); default: ``ray`` when ``ray_address``
+        is given, else the server config's ``backend``.
     num_supernodes : int, optional
         Virtual SuperNodes; default the task's ``num_partitions``.
     client_resources : dict, optional
-        Ray resources per ClientApp, e.g. ``{"num_cpus": 1, "num_gpus": 0.25}``.
+        Ray resources per ClientApp, e.g. ``{"num_cpus": 1, "num_gpus": 0.25}`` (``ray`` only).
     ray_address : str, optional
         Address of a running Ray cluster (``ray start --head``) to join.
     ray_init_args : dict, optional
@@ -102,7 +127,78 @@ def run_simulation(
     -------
     ServerResult
     """
+    if isinstance(task, TaskSpec):
+        loaded = load_task(task)
+        build_client = SpecClient(task)
+    else:
+        loaded = task
+        build_client = task.build_client
+    build_server = SpecServer(task) if isinstance(task, TaskSpec) else task.build_server
+    num_supernodes = num_supernodes or loaded.num_partitions
+    server_task = build_server(
+        Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    )
+    if backend is None:
+        backend = "ray" if ray_address else getattr(server_task.config, "backend", "ray")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {list(BACKENDS)}")
     results: list[ServerResult] = []
+    server_app = make_server_app(_Prebuilt(server_task), on_result=results.append)
+    if backend == "local":
+        _run_local(server_app, make_client_app(build_client, cache_size=num_supernodes),
+                   num_supernodes=num_supernodes)  # fmt: skip
+    else:
+        _run_ray(
+            server_app,
+            make_client_app(build_client),
+            num_supernodes=num_supernodes,
+            client_resources=client_resources,
+            ray_address=ray_address,
+            ray_init_args=ray_init_args,
+            verbose=verbose,
+        )
+    if not results:
+        raise RuntimeError("the ServerApp ended without a result; see the Flower log above")
+    if loaded.on_result is not None:
+        loaded.on_result(results[0])
+    return results[0]
+
+
+class _Prebuilt:
+    """``build_server`` returning the server task built before the backend started."""
+
+    def __init__(self, server_task: ServerTask) -> None:
+        self.server_task = server_task
+
+    def __call__(self, context: Context) -> ServerTask:
+        return self.server_task
+
+
+def _run_local(server_app, client_app, *, num_supernodes: int) -> None:
+    """The ServerApp on a :class:`~speechbrain_fl.fl.local_grid.LocalGrid` (this process)."""
+    from .local_grid import LocalGrid
+
+    grid = LocalGrid(client_app, num_nodes=num_supernodes)
+    context = Context(
+        run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={}
+    )
+    with _flower_logging(), grid.identity():
+        server_app(grid=grid, context=context)
+
+
+def _run_ray(
+    server_app,
+    client_app,
+    *,
+    num_supernodes: int,
+    client_resources: dict[str, float] | None,
+    ray_address: str | None,
+    ray_init_args: dict[str, Any] | None,
+    verbose: bool,
+) -> None:
+    """The ServerApp and ClientApp on Flower's Simulation Engine with the Ray backend."""
+    from flwr.simulation import run_simulation as flwr_run_simulation
+
     init_args: dict[str, Any] = {
         "include_dashboard": False,
         "logging_level": logging.ERROR,
@@ -113,17 +209,10 @@ def run_simulation(
     else:
         init_args["num_cpus"] = os.cpu_count() or 1
     init_args.update(ray_init_args or {})
-    if isinstance(task, TaskSpec):
-        loaded = load_task(task)
-        build_server, build_client = SpecServer(task), SpecClient(task)
-    else:
-        loaded = task
-        build_server, build_client = task.build_server, task.build_client
-    num_supernodes = num_supernodes or loaded.num_partitions
     with _flower_logging():
         flwr_run_simulation(
-            server_app=make_server_app(build_server, on_result=results.append),
-            client_app=make_client_app(build_client),
+            server_app=server_app,
+            client_app=client_app,
             num_supernodes=num_supernodes,
             backend_config={
                 "client_resources": client_resources or {"num_cpus": 1, "num_gpus": 0.0},
@@ -131,11 +220,6 @@ def run_simulation(
             },
             verbose_logging=verbose,
         )
-    if not results:
-        raise RuntimeError("the ServerApp ended without a result; see the Flower log above")
-    if loaded.on_result is not None:
-        loaded.on_result(results[0])
-    return results[0]
 
 
 def run_deployment(

@@ -1,4 +1,5 @@
-"""Under Ray, a worker process runs the recipe factory once and builds each client once.
+"""Under Ray (backend="ray"), a worker process runs the recipe factory once and builds each client
+once (the local backend: tests/integration/test_fl_local_backend.py).
 
 Flower pickles the ClientApp with every message; the per-process caches of
 ``speechbrain_fl.fl.task.load_task`` and ``speechbrain_fl.fl.client`` must survive that. A
@@ -48,7 +49,9 @@ def test_factory_once_per_process_and_client_once_per_partition(tmp_path):
         "num_partitions": partitions, "number_of_rounds": rounds, "sampling_rate": 1.0,
         "eval_every": 0,
     })  # fmt: skip
-    result = run_simulation(spec, client_resources={"num_cpus": 1}, ray_init_args={"num_cpus": 2})
+    result = run_simulation(
+        spec, backend="ray", client_resources={"num_cpus": 1}, ray_init_args={"num_cpus": 2}
+    )
     assert result.last_round == rounds
     seen = [json.loads(line) for line in events.read_text().splitlines()]
     factory = collections.Counter(e["pid"] for e in seen if e["kind"] == "factory")

@@ -49,7 +49,9 @@ def test_dp_simulation_drops_faulty_client_and_stops_at_max_epsilon(tmp_path):
         build_server=functools.partial(toy_server, settings=settings),
         num_partitions=4,
     )
-    result = run_simulation(task, client_resources={"num_cpus": 1}, ray_init_args={"num_cpus": 2})
+    result = run_simulation(
+        task, backend="ray", client_resources={"num_cpus": 1}, ray_init_args={"num_cpus": 2}
+    )
     assert result.stopped_early and result.last_round == 2
     assert math.isclose(result.epsilon, eps2, rel_tol=1e-6)
     assert all(torch.isfinite(v).all() for v in result.params.values())

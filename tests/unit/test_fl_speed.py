@@ -38,3 +38,96 @@ def test_prv_accountant_not_cached_wrongly():
     )
     b = compute_epsilon(sampling_rate=0.5, noise_multiplier=1.0, rounds=10, delta=1e-5)
     assert a != b and abs(a - b) / b < 0.2  # PRV and RDP: different bounds, same ballpark
+
+
+# --- the client's steady state: optimiser and DataLoader reused, nothing carried between rounds
+
+
+def _adam_client(pid: int = 0):
+    """A toy client with a stateful optimiser (Adam moments, step counts)."""
+    import torch
+
+    from speechbrain_fl.fl.toy import toy_client, toy_settings
+
+    client = toy_client(_context(pid), toy_settings())
+    client.brain.opt_class = lambda params: torch.optim.Adam(params, lr=0.05)
+    return client
+
+
+def _context(pid: int):
+    from flwr.app import Context, RecordDict
+
+    return Context(
+        run_id=0, node_id=0, node_config={"partition-id": pid}, state=RecordDict(), run_config={}
+    )
+
+
+def _message(params, server_round: int):
+    from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+    config = {"round-seed": 11 * server_round, "local-epochs": 2, "server-round": server_round}
+    return RecordDict({"arrays": ArrayRecord(params), "config": ConfigRecord(config)})
+
+
+def _update(reply):
+    return reply["arrays"].to_torch_state_dict()
+
+
+def test_round_update_does_not_depend_on_the_previous_rounds_optimiser_state():
+    import torch
+
+    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.params import trainable_state
+
+    fresh, used = _adam_client(), _adam_client()
+    start = trainable_state(used.brain.modules)
+    other = {k: v + 0.3 for k, v in start.items()}
+    train_round(used, _message(other, 1), partition_id=0)  # round r elsewhere in weight space
+    optimizer = used.brain.optimizer
+    assert optimizer.state  # Adam moments were built in round r
+    loader = used._loader[0]
+    second = _update(train_round(used, _message(start, 2), partition_id=0))
+    assert used.brain.optimizer is optimizer and used._loader[0] is loader  # reused, not rebuilt
+    expected = _update(train_round(fresh, _message(start, 2), partition_id=0))
+    for name, value in expected.items():
+        assert torch.equal(second[name], value), name  # round r+1 as from a fresh optimiser
+
+
+def test_hyperparameters_changed_during_a_round_are_put_back():
+    import torch
+
+    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.params import trainable_state
+
+    client = _adam_client()
+    start = trainable_state(client.brain.modules)
+    train_round(client, _message(start, 1), partition_id=0)
+    client.brain.optimizer.param_groups[0]["lr"] = 123.0  # e.g. a scheduler inside a round
+    client.brain.optimizer.param_groups[0]["betas"] = (0.1, 0.2)
+    again = _update(train_round(client, _message(start, 2), partition_id=0))
+    assert client.brain.optimizer.param_groups[0]["lr"] == 0.05
+    expected = _update(train_round(_adam_client(), _message(start, 2), partition_id=0))
+    assert all(torch.equal(again[k], v) for k, v in expected.items())
+
+
+def test_an_overridden_init_optimizers_runs_every_round():
+    import torch
+
+    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.params import trainable_state
+    from speechbrain_fl.fl.toy import ToyBrain
+
+    calls = []
+
+    class RoundLR(ToyBrain):
+        def init_optimizers(self):
+            calls.append(self.fl_round)
+            self.optimizer = torch.optim.SGD(self.modules.parameters(), lr=0.1 / self.fl_round)
+            self.optimizers_dict = {"opt_class": self.optimizer}
+
+    client = _adam_client()
+    client.brain.__class__ = RoundLR
+    start = trainable_state(client.brain.modules)
+    for server_round in (1, 2, 3):
+        train_round(client, _message(start, server_round), partition_id=0)
+    assert calls == [1, 2, 3]
