@@ -106,6 +106,11 @@ def _record_stage_end(brain: sb.Brain) -> Iterator[list[tuple[Any, float]]]:
             brain.on_stage_end = own
 
 
+#: The bound used when the server asks for group norms without clipping (``clip-groups`` and
+#: no ``clip-budgets``): no finite update reaches it, so nothing is clipped.
+NORMS_ONLY_BUDGET = 1e300
+
+
 def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str, Any]:
     return {
         "group-norms": [float(stats.group_norms.get(g, 0.0)) for g in groups],
@@ -174,8 +179,10 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             )
         delta = {n: v for n, v in delta.items() if n in names}
         metrics.update(extra)
-    if "clip-budgets" in config:
-        budgets = json.loads(str(config["clip-budgets"]))
+    if "clip-budgets" in config or "clip-groups" in config:
+        # no budgets but groups asked for (a non-DP run recording norms): a bound no update
+        # reaches, so the statistics are measured and every tensor is returned unchanged
+        budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
         delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
         metrics.update(
             _client_metrics(

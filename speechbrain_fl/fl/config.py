@@ -99,6 +99,9 @@ class FLConfig:
     sampler_seed : int, optional
         Seed of a private run's cohort sampler; for tests only (warns, recorded). Private runs
         otherwise draw it from the OS; ``seed`` then seeds only the clients' training.
+    record_norms : bool
+        A run without clipping (FedAvg) still has its clients report their update's per-group
+        and per-component norms (nothing is clipped), for the telemetry and Fig. 2.
 
     Example
     -------
@@ -131,6 +134,7 @@ class FLConfig:
     noise_seed: int | None = None
     population_size: int | None = None
     sampler_seed: int | None = None
+    record_norms: bool = False
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
