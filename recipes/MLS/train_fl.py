@@ -200,6 +200,8 @@ def prepare_data(hparams, *, progressbar=True):
             public_speakers_per_language=hparams["corpus_public_speakers_per_language"],
             public_utterances_per_speaker=hparams["corpus_public_utterances_per_speaker"],
             eval_utterances_per_speaker=hparams["corpus_eval_utterances_per_speaker"],
+            client_rate=tuple(hparams["corpus_client_rate"]),
+            client_novel_share=hparams["corpus_client_novel_share"],
             seed=hparams["seed"],
             progress=progressbar,
         )
@@ -250,6 +252,7 @@ def model_options(hparams):
         "ctc_weight": hparams["ctc_weight"],
         "gradient_checkpointing": hparams["gradient_checkpointing"],
         "prompt": hparams["prompt"],
+        "train_llm_lora": hparams["train_llm_lora"],
     }
 
 
@@ -479,7 +482,8 @@ PREPARATION_KEYS = (
     "pretrain_steps", "pretrain_ctc_steps", "pretrain_lr", "pretrain_batch_size",
     "pretrain_max_grad_norm", "connector",
     "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
-    "lora_alpha", "gradient_checkpointing", *BRAIN_KEYS,
+    "lora_alpha", "gradient_checkpointing", "train_llm_lora", "corpus_client_rate",
+    "corpus_client_novel_share", *BRAIN_KEYS,
 )  # fmt: skip
 
 

@@ -211,10 +211,14 @@ class SpeechLLM(nn.Module):
                 return label
         raise KeyError(f"parameter {name!r} matches no component pattern {COMPONENT_PATTERNS}")
 
-    def set_trainable(self, *, train_encoder_lora: bool, train_base: bool = False) -> None:
-        """Freeze everything, then unfreeze LoRA (LLM; encoder if asked), connector, CTC head.
+    def set_trainable(
+        self, *, train_encoder_lora: bool, train_base: bool = False, train_llm_lora: bool = True
+    ) -> None:
+        """Freeze everything, then unfreeze LoRA (LLM, encoder if asked), connector, CTC head.
 
         ``train_base=True`` unfreezes every weight (central seed pretraining of the tiny model).
+        ``train_llm_lora=False`` keeps the LLM's adapters frozen (at B = 0 they change nothing),
+        so adaptation goes through the audio side only: encoder adapters, CTC head, connector.
         """
         for name, param in self.named_parameters():
             if train_base:
@@ -222,7 +226,8 @@ class SpeechLLM(nn.Module):
             elif name.startswith(("connector.", "ctc_head.")):
                 param.requires_grad_(True)
             elif "lora_" in name:
-                param.requires_grad_(name.startswith("llm.") or train_encoder_lora)
+                llm = name.startswith("llm.")
+                param.requires_grad_(train_llm_lora if llm else train_encoder_lora)
             else:
                 param.requires_grad_(False)
 
