@@ -573,8 +573,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     )
     parser.add_argument(
         "--figure",
-        default=str(RECIPE_DIR / "method_table_dev_wer.png"),
-        help="the dev-WER-by-round figure of every run",
+        default=None,
+        help="the dev-WER-by-round figure of every run (default: method_table_dev_wer.png "
+        "beside --table-file)",
     )
     args, extra = parser.parse_known_args(argv)
     args.methods = _names(args.methods, choices=list(METHODS), option="--methods")
@@ -628,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     roots = {"σ 0.1": args.output_root}
     if private is not None:
         roots[f"ε ≤ {args.private_epsilon:g}"] = private
-    figure = write_dev_wer_figure(roots, args.figure)
+    figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
+    figure = write_dev_wer_figure(roots, figure_path)
     if figure is not None:
         print(f"Dev WER figure: {figure}")
     return _write_table(args, table, results, failed)
