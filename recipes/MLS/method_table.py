@@ -16,12 +16,22 @@ before any federated round) and the settings the runs used. The table goes to
 ``recipes/MLS/README.md`` between the ``<!-- METHOD_TABLE -->`` and ``<!-- /METHOD_TABLE -->``
 markers (the end marker is created the first time).
 
+With ``--private-epsilon E`` (default 10; 0 disables) it then runs every DP method again at the
+noise multiplier whose RDP epsilon is at most E at the runs' q, T and delta (encoder variants of
+``--private-variants``, default unfrozen) into ``<output-root>/eps<E>``, and tabulates them with
+what that guarantee costs at the paper's K = 316 and at 10,000 clients
+(:func:`speechbrain_fl.privacy.accounting.extrapolate_privacy`). A second table gives each run's
+change from round 0 with its paired CI, its noise norm against the mean client update norm, and
+the LLM/encoder update-norm ratio; ``method_table_dev_wer.png`` (beside the table file) draws the
+dev WER by round of every run on shared axes.
+
 A run whose ``results.json`` exists is skipped unless ``--force``; an interrupted run has no
 ``results.json`` yet, so running this script again resumes it (``train_fl.py`` resumes from its
 last finished round). Arguments this script does not know are passed to every ``train_fl.py``
 run, e.g. ``--number_of_rounds 6`` or ``--device cuda``.
 
-Usage (from the repository root; the 14 runs take about an hour on 2 CPU cores)::
+Usage (from the repository root; at K = 128 one run takes ~13 min on 2 loaded CPU cores, so the
+14 + 6 runs take hours; select with --methods/--variants)::
 
     python recipes/MLS/method_table.py
     python recipes/MLS/method_table.py --methods fedavg flat alpha_split --variants unfrozen
