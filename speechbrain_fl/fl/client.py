@@ -20,7 +20,8 @@ with the round seed plus the partition id (reproducible runs and resumes), run `
 wrapper around the instance's hook, so ``Brain.fit`` is neither copied nor overridden), compute
 delta = local - global, clip it with the budgets from the ConfigRecord
 (:func:`speechbrain_fl.privacy.clip_update`) and reply with the clipped delta and a MetricRecord:
-``num-examples``, ``train-loss``, and, when clipping, the pre-clip ``group-norms``,
+``num-examples``, ``train-loss``, and, when clipping or when the server sends ``clip-groups``
+without budgets (FLConfig ``record_norms``: measured, nothing clipped), the pre-clip ``group-norms``,
 ``group-clipped``, ``component-norms``, ``component-clipped`` (lists in the order the server
 sent), ``joint-norm`` and ``clip-ratio``. The model is reset to the global parameters after each
 round, so a cached Brain never carries local state into the next round.
