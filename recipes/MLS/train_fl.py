@@ -703,7 +703,8 @@ def noise_vs_update(reports, layout, *, noise_multiplier, clip, expected_cohort_
     noise (FedAvg) reports the noise its cohort would get at the paper's sigma = 0.1 (C = 1),
     marked in ``sigma_source``. ``norm_profile`` is :func:`speechbrain_fl.fl.profile.norm_profile`
     of the last round (mean per-matrix norm per component, LLM/encoder ratio; the paper's
-    diagnosis), from the clients' pre-clip norms: telemetry outside the DP guarantee.
+    diagnosis), from the clients' pre-clip norms: telemetry outside the DP guarantee. Its
+    ``llm_encoder_ratio`` is over alpha-split's pools: (LLM + connector) against the encoder.
     """
     d = sum(int(g.numel) for g in layout)
     sigma = noise_multiplier if noise_multiplier else PAPER_SIGMA
@@ -726,9 +727,20 @@ def noise_vs_update(reports, layout, *, noise_multiplier, clip, expected_cohort_
     if last is not None:
         profile = norm_profile(last, layout, clip=c)
         out["norm_profile"] = {
-            k: profile.get(k)
-            for k in ("per_matrix_mean_norm", "component_norm", "llm_encoder_ratio")
+            k: profile.get(k) for k in ("per_matrix_mean_norm", "component_norm")
         }
+        # alpha-split's pools: the encoder, and the LLM together with the connector (with the
+        # LLM's adapters frozen, the connector alone): mean per-matrix update norm of each
+        pools = {"encoder": [], "llm": []}
+        for group in layout:
+            norm = last.group_norms.get(group.name)
+            if norm is not None:
+                pools["encoder" if group.component == "encoder" else "llm"].append(norm)
+        means = {k: sum(v) / len(v) for k, v in pools.items() if v}
+        out["norm_profile"]["pool_per_matrix_mean_norm"] = means
+        out["norm_profile"]["llm_encoder_ratio"] = (
+            means["llm"] / means["encoder"] if means.get("encoder") and "llm" in means else None
+        )
     return out
 
 
@@ -885,8 +897,8 @@ def _log_noise_ratio(ratio):
     llm_enc = profile.get("llm_encoder_ratio")
     logger.info(
         "Noise norm per round %.3g (sigma %g, %s; n = %.1f, d = %d) vs mean client update norm "
-        "%.3g: ratio %.2f; LLM/encoder per-matrix update-norm ratio %s (paper: ~12x Whisper + "
-        "TinyLlama, 1.7x Voxtral)",
+        "%.3g: ratio %.2f; (LLM + connector)/encoder per-matrix update-norm ratio %s (paper: "
+        "~12x Whisper + TinyLlama, 1.7x Voxtral)",
         ratio["noise_norm"], ratio["sigma"], ratio["sigma_source"], ratio["expected_cohort_size"],
         ratio["trainable_values"], ratio["mean_update_norm"], ratio["ratio"],
         f"{llm_enc:.2f}x" if llm_enc is not None else "n/a (encoder frozen)",

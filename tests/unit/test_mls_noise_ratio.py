@@ -34,6 +34,8 @@ def test_private_run_ratio():
     assert out["ratio"] == pytest.approx(noise / 0.5)
     assert out["sigma_source"] == "this run" and out["trainable_values"] == 400
     assert out["norm_profile"]["per_matrix_mean_norm"] == {"encoder": 0.1, "connector": 0.3}
+    # alpha-split's pools: the connector counts with the LLM
+    assert out["norm_profile"]["llm_encoder_ratio"] == pytest.approx(3.0)
 
 
 def test_fedavg_reports_the_paper_sigma_and_survives_missing_norms():
