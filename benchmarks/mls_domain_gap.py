@@ -12,7 +12,8 @@ intervals (``speechbrain_fl/metrics/utterances.py``):
   (speakers with a client-only variant, or a rate outside the public window, / the others).
 
 With ``--adapt-steps N`` it then trains the federated stage's trainable tensors (LoRA r=8 on
-encoder and LLM, connector, CTC head; every parameter with ``--adapt-whole-model``) centrally
+encoder and LLM, connector, CTC head; ``--adapt-part audio|encoder|llm`` a part of them; every
+parameter with ``--adapt-whole-model``) centrally
 for N AdamW steps on the pooled ``train`` split (``--adapt-on``: or its utterances without a
 client-only word, or the public split as a control) and evaluates ``test`` and ``public_test``
 again: what the clients' data can teach when pooled, the ceiling a federated run approaches.
@@ -141,6 +142,20 @@ def main() -> None:
         "public split (control)",
     )
     parser.add_argument(
+        "--adapt-part",
+        choices=("all", "audio", "encoder", "llm"),
+        default="all",
+        help="which of the federated set trains: all (LoRA on encoder and LLM, connector, CTC "
+        "head), audio (all but the LLM's LoRA: train_llm_lora False), encoder (encoder LoRA + "
+        "CTC head) or llm (the LLM's LoRA only)",
+    )
+    parser.add_argument(
+        "--adapt-input-noise",
+        type=float,
+        default=0.0,
+        help="share of teacher-forced input tokens replaced by random ones (input_token_noise)",
+    )
+    parser.add_argument(
         "--adapt-whole-model",
         action="store_true",
         help="train every parameter (as the seed pretraining) instead of the federated set",
@@ -196,6 +211,19 @@ def main() -> None:
             lora_r=0 if args.adapt_whole_model else 8, freeze_encoder=False, ctc_weight=0.5,
             prompt=args.prompt,
         )  # fmt: skip
+        model.input_token_noise = args.adapt_input_noise
+        if not args.adapt_whole_model and args.adapt_part != "all":
+            keep = {
+                "audio": lambda n: model.component_of(n) != "llm",
+                "encoder": lambda n: model.component_of(n) == "encoder",
+                "llm": lambda n: n.startswith("llm."),
+            }[args.adapt_part]
+            for name, param in model.named_parameters():
+                param.requires_grad_(param.requires_grad and keep(name))
+        logging.info(
+            "central adaptation trains %d values",
+            sum(p.numel() for p in model.parameters() if p.requires_grad),
+        )
         data_csv = os.path.join(
             manifests, "public.csv" if args.adapt_on == "public" else "train.csv"
         )
@@ -226,6 +254,7 @@ def main() -> None:
         ce = history["ce"]
         report["central_adaptation"] = {
             "steps": args.adapt_steps, "lr": args.adapt_lr, "data": args.adapt_on,
+            "part": args.adapt_part, "input_noise": args.adapt_input_noise,
             "whole_model": args.adapt_whole_model, "seconds": round(history["seconds"], 1),
             "ce_first_25": float(np.nanmean(ce[:25])), "ce_last_25": float(np.nanmean(ce[-25:])),
             "public_test": bootstrap_details(adapted_public, num_resamples=args.resamples).to_dict(),

@@ -17,6 +17,9 @@ They reproduce the diagnostic figures of the alpha-split paper from one run's ow
 - ``metrics_by_round.png``: every metric column (WER, valid_loss, ...) against the round.
 - ``epsilon_by_round.png``: the privacy spent so far.
 
+:func:`plot_runs_by_round` draws one metric of many runs on shared axes (the MLS method
+table's dev WER of every method, ``recipes/MLS/method_table.py``).
+
 Component labels and their order come from the run's files (the layout's order), never from a
 fixed list: each label takes the next tab10 color in that order, which for a speech LLM
 (encoder, connector, llm) gives the paper's blue, orange and green. Reading the files is
@@ -319,6 +322,62 @@ def plot_epsilon(rounds: Table, path: Path) -> Path:
     ax.set_title("Privacy spent")
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def plot_runs_by_round(
+    runs: dict[str, dict[str, Table]],
+    path: str | Path,
+    *,
+    column: str = "WER",
+    title: str = "Dev WER by round",
+) -> Path:
+    """One metric of many runs against the round, on shared axes (one panel per group).
+
+    Arguments
+    ---------
+    runs : dict
+        ``{panel title: {run label: rounds table}}`` (``rounds.csv`` read by
+        :func:`speechbrain_fl.run_outputs.read_rounds`); e.g. one panel per encoder variant,
+        one line per privacy method. Runs without values in ``column`` are left out (logged).
+    path : str or Path
+        The PNG to write.
+    column : str
+        The ``rounds.csv`` column to draw (round 0 = the starting model).
+    title : str
+        Figure title.
+
+    Returns
+    -------
+    Path
+
+    Example
+    -------
+    >>> import tempfile
+    >>> t = {"round": np.array([0.0, 1.0]), "WER": np.array([0.5, 0.4])}
+    >>> plot_runs_by_round({"frozen": {"FedAvg": t}}, Path(tempfile.mkdtemp()) / "w.png").name
+    'w.png'
+    """
+    panels = {name: table for name, table in runs.items() if table}
+    if not panels:
+        raise ValueError("plot_runs_by_round: no runs to draw")
+    fig = Figure(figsize=(5.2 * len(panels), 4.2))
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    for ax, (name, tables) in zip(axes, panels.items(), strict=True):
+        for index, (label, table) in enumerate(tables.items()):
+            if not has_values(table, column):
+                _skip(f"{label} in {path}", f"no {column} values")
+                continue
+            ax.plot(
+                *series(table, column), "-o", ms=3, label=label,
+                color=_PALETTE[index % len(_PALETTE)],
+            )  # fmt: skip
+        ax.set_title(name)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel(column)
+    fig.suptitle(title)
+    return _save(fig, Path(path))
 
 
 def _skip(name: str, reason: str) -> None:

@@ -16,12 +16,22 @@ before any federated round) and the settings the runs used. The table goes to
 ``recipes/MLS/README.md`` between the ``<!-- METHOD_TABLE -->`` and ``<!-- /METHOD_TABLE -->``
 markers (the end marker is created the first time).
 
+With ``--private-epsilon E`` (default 10; 0 disables) it then runs every DP method again at the
+noise multiplier whose RDP epsilon is at most E at the runs' q, T and delta (encoder variants of
+``--private-variants``, default unfrozen) into ``<output-root>/eps<E>``, and tabulates them with
+what that guarantee costs at the paper's K = 316 and at 10,000 clients
+(:func:`speechbrain_fl.privacy.accounting.extrapolate_privacy`). A second table gives each run's
+change from round 0 with its paired CI, its noise norm against the mean client update norm, and
+the LLM/encoder update-norm ratio; ``method_table_dev_wer.png`` (beside the table file) draws the
+dev WER by round of every run on shared axes.
+
 A run whose ``results.json`` exists is skipped unless ``--force``; an interrupted run has no
 ``results.json`` yet, so running this script again resumes it (``train_fl.py`` resumes from its
 last finished round). Arguments this script does not know are passed to every ``train_fl.py``
 run, e.g. ``--number_of_rounds 6`` or ``--device cuda``.
 
-Usage (from the repository root; the 14 runs take about an hour on 2 CPU cores)::
+Usage (from the repository root; at K = 128 one run takes ~13 min on 2 loaded CPU cores, so the
+14 + 6 runs take hours; select with --methods/--variants)::
 
     python recipes/MLS/method_table.py
     python recipes/MLS/method_table.py --methods fedavg flat alpha_split --variants unfrozen
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -74,6 +85,38 @@ _MISSING = "-"
 def run_folder(output_root: str | os.PathLike, method: str, variant: str) -> Path:
     """The output folder of one run: ``<output_root>/<method>/freeze_encoder_<True|False>``."""
     return Path(output_root) / method / f"freeze_encoder_{VARIANTS[variant]}"
+
+
+def private_root(output_root: str | os.PathLike, target_epsilon: float) -> Path:
+    """Where the runs at a noise multiplier for ``target_epsilon`` go: ``<root>/eps<target>``."""
+    return Path(output_root) / f"eps{target_epsilon:g}"
+
+
+def sigma_for_epsilon(
+    *, sampling_rate: float, rounds: int, delta: float, target_epsilon: float
+) -> float:
+    """The noise multiplier, rounded up to 0.01, whose RDP epsilon is at most the target.
+
+    ``speechbrain_fl.privacy.noise_multiplier_for_epsilon`` (Opacus's bisection) may land a
+    hair above the target; rounding sigma up to two decimals keeps epsilon at or below it.
+
+    Example
+    -------
+    >>> sigma_for_epsilon(sampling_rate=0.3, rounds=10, delta=1e-5, target_epsilon=10.0)
+    0.87
+    """
+    from speechbrain_fl.privacy.accounting import compute_epsilon, noise_multiplier_for_epsilon
+
+    sigma = noise_multiplier_for_epsilon(
+        sampling_rate=sampling_rate, target_epsilon=target_epsilon, rounds=rounds, delta=delta
+    )
+    sigma = math.ceil(sigma * 100) / 100
+    while (
+        compute_epsilon(sampling_rate=sampling_rate, noise_multiplier=sigma, rounds=rounds,
+                        delta=delta) > target_epsilon
+    ):  # fmt: skip
+        sigma = round(sigma + 0.01, 2)
+    return sigma
 
 
 def train_command(
@@ -323,6 +366,147 @@ def _settings_line(results: Mapping[tuple[str, str], Mapping]) -> str:
     )
 
 
+def _change_cell(results: Mapping | None) -> str:
+    change = _get(results, "test_change_from_round0") if results else None
+    if change is None:
+        return _MISSING
+    round0 = _get(results, "test_round0", "WER")
+    rel = f" ({change['difference'] / round0:+.0%})" if round0 else ""
+    low, high = change["ci95"]
+    return f"{change['difference']:+.4f} [{low:+.4f}, {high:+.4f}]{rel}"
+
+
+def _ratio_cell(results: Mapping | None) -> str:
+    ratio = _get(results, "noise_vs_update") if results else None
+    if not ratio or ratio.get("ratio") is None:
+        return _MISSING
+    cell = f"{ratio['noise_norm']:.3g} / {ratio['mean_update_norm']:.3g} = {ratio['ratio']:.2f}"
+    return cell + (" (σ 0.1)" if ratio.get("sigma_source", "").startswith("paper") else "")
+
+
+def _norm_ratio_cell(results: Mapping | None) -> str:
+    value = (
+        _get(results, "noise_vs_update", "norm_profile", "llm_encoder_ratio") if results else None
+    )
+    return _MISSING if value is None else f"{value:.2f}x"
+
+
+def format_change_table(results: Mapping[tuple[str, str], Mapping]) -> str:
+    """Per run: final - round-0 test WER with its paired CI, noise/update norms, LLM/encoder ratio.
+
+    Example
+    -------
+    >>> runs = {("fedavg", "unfrozen"): {"test": {"WER": 0.3}, "test_round0": {"WER": 0.5},
+    ...     "test_change_from_round0": {"difference": -0.2, "ci95": [-0.25, -0.15]}}}
+    >>> print(format_change_table(runs).splitlines()[2])
+    | FedAvg (no DP) | unfrozen | -0.2000 [-0.2500, -0.1500] (-40%) | - | - |
+    """
+    lines = [
+        "| Method | Encoder | Test WER change from round 0 [paired 95% CI] (relative) "
+        "| noise norm / mean client update norm = ratio | LLM/encoder per-matrix norm ratio |",
+        "|---|---|---|---|---:|",
+    ]
+    for method, name in METHODS.items():
+        for variant in VARIANTS:
+            run = results.get((method, variant))
+            if run is None:
+                continue
+            cells = [name, variant, _change_cell(run), _ratio_cell(run), _norm_ratio_cell(run)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_private_table(
+    results: Mapping[tuple[str, str], Mapping], *, target_epsilon: float
+) -> str:
+    """The runs at the noise multiplier for ``target_epsilon``, and what it costs at scale.
+
+    The extrapolation (:func:`speechbrain_fl.privacy.accounting.extrapolate_privacy`) keeps
+    sigma, q and T (so epsilon) and shows the noise std on the mean, ``sigma C / n``, and its norm
+    over the run's trainable values at the paper's K = 316 clients and at 10,000 clients, against
+    this cohort's.
+    """
+    from speechbrain_fl.privacy.accounting import extrapolate_privacy
+
+    if not results:
+        return f"No runs at epsilon <= {target_epsilon:g} yet."
+    lines = [
+        f"| Method (epsilon <= {target_epsilon:g}) | Encoder | sigma | epsilon | Test WER [95% CI] "
+        "| change from round 0 [paired 95% CI] | noise / update norm |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    example = None
+    for method, name in METHODS.items():
+        for variant in VARIANTS:
+            run = results.get((method, variant))
+            if run is None:
+                continue
+            example = example or run
+            sigma = _get(run, "privacy", "noise_multiplier")
+            eps = _get(run, "privacy", "epsilon")
+            cells = [
+                name, variant, _MISSING if sigma is None else f"{sigma:g}",
+                _MISSING if eps is None else f"{eps:.2f}", _wer_cell(run), _change_cell(run),
+                _ratio_cell(run),
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    privacy = _get(example, "privacy") or {}
+    ratio = _get(example, "noise_vs_update") or {}
+    q, rounds, delta = (privacy.get(k) for k in ("sampling_rate", "rounds", "delta"))
+    sigma, clip = privacy.get("noise_multiplier"), privacy.get("clip") or 1.0
+    d, n = ratio.get("trainable_values"), ratio.get("expected_cohort_size")
+    if None in (q, rounds, delta, sigma, d, n):
+        return "\n".join(lines)
+    lines += [
+        "",
+        f"What this guarantee costs (sigma {sigma:g}, q {q:g}, T {rounds}, delta {delta:g}: the "
+        "same epsilon at any population with the same q; `extrapolate_privacy`):",
+        "",
+        "| Population K | expected cohort n = qK | noise std on the mean sigma C / n "
+        f"| noise norm (d = {d}) | epsilon |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for population in (round(n / q), 316, 10_000):
+        cohort = max(1, round(q * population))
+        out = extrapolate_privacy(
+            noise_multiplier=sigma, clip=clip, cohort_size=cohort, population=population,
+            rounds=rounds, delta=delta,
+        )  # fmt: skip
+        lines.append(
+            f"| {population:,} | {cohort:,} | {out['noise_std']:.2e} "
+            f"| {out['noise_std'] * math.sqrt(d):.3g} | {out['epsilon']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_dev_wer_figure(
+    results_roots: Mapping[str, str | os.PathLike], path: str | os.PathLike
+) -> Path | None:
+    """Dev WER by round of every method, one panel per (run set, encoder variant), shared axes.
+
+    ``results_roots`` maps a panel prefix (e.g. ``"sigma 0.1"``) to an output root; runs without
+    ``rounds.csv`` are left out. Returns the PNG path, or None when no run has rounds.
+    """
+    from speechbrain_fl.plots import plot_runs_by_round
+    from speechbrain_fl.run_outputs import read_rounds
+
+    panels: dict[str, dict] = {}
+    for prefix, root in results_roots.items():
+        for variant in VARIANTS:
+            tables = {}
+            for method, name in METHODS.items():
+                table = read_rounds(run_folder(root, method, variant))
+                if table is not None:
+                    tables[name] = table
+            if tables:
+                panels[f"{prefix}, encoder {variant}"] = tables
+    if not panels:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return plot_runs_by_round(panels, path, column="WER", title="Dev WER by round, every method")
+
+
 def insert_table(text: str, table: str) -> str:
     """Put ``table`` between the method-table markers of ``text`` (a README's content).
 
@@ -387,9 +571,28 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     parser.add_argument("--force", action="store_true", help="rerun runs that have results")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument("--table-only", action="store_true", help="run nothing; tabulate")
+    parser.add_argument(
+        "--private-epsilon",
+        type=float,
+        default=10.0,
+        help="also run every DP method at the noise multiplier giving this epsilon (at the "
+        "runs' q, T and delta) into <output-root>/eps<value>; 0 disables",
+    )
+    parser.add_argument(
+        "--private-variants", nargs="+", default=["unfrozen"], help="encoder variants of those"
+    )
+    parser.add_argument(
+        "--figure",
+        default=None,
+        help="the dev-WER-by-round figure of every run (default: method_table_dev_wer.png "
+        "beside --table-file)",
+    )
     args, extra = parser.parse_known_args(argv)
     args.methods = _names(args.methods, choices=list(METHODS), option="--methods")
     args.variants = _names(args.variants, choices=list(VARIANTS), option="--variants")
+    args.private_variants = _names(
+        args.private_variants, choices=list(VARIANTS), option="--private-variants"
+    )
     return args, extra
 
 
@@ -398,34 +601,77 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parse_args(argv)
     failed = []
     if not args.table_only:
-        for method in args.methods:
-            for variant in args.variants:
-                folder = run_folder(args.output_root, method, variant)
-                cmd = train_command(
-                    method=method,
-                    variant=variant,
-                    output_root=args.output_root,
-                    cache_folder=args.cache_folder,
-                    extra=extra,
-                )
-                if (folder / "results.json").is_file() and not args.force:
-                    print(f"[{method}, {variant}] skipped: {folder}/results.json exists (--force)")
-                    continue
-                print(f"[{method}, {variant}] $ {' '.join(cmd)}", flush=True)
-                if args.dry_run:
-                    continue
-                start = time.time()
-                code = subprocess.run(cmd, check=False).returncode
-                print(f"[{method}, {variant}] exit {code} after {time.time() - start:.0f} s")
-                if code != 0:
-                    failed.append(f"{method}/{variant} (exit {code})")
+        _run_all(args, args.output_root, args.methods, args.variants, extra, failed)
+    private = None
+    if args.private_epsilon > 0 and not args.dry_run:
+        private = private_root(args.output_root, args.private_epsilon)
+        done = load_results(args.output_root)
+        reference = next(
+            (r for r in done.values() if _get(r, "privacy", "epsilon") is not None), None
+        )
+        if reference is None:
+            print(
+                "method_table.py: no private run to take q, T and delta from; epsilon rows skipped"
+            )
+            private = None
+        elif not args.table_only:
+            sigma = sigma_for_epsilon(
+                sampling_rate=reference["privacy"]["sampling_rate"],
+                rounds=reference["privacy"]["rounds"],
+                delta=reference["privacy"]["delta"],
+                target_epsilon=args.private_epsilon,
+            )
+            print(f"epsilon <= {args.private_epsilon:g}: noise multiplier {sigma:g}")
+            methods = [m for m in args.methods if m != BASELINE]
+            extra_sigma = [*extra, "--noise_multiplier", str(sigma)]
+            _run_all(args, private, methods, args.private_variants, extra_sigma, failed)
     if args.dry_run:
         return 0
     results = load_results(args.output_root)
     if not results:
         print(f"method_table.py: no results.json under {args.output_root}", file=sys.stderr)
         return 1
-    table = format_method_table(results)
+    table = format_method_table(results) + "\n\n" + format_change_table(results)
+    if private is not None:
+        table += "\n\n" + format_private_table(
+            load_results(private), target_epsilon=args.private_epsilon
+        )
+    roots = {"σ 0.1": args.output_root}
+    if private is not None:
+        roots[f"ε ≤ {args.private_epsilon:g}"] = private
+    figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
+    figure = write_dev_wer_figure(roots, figure_path)
+    if figure is not None:
+        print(f"Dev WER figure: {figure}")
+    return _write_table(args, table, results, failed)
+
+
+def _run_all(args, output_root, methods, variants, extra, failed) -> None:
+    """Run train_fl.py for each (method, variant) without results under ``output_root``."""
+    for method in methods:
+        for variant in variants:
+            folder = run_folder(output_root, method, variant)
+            cmd = train_command(
+                method=method,
+                variant=variant,
+                output_root=output_root,
+                cache_folder=args.cache_folder,
+                extra=extra,
+            )
+            if (folder / "results.json").is_file() and not args.force:
+                print(f"[{method}, {variant}] skipped: {folder}/results.json exists (--force)")
+                continue
+            print(f"[{method}, {variant}] $ {' '.join(cmd)}", flush=True)
+            if args.dry_run:
+                continue
+            start = time.time()
+            code = subprocess.run(cmd, check=False).returncode
+            print(f"[{method}, {variant}] exit {code} after {time.time() - start:.0f} s")
+            if code != 0:
+                failed.append(f"{method}/{variant} (exit {code})")
+
+
+def _write_table(args, table, results, failed) -> int:
     table_file = Path(args.table_file)
     table_file.parent.mkdir(parents=True, exist_ok=True)
     table_file.write_text(table + "\n", encoding="utf-8")

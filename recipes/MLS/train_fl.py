@@ -200,6 +200,8 @@ def prepare_data(hparams, *, progressbar=True):
             public_speakers_per_language=hparams["corpus_public_speakers_per_language"],
             public_utterances_per_speaker=hparams["corpus_public_utterances_per_speaker"],
             eval_utterances_per_speaker=hparams["corpus_eval_utterances_per_speaker"],
+            client_rate=tuple(hparams["corpus_client_rate"]),
+            client_novel_share=hparams["corpus_client_novel_share"],
             seed=hparams["seed"],
             progress=progressbar,
         )
@@ -250,6 +252,7 @@ def model_options(hparams):
         "ctc_weight": hparams["ctc_weight"],
         "gradient_checkpointing": hparams["gradient_checkpointing"],
         "prompt": hparams["prompt"],
+        "train_llm_lora": hparams["train_llm_lora"],
     }
 
 
@@ -479,7 +482,8 @@ PREPARATION_KEYS = (
     "pretrain_steps", "pretrain_ctc_steps", "pretrain_lr", "pretrain_batch_size",
     "pretrain_max_grad_norm", "connector",
     "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
-    "lora_alpha", "gradient_checkpointing", *BRAIN_KEYS,
+    "lora_alpha", "gradient_checkpointing", "train_llm_lora", "corpus_client_rate",
+    "corpus_client_novel_share", *BRAIN_KEYS,
 )  # fmt: skip
 
 
@@ -685,6 +689,61 @@ def privacy_section(hparams, config, result, *, alpha_from_profile=False):
     return {**report, **disclosure, "alpha": config.alpha}
 
 
+PAPER_SIGMA = 0.1  # the alpha-split paper's noise multiplier (Sec. II-D)
+
+
+def noise_vs_update(reports, layout, *, noise_multiplier, clip, expected_cohort_size):
+    """The per-round noise norm against the mean client update norm (and the component ratio).
+
+    The Gaussian noise added once per round to the mean update has standard deviation
+    ``sigma C / n`` per coordinate, so its norm is about ``sigma C / n * sqrt(d)`` over the
+    ``d`` trainable values; the mean client update norm is the clients' pre-clip joint norm
+    averaged over the rounds. When the noise norm is several times the update norm, every DP
+    method drowns alike; of the order of 1 or below, the clipping policy decides. A run without
+    noise (FedAvg) reports the noise its cohort would get at the paper's sigma = 0.1 (C = 1),
+    marked in ``sigma_source``. ``norm_profile`` is :func:`speechbrain_fl.fl.profile.norm_profile`
+    of the last round (mean per-matrix norm per component, LLM/encoder ratio; the paper's
+    diagnosis), from the clients' pre-clip norms: telemetry outside the DP guarantee. Its
+    ``llm_encoder_ratio`` is over alpha-split's pools: (LLM + connector) against the encoder.
+    """
+    d = sum(int(g.numel) for g in layout)
+    sigma = noise_multiplier if noise_multiplier else PAPER_SIGMA
+    c = clip if clip else 1.0
+    norms = [r.joint_norm_mean for r in reports if r.joint_norm_mean is not None]
+    mean_norm = sum(norms) / len(norms) if norms else None
+    noise_norm = sigma * c / expected_cohort_size * math.sqrt(d) if expected_cohort_size else None
+    out = {
+        "sigma": sigma,
+        "sigma_source": "this run" if noise_multiplier else "paper (this run adds no noise)",
+        "clip": c,
+        "expected_cohort_size": expected_cohort_size,
+        "trainable_values": d,
+        "noise_norm": noise_norm,
+        "mean_update_norm": mean_norm,
+        "ratio": noise_norm / mean_norm if noise_norm and mean_norm else None,
+        "norm_profile": None,
+    }
+    last = next((r for r in reversed(reports) if getattr(r, "group_norms", None)), None)
+    if last is not None:
+        profile = norm_profile(last, layout, clip=c)
+        out["norm_profile"] = {
+            k: profile.get(k) for k in ("per_matrix_mean_norm", "component_norm")
+        }
+        # alpha-split's pools: the encoder, and the LLM together with the connector (with the
+        # LLM's adapters frozen, the connector alone): mean per-matrix update norm of each
+        pools = {"encoder": [], "llm": []}
+        for group in layout:
+            norm = last.group_norms.get(group.name)
+            if norm is not None:
+                pools["encoder" if group.component == "encoder" else "llm"].append(norm)
+        means = {k: sum(v) / len(v) for k, v in pools.items() if v}
+        out["norm_profile"]["pool_per_matrix_mean_norm"] = means
+        out["norm_profile"]["llm_encoder_ratio"] = (
+            means["llm"] / means["encoder"] if means.get("encoder") and "llm" in means else None
+        )
+    return out
+
+
 def check_hparams(hparams):
     """Fail fast, before any heavy work, on values the run cannot use."""
     model = hparams["model"]
@@ -774,6 +833,14 @@ def main(argv):
         "significant" if change["significant"] else "not significant",
     )
 
+    ratio = noise_vs_update(
+        result.reports,
+        component_layout(brain),
+        noise_multiplier=config.noise_multiplier,
+        clip=hparams["clip"],
+        expected_cohort_size=hparams["sampling_rate"] * num_clients,
+    )
+    _log_noise_ratio(ratio)
     timings["total"] = time.time() - start_all
     results = {
         "method": hparams["method"],
@@ -793,6 +860,7 @@ def main(argv):
             "missing_languages": info.get("missing_languages", []),
         },
         "profile": profile,
+        "noise_vs_update": ratio,
         "stopped_early": result.stopped_early,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
@@ -818,6 +886,23 @@ def main(argv):
         f"model: {final_model} (python recipes/MLS/transcribe.py {final_model} <wav>)"
     )
     return results
+
+
+def _log_noise_ratio(ratio):
+    """One log line: noise norm / mean update norm, and the LLM/encoder per-matrix ratio."""
+    if ratio["ratio"] is None:
+        logger.info("Noise vs update norm: no client norms recorded")
+        return
+    profile = ratio["norm_profile"] or {}
+    llm_enc = profile.get("llm_encoder_ratio")
+    logger.info(
+        "Noise norm per round %.3g (sigma %g, %s; n = %.1f, d = %d) vs mean client update norm "
+        "%.3g: ratio %.2f; (LLM + connector)/encoder per-matrix update-norm ratio %s (paper: "
+        "~12x Whisper + TinyLlama, 1.7x Voxtral)",
+        ratio["noise_norm"], ratio["sigma"], ratio["sigma_source"], ratio["expected_cohort_size"],
+        ratio["trainable_values"], ratio["mean_update_norm"], ratio["ratio"],
+        f"{llm_enc:.2f}x" if llm_enc is not None else "n/a (encoder frozen)",
+    )  # fmt: skip
 
 
 def _hparams_path(hparams_file):

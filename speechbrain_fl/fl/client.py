@@ -20,7 +20,8 @@ with the round seed plus the partition id (reproducible runs and resumes), run `
 wrapper around the instance's hook, so ``Brain.fit`` is neither copied nor overridden), compute
 delta = local - global, clip it with the budgets from the ConfigRecord
 (:func:`speechbrain_fl.privacy.clip_update`) and reply with the clipped delta and a MetricRecord:
-``num-examples``, ``train-loss``, and, when clipping, the pre-clip ``group-norms``,
+``num-examples``, ``train-loss``, and, when clipping or when the server sends ``clip-groups``
+without budgets (FLConfig ``record_norms``: measured, nothing clipped), the pre-clip ``group-norms``,
 ``group-clipped``, ``component-norms``, ``component-clipped`` (lists in the order the server
 sent), ``joint-norm`` and ``clip-ratio``. The model is reset to the global parameters after each
 round, so a cached Brain never carries local state into the next round.
@@ -211,6 +212,9 @@ def _seed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+#: The bound used when the server asks for group norms without clipping (``clip-groups`` and
+#: no ``clip-budgets``): no finite update reaches it, so nothing is clipped.
+NORMS_ONLY_BUDGET = 1e300
 
 
 def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str, Any]:
@@ -276,8 +280,10 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             )
         delta = {n: v for n, v in delta.items() if n in names}
         metrics.update(extra)
-    if "clip-budgets" in config:
-        budgets = json.loads(str(config["clip-budgets"]))
+    if "clip-budgets" in config or "clip-groups" in config:
+        # no budgets but groups asked for (a non-DP run recording norms): a bound no update
+        # reaches, so the statistics are measured and every tensor is returned unchanged
+        budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
         delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
         metrics.update(
             _client_metrics(

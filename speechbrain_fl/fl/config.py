@@ -106,6 +106,9 @@ class FLConfig:
         Simulation backend of :func:`speechbrain_fl.fl.engine.run_simulation`: ``local`` (one
         process, the default on one machine) or ``ray`` (Flower's Ray backend, for clusters);
         a ``ray_address`` given to the engine selects ``ray``. Not used by ``flwr run``.
+    record_norms : bool
+        A run without clipping (FedAvg) still has its clients report their update's per-group
+        and per-component norms (nothing is clipped), for the telemetry and Fig. 2.
 
     Example
     -------
@@ -139,6 +142,7 @@ class FLConfig:
     population_size: int | None = None
     sampler_seed: int | None = None
     backend: str = "local"
+    record_norms: bool = False
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:

@@ -458,6 +458,8 @@ class DPFedAvg(FedAvg):
         config["round-seed"] = int(self.seed_rng.integers(2**31 - 1))
         if budgets is not None:
             config["clip-budgets"] = json.dumps(budgets)
+        if budgets is not None or self.config.record_norms:
+            # without budgets the clients measure their update's group norms, clip nothing
             config["clip-groups"] = json.dumps(list(self.layout.names))
             config["clip-components"] = json.dumps(list(self.layout.components))
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
@@ -531,6 +533,8 @@ class DPFedAvg(FedAvg):
             ignored=ignored,
         )
         budgets = self.budgets()
+        if budgets is None and self.config.record_norms:
+            self._client_statistics(updates, None, report)  # norms only: nothing to clip
         if budgets is not None:
             # the round's budgets are recorded even when nobody replied (a private round is
             # released all the same): the privacy report's per-pool sigma_eff reads them
@@ -574,9 +578,12 @@ class DPFedAvg(FedAvg):
 
     # ------------------------------------------------------------------ helpers
     def _client_statistics(
-        self, updates: list[ClientUpdate], budgets: float | dict[str, float], report: RoundReport
+        self,
+        updates: list[ClientUpdate],
+        budgets: float | dict[str, float] | None,
+        report: RoundReport,
     ) -> None:
-        """Average the pre-clip statistics the clients reported (telemetry, Fig. 3/5)."""
+        """Average the pre-clip statistics the clients reported (telemetry, Fig. 2/3/5)."""
         groups, comps = list(self.layout.names), list(self.layout.components)
 
         def column(key: str, names: list[str]) -> dict[str, float]:
@@ -601,7 +608,7 @@ class DPFedAvg(FedAvg):
         if isinstance(budgets, dict):
             report.group_budgets = dict(budgets)
             report.component_budgets = dict(component_budgets(self.layout, budgets))
-        else:
+        elif budgets is not None:
             report.component_budgets = {"all": float(budgets)} if comps == ["all"] else {}
 
     def _update_ema(

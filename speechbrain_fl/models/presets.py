@@ -223,6 +223,7 @@ def build_speech_llm(
     dtype: torch.dtype | str | None = None,
     gradient_checkpointing: bool = False,
     seed: int | None = None,
+    train_llm_lora: bool = True,
 ) -> SpeechLLM:
     """Load a preset, add LoRA and mark trainable parameters (paper Sec. II-A and II-D).
 
@@ -251,6 +252,11 @@ def build_speech_llm(
         Enable non-reentrant gradient checkpointing in encoder and LLM.
     seed : int, optional
         Seed for the connector / LoRA / CTC-head initialisation.
+    train_llm_lora : bool
+        Train the LLM's LoRA adapters (the paper's setting). False keeps them frozen: the
+        federated update is then the encoder adapters (unless frozen), CTC head and connector.
+        Ours, for the tiny model: its LLM adapters, trained on client transcripts, learn to
+        continue the text and stop reading the audio (``recipes/MLS/README.md``).
 
     Returns
     -------
@@ -305,7 +311,7 @@ def build_speech_llm(
             add_lora(model.llm, targets=LLM_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
             if not freeze_encoder:
                 add_lora(model.encoder, targets=ENCODER_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
-    model.set_trainable(train_encoder_lora=not freeze_encoder)
+    model.set_trainable(train_encoder_lora=not freeze_encoder, train_llm_lora=train_llm_lora)
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()

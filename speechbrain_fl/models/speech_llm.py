@@ -166,8 +166,12 @@ class SpeechLLM(nn.Module):
         prompt: str = "Transcribe the audio:",
         ctc_weight: float = 0.0,
         max_new_tokens: int = 256,
+        input_token_noise: float = 0.0,
     ) -> None:
         super().__init__()
+        if not 0.0 <= input_token_noise < 1.0:
+            raise ValueError(f"input_token_noise must be in [0, 1), got {input_token_noise}")
+        self.input_token_noise = float(input_token_noise)
         self.encoder = encoder
         self.connector = connector
         self.llm = llm
@@ -207,10 +211,14 @@ class SpeechLLM(nn.Module):
                 return label
         raise KeyError(f"parameter {name!r} matches no component pattern {COMPONENT_PATTERNS}")
 
-    def set_trainable(self, *, train_encoder_lora: bool, train_base: bool = False) -> None:
-        """Freeze everything, then unfreeze LoRA (LLM; encoder if asked), connector, CTC head.
+    def set_trainable(
+        self, *, train_encoder_lora: bool, train_base: bool = False, train_llm_lora: bool = True
+    ) -> None:
+        """Freeze everything, then unfreeze LoRA (LLM, encoder if asked), connector, CTC head.
 
         ``train_base=True`` unfreezes every weight (central seed pretraining of the tiny model).
+        ``train_llm_lora=False`` keeps the LLM's adapters frozen (at B = 0 they change nothing),
+        so adaptation goes through the audio side only: encoder adapters, CTC head, connector.
         """
         for name, param in self.named_parameters():
             if train_base:
@@ -218,7 +226,8 @@ class SpeechLLM(nn.Module):
             elif name.startswith(("connector.", "ctc_head.")):
                 param.requires_grad_(True)
             elif "lora_" in name:
-                param.requires_grad_(name.startswith("llm.") or train_encoder_lora)
+                llm = name.startswith("llm.")
+                param.requires_grad_(train_llm_lora if llm else train_encoder_lora)
             else:
                 param.requires_grad_(False)
 
@@ -309,6 +318,7 @@ class SpeechLLM(nn.Module):
         audio_lens: torch.Tensor,
         targets: list[list[int]] | None = None,
         languages: list[str] | None = None,
+        corrupt: float = 0.0,
     ) -> LLMInputs:
         """Build ``[pad | bos | audio_i | prompt_i | targets_i | pad]`` rows (module docstring).
 
@@ -351,9 +361,42 @@ class SpeechLLM(nn.Module):
                 labels[i, prefix_len : prefix_len + len(tgt)] = target_ids[i, : len(tgt)]
         pad_emb = embed(torch.tensor([self.pad_id], device=device))
         padded = [torch.cat([pad_emb.expand(prefix_len - p.shape[0], -1), p]) for p in prefixes]
-        inputs = torch.cat([torch.stack(padded), embed(target_ids)], dim=1)
+        input_ids = target_ids
+        if corrupt > 0:
+            input_ids = self.corrupt_inputs(target_ids, corrupt)
+        inputs = torch.cat([torch.stack(padded), embed(input_ids)], dim=1)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         return LLMInputs(inputs, mask, position_ids, labels, prefix_len)
+
+    def corrupt_inputs(self, ids: torch.Tensor, rate: float) -> torch.Tensor:
+        """Teacher-forced input ids with a ``rate`` share replaced by random ordinary tokens.
+
+        Only the decoder's *inputs* are corrupted; the labels stay the true transcript, so the
+        model learns to predict the next token when its own history may be wrong, as it is in
+        greedy decoding (exposure bias; a cheap form of scheduled sampling, Bengio et al. 2015,
+        and of word dropout, Bowman et al. 2016). Replacement ids are drawn uniformly among the
+        non-special tokens. The randomness is torch's global generator (training noise, not a
+        privacy mechanism).
+
+        Example
+        -------
+        >>> import tempfile
+        >>> from speechbrain_fl.models.presets import build_speech_llm
+        >>> model = build_speech_llm("tiny", cache_dir=tempfile.mkdtemp())
+        >>> ids = torch.full((4, 50), 10)
+        >>> float((model.corrupt_inputs(ids, 0.0) != ids).float().mean())
+        0.0
+        >>> 0.2 < float((model.corrupt_inputs(ids, 0.5) != ids).float().mean()) < 0.8
+        True
+        """
+        special = set(self.tokenizer.all_special_ids)
+        ordinary = [i for i in range(len(self.tokenizer)) if i not in special]
+        if not ordinary or rate <= 0:
+            return ids
+        pool = torch.tensor(ordinary, device=ids.device)
+        pick = torch.rand(ids.shape, device=ids.device) < rate
+        random_ids = pool[torch.randint(len(pool), ids.shape, device=ids.device)]
+        return torch.where(pick, random_ids, ids)
 
     # ------------------------------------------------------------------ training and decoding
     def forward(
@@ -369,7 +412,9 @@ class SpeechLLM(nn.Module):
         """
         frames, enc_lens, audio, audio_lens = self.encode(wavs, wav_lens)
         targets = self.tokenize_transcripts(transcripts)
-        batch = self.assemble(audio, audio_lens, targets, languages)
+        batch = self.assemble(
+            audio, audio_lens, targets, languages, corrupt=self.input_token_noise * self.training
+        )
         keep = batch.labels.shape[1] - batch.prefix_len + 1
         logits = self.llm(
             inputs_embeds=batch.inputs_embeds,

@@ -158,12 +158,14 @@ def test_main_skips_existing_runs_and_writes_table(root, tmp_path, capsys):
             "--output-root", str(root),
             "--table-file", str(table_file),
             "--readme", str(readme),
+            "--private-epsilon", "0",
             "--number_of_rounds", "3",
         ]
     )  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
     assert out.count("skipped") == 6 and "$ " not in out  # nothing was run
+    assert not (table_file.parent / "method_table_dev_wer.png").exists()  # no rounds.csv
     table = table_file.read_text()
     assert table.startswith(method_table.HEADER)
     text = readme.read_text()
@@ -219,3 +221,61 @@ def test_bad_arguments(tmp_path):
     (bad / "results.json").write_text('{"test": {}}')
     with pytest.raises(ValueError, match="results.json: no test.WER"):
         method_table.load_results(tmp_path)
+
+
+def test_sigma_for_epsilon_stays_at_or_below_the_target():
+    from speechbrain_fl.privacy.accounting import compute_epsilon
+
+    sigma = method_table.sigma_for_epsilon(
+        sampling_rate=0.3, rounds=10, delta=1e-5, target_epsilon=10.0
+    )
+    eps = compute_epsilon(sampling_rate=0.3, noise_multiplier=sigma, rounds=10, delta=1e-5)
+    assert eps <= 10.0
+    assert (
+        compute_epsilon(sampling_rate=0.3, noise_multiplier=sigma - 0.01, rounds=10, delta=1e-5)
+        > 10.0 - 1.0
+    )  # not wastefully large
+
+
+def _with_ratio(results, ratio, *, sigma_source="this run"):
+    results["noise_vs_update"] = {
+        "noise_norm": ratio * 0.5, "mean_update_norm": 0.5, "ratio": ratio,
+        "sigma_source": sigma_source, "trainable_values": 55504, "expected_cohort_size": 38.4,
+        "norm_profile": {"llm_encoder_ratio": 0.4},
+    }  # fmt: skip
+    return results
+
+
+def test_change_table(root):
+    results = method_table.load_results(root)
+    _with_ratio(results[("fedavg", "unfrozen")], 0.8, sigma_source="paper (no noise)")
+    table = method_table.format_change_table(results)
+    row = _row(table, "FedAvg (no DP) | unfrozen")
+    assert row[2] == "-0.1700 [-0.2200, -0.1200] (-38%)"
+    assert row[3] == "0.4 / 0.5 = 0.80 (σ 0.1)" and row[4] == "0.40x"
+    assert _row(table, "Flat | frozen")[3:] == ["-", "-"]
+
+
+def test_private_table_extrapolates_to_larger_populations(root):
+    results = method_table.load_results(root)
+    run = _with_ratio(results[("alpha_split", "unfrozen")], 10.0)
+    run["privacy"].update(noise_multiplier=0.87, epsilon=9.9, delta=1e-5, rounds=10, clip=1.0)
+    table = method_table.format_private_table(
+        {("alpha_split", "unfrozen"): run}, target_epsilon=10.0
+    )
+    row = _row(table, "α-Split | unfrozen")
+    assert row[2:4] == ["0.87", "9.90"]
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if "|" in line}
+    populations = [k for k in lines if k.replace(",", "").isdigit()]
+    assert populations == ["128", "316", "10,000"]
+    # same q and sigma: same epsilon at every population; noise std sigma C / n
+    assert "| 95 | 9.16e-03 |" in lines["316"] and "| 3,000 | 2.90e-04 |" in lines["10,000"]
+
+
+def test_dev_wer_figure_from_rounds(root, tmp_path):
+    for method, variant in [("fedavg", "unfrozen"), ("alpha_split", "unfrozen")]:
+        folder = method_table.run_folder(root, method, variant)
+        (folder / "rounds.csv").write_text("round,WER\n0,0.5\n3,0.45\n")
+    path = method_table.write_dev_wer_figure({"σ 0.1": root}, tmp_path / "f" / "w.png")
+    assert path.is_file() and path.stat().st_size > 1000
+    assert method_table.write_dev_wer_figure({"x": tmp_path / "none"}, tmp_path / "n.png") is None
