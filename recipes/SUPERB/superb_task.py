@@ -1,11 +1,11 @@
 """The SUPERB federated task: Brain, data pipelines, seed model, ClientApp/ServerApp builders.
 
-``superb_task(hparams, overrides) -> FLTask`` is the recipe's task factory: ``train_fl.py``
-runs it on the Simulation Engine, and the Deployment Engine's apps load it from the run config
-(``task = "superb_task:superb_task"``, with ``recipes/SUPERB`` on ``PYTHONPATH``). It lives in
-its own module (not in ``train_fl.py``, which runs as ``__main__``) so that Ray ships the
-builders by reference: a builder pickled by value from ``__main__`` would carry the process's
-cached model (with its weight-norm parametrisation, which cannot be pickled) along.
+``superb_task(hparams, overrides) -> FLTask`` is the recipe's task factory. Both engines reach
+it through a :class:`~speechbrain_fl.fl.task.TaskSpec` naming this file
+(``recipes/SUPERB/superb_task.py:superb_task``): ``train_fl.py`` hands the spec to the
+Simulation Engine, whose Ray actors load the factory themselves, and ``flwr run`` names it in
+the run config. It lives in its own module (not in ``train_fl.py``, which runs as
+``__main__``) so every process imports the same module once and keeps one model per process.
 
 Authors
  * speechbrain-fl contributors
