@@ -24,12 +24,15 @@ Authors
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 RECIPE_DIR = Path(__file__).resolve().parent
 ROOT = RECIPE_DIR.parents[1]
@@ -68,7 +71,7 @@ def run(hparams, name, overrides, folder, extra):
             os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         )
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-    return json.loads(results.read_text())
+    return {**json.loads(results.read_text()), "_folder": str(out)}
 
 
 def _cell(results, exit_):
@@ -80,22 +83,121 @@ def _cell(results, exit_):
     return f"{entry[metric]:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
+def _value(results, exit_):
+    entry = results["test"].get(str(exit_))
+    return None if entry is None else entry["WER" if "WER" in entry else "accuracy"]
+
+
+def _predictions(results, exit_):
+    """``{utterance id: (speaker, correct)}`` of one run's exit, or None (ASR, or no file)."""
+    path = Path(results.get("_folder", "")) / "test_predictions.csv"
+    if not path.is_file():
+        return None
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    column = f"pred_{exit_}"
+    if not rows or column not in rows[0]:
+        return None
+    return {r["ID"]: (r["spk_id"], float(r[column] == r["label"])) for r in rows}
+
+
+def paired_difference(run_a, exit_a, run_b, exit_b, *, num_resamples=2000, seed=0):
+    """Accuracy of (run_a, exit_a) minus (run_b, exit_b) on the same test clips, with a paired
+    speaker-level bootstrap 95% CI (one speaker draw per replicate for both).
+
+    Two runs' marginal intervals overlap easily on a small test split; the paired interval
+    tells whether the *difference* is beyond speaker sampling noise (it does not cover the
+    training-run variance: one run per cell). Returns ``(difference, (lo, hi))`` or None when a
+    run has no per-clip predictions (ASR).
+    """
+    from speechbrain_fl.metrics.resampling import speaker_bootstrap, speaker_totals
+
+    a, b = _predictions(run_a, exit_a), _predictions(run_b, exit_b)
+    if a is None or b is None:
+        return None
+    if set(a) != set(b):
+        raise ValueError("the two runs were tested on different clips; cannot pair them")
+    ids = sorted(a)
+    _, totals = speaker_totals(
+        speakers=[a[i][0] for i in ids],
+        correct_a=[a[i][1] for i in ids],
+        correct_b=[b[i][1] for i in ids],
+        clips=[1.0] * len(ids),
+    )
+    table = np.stack([totals["correct_a"], totals["correct_b"], totals["clips"]], axis=1)
+    boot = speaker_bootstrap(
+        table, lambda t: (t[0] - t[1]) / t[2], num_resamples=num_resamples, seed=seed
+    )
+    point = float((table[:, 0].sum() - table[:, 1].sum()) / table[:, 2].sum())
+    return point, (float(boot.ci_low), float(boot.ci_high))
+
+
+def _difference_text(diff):
+    if diff is None:
+        return "n/a"
+    value, (lo, hi) = diff
+    verdict = "beyond" if lo > 0 or hi < 0 else "within"
+    return f"{value:+.3f} [{lo:+.3f}, {hi:+.3f}] ({verdict} speaker noise)"
+
+
 def tables_markdown(results, best_exit, shallow=3):
-    """The two tables as markdown from ``{run name: results.json}``."""
-    metric = "WER" if next(iter(results.values()))["task"] == "asr" else "accuracy"
+    """The two tables (the paper's layout) as markdown from ``{run name: results.json}``.
+
+    Table 1: one row per exit, one column per scenario (centralized, homogeneous FL, and the
+    heterogeneous layer-wise depth-aware run at its two exits), the best exit of each column
+    in bold, then the best exit against exit 12 per scenario (paired speaker bootstrap).
+    Table 2: the heterogeneous settings at both trained exits, then layer-wise (depth-aware)
+    against ``fedavg_full`` (paired).
+    """
+    first = next(iter(results.values()))
+    metric = "WER" if first["task"] == "asr" else "accuracy"
+    better = min if metric == "WER" else max
     lines = []
+    hetero = "heterogeneous_layerwise_depth_aware"
     if any(k.startswith("centralized_") for k in results):
-        lines += [
-            f"Table 1: test {metric} [95% CI] by exit and scenario",
-            "",
-            "| Scenario | " + " | ".join(f"exit {e}" for e in EXITS) + " |",
-            "|---|" + "---|" * len(EXITS),
+        columns = [
+            ("centralized", {e: results.get(f"centralized_{e}") for e in EXITS}),
+            ("homogeneous FL", {e: results.get(f"homogeneous_{e}") for e in EXITS}),
         ]
+        if hetero in results:
+            columns.append(
+                (
+                    f"heterogeneous FL (exits {shallow}+{best_exit}, layer-wise depth-aware)",
+                    {e: results[hetero] for e in EXITS if str(e) in results[hetero]["test"]},
+                )
+            )
+        best = {}
+        for name, runs in columns:
+            scored = {e: _value(r, e) for e, r in runs.items() if r is not None}
+            scored = {e: v for e, v in scored.items() if v is not None}
+            best[name] = better(scored, key=scored.get) if scored else None
+        lines += [
+            f"Table 1: test {metric} [95% CI] by exit and scenario (best exit of each column "
+            "in bold)",
+            "",
+            "| Exit | " + " | ".join(name for name, _ in columns) + " |",
+            "|---|" + "---|" * len(columns),
+        ]
+        for e in EXITS:
+            cells = []
+            for name, runs in columns:
+                run = runs.get(e)
+                cell = _cell(run, e) if run is not None else "-"
+                cells.append(f"**{cell}**" if best[name] == e and cell != "-" else cell)
+            lines.append(f"| {e} | " + " | ".join(cells) + " |")
+        lines += ["", "Best exit minus exit 12, same test clips (paired speaker bootstrap 95% CI):"]
         for scenario in ("centralized", "homogeneous"):
-            cells = [
-                _cell(results[f"{scenario}_{e}"], e) for e in EXITS if f"{scenario}_{e}" in results
-            ]
-            lines.append(f"| {scenario} | " + " | ".join(cells) + " |")
+            name = "centralized" if scenario == "centralized" else "homogeneous FL"
+            e_best = best.get(name)
+            if e_best is None or f"{scenario}_12" not in results:
+                continue
+            if e_best == 12:
+                lines.append(f"- {name}: exit 12 is the best exit")
+                continue
+            diff = paired_difference(
+                results[f"{scenario}_{e_best}"], e_best, results[f"{scenario}_12"], 12
+            )
+            lines.append(f"- {name}: exit {e_best} - exit 12 = {_difference_text(diff)}")
         lines.append("")
     if "heterogeneous_fedavg_full" in results:
         lines += [
@@ -115,6 +217,14 @@ def tables_markdown(results, best_exit, shallow=3):
             if key in results:
                 r = results[key]
                 lines.append(f"| {label} | {_cell(r, shallow)} | {_cell(r, best_exit)} |")
+        if hetero in results:
+            lines += ["", "Layer-wise (depth_aware) minus fedavg_full, same test clips (paired "
+                      "speaker bootstrap 95% CI):"]  # fmt: skip
+            for e in (shallow, best_exit):
+                diff = paired_difference(
+                    results[hetero], e, results["heterogeneous_fedavg_full"], e
+                )
+                lines.append(f"- exit {e}: {_difference_text(diff)}")
     return "\n".join(lines)
 
 

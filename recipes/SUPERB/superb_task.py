@@ -1,11 +1,11 @@
 """The SUPERB federated task: Brain, data pipelines, seed model, ClientApp/ServerApp builders.
 
-``superb_task(hparams, overrides) -> FLTask`` is the recipe's task factory: ``train_fl.py``
-runs it on the Simulation Engine, and the Deployment Engine's apps load it from the run config
-(``task = "superb_task:superb_task"``, with ``recipes/SUPERB`` on ``PYTHONPATH``). It lives in
-its own module (not in ``train_fl.py``, which runs as ``__main__``) so that Ray ships the
-builders by reference: a builder pickled by value from ``__main__`` would carry the process's
-cached model (with its weight-norm parametrisation, which cannot be pickled) along.
+``superb_task(hparams, overrides) -> FLTask`` is the recipe's task factory. Both engines reach
+it through a :class:`~speechbrain_fl.fl.task.TaskSpec` naming this file
+(``recipes/SUPERB/superb_task.py:superb_task``): ``train_fl.py`` hands the spec to the
+Simulation Engine, whose Ray actors load the factory themselves, and ``flwr run`` names it in
+the run config. It lives in its own module (not in ``train_fl.py``, which runs as
+``__main__``) so every process imports the same module once and keeps one model per process.
 
 Authors
  * speechbrain-fl contributors
@@ -539,23 +539,26 @@ def apply_memory_budgets(hparams, settings):
 
 
 def fl_config(hparams):
-    """The engine's FLConfig from the recipe's hparams."""
+    """The engine's FLConfig from the recipe's hparams, through the shared YAML vocabulary.
+
+    :meth:`speechbrain_fl.fl.config.FLConfig.from_hparams` reads ``number_of_rounds``,
+    ``method``, ``sampling_rate``, ``noise_multiplier``, ... like every recipe's. The one
+    SUPERB difference: its ``aggregation`` (``layerwise`` | ``fedavg_full``) and ``weighting``
+    keys name a registered rule of :mod:`speechbrain_fl.fl.layerwise`, passed as the config's
+    ``aggregation`` field.
+
+    Example
+    -------
+    >>> cfg = fl_config({"output_folder": "o", "number_of_rounds": 3, "method": "fedavg",
+    ...     "aggregation": "layerwise", "weighting": "samples", "noise_multiplier": 0.0})
+    >>> cfg.num_rounds, cfg.aggregation, cfg.private
+    (3, 'layerwise_samples', False)
+    """
     from speechbrain_fl.fl.config import FLConfig
     from speechbrain_fl.fl.layerwise import rule_name
 
-    return FLConfig(
-        output_folder=hparams["output_folder"],
-        num_rounds=hparams["number_of_rounds"],
-        sampling_rate=hparams["sampling_rate"],
-        min_clients=hparams["min_clients"],
-        local_epochs=hparams["local_epochs"],
-        noise_multiplier=hparams["noise_multiplier"],
-        clip=hparams["clip"],
-        aggregation=rule_name(hparams["aggregation"], hparams["weighting"]),
-        eval_every=hparams["eval_every"],
-        round_timeout=hparams["round_timeout"],
-        max_retries=hparams["max_retries"],
-        seed=hparams["seed"],
+    return FLConfig.from_hparams(
+        hparams, aggregation=rule_name(hparams["aggregation"], hparams["weighting"])
     )
 
 
@@ -578,6 +581,11 @@ def check_hparams(hparams):
         if value is not None and int(value) not in exits:
             raise ValueError(f"{key}: {value!r} is not one of the exits {exits}")
     rule_name(hparams["aggregation"], hparams["weighting"])
+    if hparams.get("method", "fedavg") != "fedavg":
+        raise ValueError(
+            f"method: {hparams['method']!r}: the SUPERB recipe runs without clipping "
+            "(method: fedavg); clipping partial (layer-wise) replies is not implemented"
+        )
     if hparams["noise_multiplier"] > 0:
         from speechbrain_fl.fl.aggregation import get_rule
 
@@ -674,23 +682,88 @@ def load_hparams(hparams_file, overrides=None, run_opts=None):
     return hparams, base_file, merged
 
 
+# Preparation keys: every hparams value that is plain data (numbers, strings, lists,
+# mappings); objects (the train logger) are left out. A change of any of them prepares again
+# (the corpus and the seed model are cached on disk, so that is cheap).
+_PLAIN = (str, int, float, bool, type(None), list, dict)
+
+
+def prepare_settings(hparams, run_opts):
+    """:func:`make_settings` once per run (:func:`speechbrain_fl.recipe.prepare_once`).
+
+    The first process of a run (the script, or the ServerApp of ``flwr run``) prepares the data
+    and the seed model and writes ``<save_folder>/prepared.json``; the others (Ray actors,
+    SuperNodes, ClientApps) read it, so no process rewrites a file another one is reading.
+    """
+    from speechbrain_fl.recipe import prepare_once
+
+    key = {k: v for k, v in hparams.items() if isinstance(v, _PLAIN) and not k.startswith("__")}
+    key["run_opts"] = dict(run_opts)
+    return prepare_once(hparams["save_folder"], key, lambda: make_settings(hparams, run_opts))
+
+
+def setup_run(hparams_path, overrides=None):
+    """Hparams, run options and prepared settings of a run, from one overrides mapping.
+
+    Arguments
+    ---------
+    hparams_path : str or PathLike
+        A task file (``hparams/kws.yaml``: relative to the working directory, then to the
+        repository root, then to this folder).
+    overrides : mapping, optional
+        Hparams overrides and SpeechBrain run options in one mapping (as ``flwr run
+        --run-config`` sends them; hyphens read as underscores).
+
+    Returns
+    -------
+    tuple
+        ``(hparams, run_opts, settings)``.
+    """
+    from speechbrain_fl.recipe import federated_run_options, split_overrides
+
+    values, run_opts = split_overrides(overrides)
+    run_opts = federated_run_options(run_opts)
+    path = Path(hparams_path or "hparams/kws.yaml")
+    if not path.is_file() and (RECIPE_DIR.parents[1] / path).is_file():
+        path = RECIPE_DIR.parents[1] / path  # relative to the app (repository) root
+    hparams, _, _ = load_hparams(path, values, run_opts)
+    os.makedirs(hparams["output_folder"], exist_ok=True)
+    return hparams, run_opts, prepare_settings(hparams, run_opts)
+
+
 def superb_task(hparams_path=None, overrides=None):
     """The recipe's task factory: ``superb_task(hparams, overrides) -> FLTask``.
 
-    Used by ``train_fl.py`` (Simulation Engine) and by the Deployment Engine's apps
-    (run config ``task = "train_fl:superb_task"`` with this folder on ``PYTHONPATH``).
-    Preparation and seed pretraining are cached, so calling it in every process is cheap after
-    the first.
+    Both engines load it through a :class:`~speechbrain_fl.fl.task.TaskSpec`:
+    ``train_fl.py`` hands ``recipes/SUPERB/superb_task.py:superb_task`` to the Simulation
+    Engine (each Ray actor loads the factory itself), and ``flwr run`` names it in the run
+    config (``task = "recipes/SUPERB/superb_task.py:superb_task"``, ``hparams =
+    "hparams/kws.yaml"``, ``overrides = "{...}"``). Preparation runs once per run
+    (:func:`prepare_settings`). When the rounds end, ``on_result`` evaluates every trained exit
+    on the test split and writes ``results.json``, ``test_predictions.csv`` and the plots in
+    the ServerApp's process (:func:`report_run`), on either engine.
+
+    Arguments
+    ---------
+    hparams_path : str, optional
+        A task file; default ``hparams/kws.yaml``.
+    overrides : dict, optional
+        See :func:`setup_run`.
+
+    Returns
+    -------
+    FLTask
+        ``info`` holds ``hparams`` and ``settings``, and ``results`` once the run has ended.
     """
-    overrides = {k.replace("-", "_"): v for k, v in (overrides or {}).items()}
-    hparams, _, _ = load_hparams(hparams_path or "hparams/kws.yaml", overrides)
+    start = time.time()
+    hparams, _, settings = setup_run(hparams_path, overrides)
     if hparams["scenario"] == "centralized":
         raise ValueError("scenario: centralized has no federated task; run train_fl.py")
-    settings = make_settings(hparams, {})
-    return _fl_task(settings, hparams)
+    info = {"hparams": hparams, "settings": settings}
+    return _fl_task(settings, hparams, info=info, start=start)
 
 
-def _fl_task(settings, hparams):
+def _fl_task(settings, hparams, *, info, start):
     from speechbrain_fl.fl.task import FLTask
 
     return FLTask(
@@ -699,24 +772,49 @@ def _fl_task(settings, hparams):
             build_server, settings=settings, fl_config=fl_config(hparams)
         ),
         num_partitions=len(settings["clients"]),
+        on_result=functools.partial(
+            _on_result, settings=settings, hparams=hparams, info=info, start=start
+        ),
+        info=info,
     )
+
+
+def _on_result(result, *, settings, hparams, info, start):
+    """The rounds ended (in the ServerApp's process): evaluate, write the run's outputs."""
+    timings = dict(settings["timings"], training=time.time() - start)
+    info["results"] = report_run(settings, hparams, result, timings=timings, start=start)
 
 
 # ##########################################################################################
 # Scenarios
 # ##########################################################################################
-def run_federated(settings, hparams):
-    """Heterogeneous / homogeneous: the rounds on Flower's Simulation Engine (Ray)."""
-    from speechbrain_fl.fl.engine import run_simulation
+TASK = f"{Path(__file__).resolve()}:superb_task"
 
-    return run_simulation(
-        _fl_task(settings, hparams),
+
+def run_federated(spec, hparams):
+    """Heterogeneous / homogeneous: the spec's rounds on Flower's Simulation Engine (Ray).
+
+    ``spec`` is a :class:`~speechbrain_fl.fl.task.TaskSpec` of :func:`superb_task`; the actors
+    load the factory themselves. Returns the task's results (``results.json``'s content).
+    """
+    from speechbrain_fl.fl.engine import run_simulation
+    from speechbrain_fl.fl.task import load_task
+
+    if hparams["engine"] != "simulation":
+        raise ValueError(
+            f"engine: {hparams['engine']!r}: train_fl.py drives the Simulation Engine; for the "
+            "Deployment Engine use `flwr run` with task = "
+            '"recipes/SUPERB/superb_task.py:superb_task" (README)'
+        )
+    run_simulation(
+        spec,
         client_resources={
             "num_cpus": hparams["num_cpus_per_client"],
             "num_gpus": hparams["num_gpus_per_client"],
         },
         ray_address=hparams["ray_address"],
     )
+    return load_task(spec).info["results"]
 
 
 def run_centralized(settings, hparams):
@@ -881,3 +979,72 @@ def write_plots(folder):
         return []
     (Path(folder) / "plots").mkdir(parents=True, exist_ok=True)
     return [plot_metrics(rounds, Path(folder) / "plots" / "metric_by_round.png", columns)]
+
+
+def report_run(settings, hparams, result, *, timings, start):
+    """Evaluate the final model at every trained exit and write the run's outputs.
+
+    ``results.json`` (the schema in the README), ``test_predictions.csv``, the plots and, for
+    ASV, the trial scores; prints the results table. ``result`` is the engine's
+    :class:`~speechbrain_fl.fl.server.ServerResult` or the centralized run's equivalent
+    (``params`` and ``last_round``). Returns the results mapping.
+    """
+    from speechbrain_fl.fl.params import load_trainable
+
+    timings = dict(timings)
+    brain = build_brain(settings)
+    load_trainable(brain.modules, result.params)
+    t0 = time.time()
+    test, rows = evaluate_test(brain, settings, hparams)
+    extra = {}
+    if hparams["task"] == "asv":
+        from superb_data import score_asv
+
+        extra["asv"] = score_asv(brain, settings, hparams)
+    timings["evaluation"] = time.time() - t0
+    if rows:
+        with atomic_open(
+            os.path.join(hparams["output_folder"], "test_predictions.csv"), newline=""
+        ) as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    t0 = time.time()
+    memory, memory_step = memory_by_exit(settings, hparams)
+    timings["memory"] = time.time() - t0
+    timings["total"] = time.time() - start
+    results = {
+        "task": hparams["task"],
+        "scenario": hparams["scenario"],
+        "aggregation": hparams["aggregation"],
+        "weighting": hparams["weighting"],
+        "checkpoint": str(hparams["model"]),
+        "checkpoint_source": settings["model"]["source"],
+        "test": test,
+        "memory_mb": memory,
+        "memory_step_mb": {k: round(v, 1) for k, v in memory_step.items()},
+        **extra,
+        "depths": settings["depths"],
+        "depth_decisions": settings.get("depth_decisions"),
+        "num_clients": len(settings["clients"]),
+        "rounds": result.last_round,
+        "seed": hparams["seed"],
+        "freeze_feature_encoder": hparams["freeze_feature_encoder"],
+        "embedded_corpus": hparams["data_folder"] is None,
+        "bootstrap_unit": TASKS[hparams["task"]]["bootstrap_unit"],
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+    with atomic_open(os.path.join(hparams["output_folder"], "results.json")) as handle:
+        json.dump(results, handle, indent=2, default=float)
+    plots = write_plots(hparams["output_folder"])
+    hparams["train_logger"].log_stats(
+        stats_meta={"round": result.last_round, "scenario": hparams["scenario"]},
+        test_stats={f"exit_{e}": next(iter(v.values())) for e, v in test.items()},
+    )
+    print("\n" + format_table(results))
+    print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
+    print(
+        f"Results: {os.path.join(hparams['output_folder'], 'results.json')}; "
+        f"{len(plots)} plot(s) in {os.path.join(hparams['output_folder'], 'plots')}"
+    )
+    return results

@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB"
 sys.path.insert(0, str(RECIPE))
 
-from results_table import grid, tables_markdown, write_readme  # noqa: E402
+from results_table import grid, paired_difference, tables_markdown, write_readme  # noqa: E402
 
 
 def _result(values):
@@ -33,17 +35,46 @@ def test_grid_covers_both_tables():
 
 
 def test_tables_markdown_and_readme_markers(tmp_path):
-    results = {
-        f"{s}_{e}": _result({e: 0.5}) for s in ("centralized", "homogeneous") for e in (3, 6, 9, 12)
-    }
+    values = {"centralized": {3: 0.5, 6: 0.6, 9: 0.55, 12: 0.4},
+              "homogeneous": {3: 0.45, 6: 0.5, 9: 0.5, 12: 0.52}}  # fmt: skip
+    results = {f"{s}_{e}": _result({e: v}) for s, row in values.items() for e, v in row.items()}
     results["heterogeneous_fedavg_full"] = _result({3: 0.3, 6: 0.4})
     results["heterogeneous_layerwise_depth_aware"] = _result({3: 0.6, 6: 0.7})
     text = tables_markdown(results, 6)
-    assert "| centralized | 0.500 [0.400, 0.600] |" in text
+    # one row per exit; columns centralized | homogeneous FL | heterogeneous; best in bold
+    assert "| 6 | **0.600 [0.500, 0.700]** | 0.500 [0.400, 0.600] | **0.700" in text
+    assert "| 12 | 0.400 [0.300, 0.500] | **0.520 [0.420, 0.620]** | - |" in text
+    assert "- homogeneous FL: exit 12 is the best exit" in text
+    assert "- centralized: exit 6 - exit 12 = n/a" in text  # no per-clip predictions here
     assert "| heterogeneous + fedavg_full | 0.300 [0.200, 0.400] | 0.400 [0.300, 0.500] |" in text
     assert "layer-wise (depth_aware) | 0.600" in text and "uniform" not in text
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- results:kws12:start -->\nold\n<!-- results:kws12:end -->\nb\n")
     write_readme("kws12", text, readme)
     content = readme.read_text()
-    assert "old" not in content and "Table 2" in content and content.endswith("b\n")
+    assert "\nold\n" not in content and "Table 2" in content and content.endswith("b\n")
+
+
+def _predictions_run(folder, exit_, correct):
+    """A run folder whose test_predictions.csv has ``correct[i]`` for clip i (speaker i // 4)."""
+    folder.mkdir()
+    lines = ["ID,spk_id,label,pred_" + str(exit_)]
+    for i, ok in enumerate(correct):
+        lines.append(f"c{i},s{i // 4},yes,{'yes' if ok else 'no'}")
+    (folder / "test_predictions.csv").write_text("\n".join(lines) + "\n")
+    return {"task": "kws12", "test": {}, "_folder": str(folder)}
+
+
+def test_paired_difference_against_hand_values(tmp_path):
+    # 3 speakers x 4 clips; A right on 10 clips, B on 6: difference 4/12
+    a = _predictions_run(tmp_path / "a", 3, [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0])
+    b = _predictions_run(tmp_path / "b", 12, [1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0])
+    diff, (lo, hi) = paired_difference(a, 3, b, 12, num_resamples=500)
+    assert diff == pytest.approx(4 / 12)
+    # per-speaker differences are 2/4, 2/4, 0/4: every resample lies in [0, 0.5]
+    assert 0.0 <= lo <= diff <= hi <= 0.5
+    same, (lo, hi) = paired_difference(a, 3, a, 3, num_resamples=200)
+    assert same == 0.0 and lo == hi == 0.0
+    c = _predictions_run(tmp_path / "c", 3, [1] * 8)
+    with pytest.raises(ValueError, match="different clips"):
+        paired_difference(a, 3, c, 3)
