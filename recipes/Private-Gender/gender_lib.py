@@ -20,6 +20,7 @@ parsing, the experiment folder and the train logger.
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import json
 import logging
@@ -203,6 +204,16 @@ def build_model(hparams: dict, *, num_classes: int, privileged: bool) -> GenderC
 # ##########################################################################################
 # Training
 # ##########################################################################################
+@functools.lru_cache(maxsize=32)
+def _sigma_for(q: float, target_epsilon: float, steps: int, delta: float, accountant: str) -> float:
+    """Noise multiplier for a target epsilon (Opacus's search), once per configuration: the
+    teacher and DP-direct share q and the number of steps."""
+    from speechbrain_fl.privacy.accounting import noise_multiplier_for_epsilon
+
+    return noise_multiplier_for_epsilon(sampling_rate=q, target_epsilon=target_epsilon,
+                                        rounds=steps, delta=delta, accountant=accountant)  # fmt: skip
+
+
 def _delta_check(delta: float, n_priv: int) -> None:
     if not 0 < delta <= 1.0 / n_priv:
         raise ValueError(f"delta = {delta:g} must lie in (0, 1/|D_priv|] = (0, {1.0 / n_priv:.3g}] "
@@ -236,6 +247,8 @@ def train_model(
     """
     from torch.utils.data import DataLoader, TensorDataset
 
+    from speechbrain_fl.privacy.accounting import compute_epsilon
+
     n = labels.numel()
     toks = tokens if tokens is not None else torch.zeros(n, 1, dtype=torch.long)
     loader = DataLoader(TensorDataset(feats, lengths, toks, labels), batch_size=batch_size,
@@ -246,7 +259,6 @@ def train_model(
     if dp is not None:
         from opacus.validators import ModuleValidator
 
-        from speechbrain_fl.privacy.accounting import noise_multiplier_for_epsilon
         from speechbrain_fl.privacy.weighted_dpsgd import DPSGDPrivacyEngine
 
         ModuleValidator.validate(model, strict=True)  # no BatchNorm, supported layers only
@@ -255,9 +267,7 @@ def train_model(
         steps = epochs * len(loader)
         sigma = dp.get("noise_multiplier")
         if sigma is None:
-            sigma = noise_multiplier_for_epsilon(sampling_rate=q, target_epsilon=dp["target_epsilon"],
-                                                 rounds=steps, delta=dp["delta"],
-                                                 accountant=dp["accountant"])  # fmt: skip
+            sigma = _sigma_for(q, dp["target_epsilon"], steps, dp["delta"], dp["accountant"])
         engine = DPSGDPrivacyEngine(accountant=dp["accountant"], class_weights=class_weights,
                                     seed=dp.get("seed"))  # fmt: skip
         model, optimizer, loader = engine.make_private(
@@ -295,8 +305,11 @@ def train_model(
                 break
         losses.append(total / max(count, 1))
         stats = {"loss": losses[-1]}
-        if engine is not None:
-            stats["epsilon"] = engine.get_epsilon(dp["delta"])
+        if engine is not None:  # the same RDP arithmetic, per-step RDP cached (accounting.py)
+            stats["epsilon"] = compute_epsilon(sampling_rate=info["sampling_rate"],
+                                               noise_multiplier=info["noise_multiplier"],
+                                               rounds=steps_done, delta=dp["delta"],
+                                               accountant=dp["accountant"])  # fmt: skip
         logger.info("%s epoch %d: %s", desc, epoch, stats)
         if train_logger is not None:
             train_logger.log_stats(stats_meta={"model": desc, "epoch": epoch}, train_stats=stats)
@@ -304,8 +317,6 @@ def train_model(
             break
     info.update({"losses": losses, "steps": steps_done, "seconds": round(time.time() - start, 1)})
     if engine is not None:
-        from speechbrain_fl.privacy.accounting import compute_epsilon
-
         info["epsilon"] = float(engine.get_epsilon(dp["delta"]))
         # Cross-check the Opacus accountant's history against an independent evaluation.
         check = compute_epsilon(sampling_rate=info["sampling_rate"], noise_multiplier=info["noise_multiplier"],
