@@ -233,6 +233,7 @@ def train_model(
     dp: dict | None,
     class_weights: torch.Tensor | None,
     desc: str,
+    batch_adaptive: dict | None = None,
     max_steps: int | None = None,
     train_logger=None,
 ) -> tuple[torch.nn.Module, dict]:
@@ -242,7 +243,12 @@ def train_model(
     ``accountant``, ``seed`` (tests only). ``class_weights`` (AW-DP): in DP-SGD, applied to the
     clipped per-sample gradients (:class:`~speechbrain_fl.privacy.weighted_dpsgd.WeightedDPOptimizer`);
     without DP, as per-sample loss weights. ``info`` holds the privacy figures and the
-    per-epoch losses. ``max_steps`` (``--debug``) stops early; the accountant then counts only
+    per-epoch losses. ``batch_adaptive`` (``{"shares", "floor"}``, with ``class_weights``):
+    the batch-adaptive AW-DP form instead (:class:`~speechbrain_fl.privacy.weighted_dpsgd.BatchAdaptiveDPOptimizer`),
+    coefficients ``a_c = E|B| * shares_c w_c / sum_k shares_k w_k`` (each class gets the
+    update share the fixed weights give it in expectation; our choice) and count floor
+    ``floor`` (null: the expected count of the rarest class in a batch, at least 1).
+    ``max_steps`` (``--debug``) stops early; the accountant then counts only
     the steps taken.
     """
     from torch.utils.data import DataLoader, TensorDataset
@@ -268,8 +274,21 @@ def train_model(
         sigma = dp.get("noise_multiplier")
         if sigma is None:
             sigma = _sigma_for(q, dp["target_epsilon"], steps, dp["delta"], dp["accountant"])
-        engine = DPSGDPrivacyEngine(accountant=dp["accountant"], class_weights=class_weights,
-                                    seed=dp.get("seed"))  # fmt: skip
+        adaptive = None
+        if batch_adaptive is not None and class_weights is not None:
+            expected = q * n
+            shares = torch.as_tensor(batch_adaptive["shares"], dtype=torch.float64)
+            shares = shares / shares.sum()
+            mix = shares * class_weights.double()
+            floor = batch_adaptive.get("floor")
+            if floor is None:
+                floor = max(1, math.floor(expected * float(shares.min())))
+            adaptive = {"coefficients": (expected * mix / mix.sum()).float(), "floor": int(floor)}
+            info["aw_batch_adaptive"] = {"coefficients": adaptive["coefficients"].tolist(),
+                                         "floor": adaptive["floor"]}  # fmt: skip
+        engine = DPSGDPrivacyEngine(accountant=dp["accountant"],
+                                    class_weights=None if adaptive else class_weights,
+                                    batch_adaptive=adaptive, seed=dp.get("seed"))  # fmt: skip
         model, optimizer, loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=float(sigma),
             max_grad_norm=dp["clip"], poisson_sampling=True,
@@ -277,8 +296,11 @@ def train_model(
         info.update({"sampling_rate": q, "noise_multiplier": float(sigma), "clip": dp["clip"],
                      "delta": dp["delta"], "accountant": dp["accountant"],
                      "planned_steps": steps, "aw_dp": class_weights is not None})  # fmt: skip
-        logger.info("%s: DP-SGD with q=%.4f, sigma=%.4f, C=%g, %d steps planned", desc, q, sigma,
-                    dp["clip"], steps)  # fmt: skip
+        if adaptive:
+            info["aw_batch_adaptive"]["sensitivity"] = optimizer.sensitivity
+        logger.info("%s: DP-SGD with q=%.4f, sigma=%.4f, C=%g, %d steps planned%s", desc, q, sigma,
+                    dp["clip"], steps, f", batch-adaptive AW-DP {info['aw_batch_adaptive']}"
+                    if adaptive else "")  # fmt: skip
     model.train()
     losses, steps_done, start = [], 0, time.time()
     for epoch in range(1, epochs + 1):

@@ -9,7 +9,7 @@ Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through t
   for DP-direct and the student;
 * the binary male/female variant (its own epsilon, AW-DP weights from a public prior);
 * a |D_aux| sweep: students distilled from one teacher's outputs on subsets of D_aux;
-* what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.7, 1,
+* what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.5, 0.7, 1,
 
 then writes ``<root>/studies.json`` (merged with the studies already there) and replaces the block between ``<!-- studies:begin -->``
 and ``<!-- studies:end -->`` of ``README.md`` with the tables. Each row is ONE run (the DP
@@ -100,7 +100,7 @@ def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
         handle.write(head + BEGIN + "\n" + "\n".join(body) + END + tail)
 
 
-ALPHAS = (0.0, 0.7, 1.0)
+ALPHAS = (0.0, 0.5, 0.7, 1.0)
 
 
 def run_study(name: str, root: Path, extra: list[str]) -> dict:
@@ -152,7 +152,7 @@ def tables(results: dict) -> dict[str, str]:
         "ablation": ("Ablation at ε = 1 (DP-direct and student use the row's components)", lambda k, r: k),
         "binary": ("Binary variant (male / female, ε computed for this configuration)", lambda k, r: "binary, target ε = 1"),
         "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}"),
-        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.7, 1 (KD only)", lambda k, r: f"α = {k}"),
+        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.5, 0.7, 1 (KD only)", lambda k, r: f"α = {k}"),
     }  # fmt: skip
     out = {}
     for key, (title, label) in titles.items():
