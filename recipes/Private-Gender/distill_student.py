@@ -52,6 +52,22 @@ from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
 logger = logging.getLogger(__name__)
 
 
+def ce_class_weight(mode: str, labels: torch.Tensor, num_classes: int) -> torch.Tensor | None:
+    """Weights of the CE term: ``none``, or ``balanced`` = |D_aux| / (K n_c) from D_aux's own
+    (public) label counts (our choice: the label-only control that rebalances the classes
+    without any teacher)."""
+    if mode == "none":
+        return None
+    if mode != "balanced":
+        raise ValueError(f"ce_class_weight must be none or balanced, got {mode!r}")
+    counts = torch.bincount(labels, minlength=num_classes).float()
+    if (counts == 0).any():
+        raise ValueError(
+            f"ce_class_weight: balanced needs every class in D_aux, counts {counts.tolist()}"
+        )
+    return labels.numel() / (num_classes * counts)
+
+
 def train_student(
     model, *, feats, lengths, labels, teacher_probs, hparams, epochs, max_steps, train_logger
 ):
@@ -59,6 +75,9 @@ def train_student(
     optimizer = torch.optim.Adam(model.parameters(), lr=hparams["lr"])
     n, bs = labels.numel(), hparams["batch_size"]
     generator = torch.Generator().manual_seed(hparams["seed"])
+    class_weight = ce_class_weight(
+        hparams.get("ce_class_weight", "none"), labels, teacher_probs.shape[1]
+    )
     losses, steps = [], 0
     model.train()
     for epoch in range(1, epochs + 1):
@@ -69,7 +88,8 @@ def train_student(
             optimizer.zero_grad(set_to_none=True)
             logits = model(feats[idx], lengths[idx])
             loss = kd_loss(logits, teacher_probs[idx], labels[idx],
-                           temperature=hparams["temperature"], alpha=hparams["alpha"])  # fmt: skip
+                           temperature=hparams["temperature"], alpha=hparams["alpha"],
+                           class_weight=class_weight)  # fmt: skip
             loss.backward()
             optimizer.step()
             total += float(loss.detach()) * idx.numel()
@@ -169,6 +189,7 @@ def main(argv):
         "dp_direct": teacher_run["dp_direct"],
         "teacher_outputs": str(hparams["teacher_outputs"]),
         "kd": {"temperature": hparams["temperature"], "alpha": hparams["alpha"], "dsaf": hparams["dsaf"],
+               "ce_class_weight": hparams.get("ce_class_weight", "none"),
                "epochs": epochs, "steps": info["steps"], "losses": info["losses"],
                "aux_records": len(aux["ids"])},
         "method": teacher_run["method"],

@@ -20,6 +20,7 @@ parsing, the experiment folder and the train logger.
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import json
 import logging
@@ -203,6 +204,16 @@ def build_model(hparams: dict, *, num_classes: int, privileged: bool) -> GenderC
 # ##########################################################################################
 # Training
 # ##########################################################################################
+@functools.lru_cache(maxsize=32)
+def _sigma_for(q: float, target_epsilon: float, steps: int, delta: float, accountant: str) -> float:
+    """Noise multiplier for a target epsilon (Opacus's search), once per configuration: the
+    teacher and DP-direct share q and the number of steps."""
+    from speechbrain_fl.privacy.accounting import noise_multiplier_for_epsilon
+
+    return noise_multiplier_for_epsilon(sampling_rate=q, target_epsilon=target_epsilon,
+                                        rounds=steps, delta=delta, accountant=accountant)  # fmt: skip
+
+
 def _delta_check(delta: float, n_priv: int) -> None:
     if not 0 < delta <= 1.0 / n_priv:
         raise ValueError(f"delta = {delta:g} must lie in (0, 1/|D_priv|] = (0, {1.0 / n_priv:.3g}] "
@@ -222,6 +233,7 @@ def train_model(
     dp: dict | None,
     class_weights: torch.Tensor | None,
     desc: str,
+    batch_adaptive: dict | None = None,
     max_steps: int | None = None,
     train_logger=None,
 ) -> tuple[torch.nn.Module, dict]:
@@ -231,10 +243,17 @@ def train_model(
     ``accountant``, ``seed`` (tests only). ``class_weights`` (AW-DP): in DP-SGD, applied to the
     clipped per-sample gradients (:class:`~speechbrain_fl.privacy.weighted_dpsgd.WeightedDPOptimizer`);
     without DP, as per-sample loss weights. ``info`` holds the privacy figures and the
-    per-epoch losses. ``max_steps`` (``--debug``) stops early; the accountant then counts only
+    per-epoch losses. ``batch_adaptive`` (``{"shares", "floor"}``, with ``class_weights``):
+    the batch-adaptive AW-DP form instead (:class:`~speechbrain_fl.privacy.weighted_dpsgd.BatchAdaptiveDPOptimizer`),
+    coefficients ``a_c = E|B| * shares_c w_c / sum_k shares_k w_k`` (each class gets the
+    update share the fixed weights give it in expectation; our choice) and count floor
+    ``floor`` (null: the expected count of the rarest class in a batch, at least 1).
+    ``max_steps`` (``--debug``) stops early; the accountant then counts only
     the steps taken.
     """
     from torch.utils.data import DataLoader, TensorDataset
+
+    from speechbrain_fl.privacy.accounting import compute_epsilon
 
     n = labels.numel()
     toks = tokens if tokens is not None else torch.zeros(n, 1, dtype=torch.long)
@@ -246,7 +265,6 @@ def train_model(
     if dp is not None:
         from opacus.validators import ModuleValidator
 
-        from speechbrain_fl.privacy.accounting import noise_multiplier_for_epsilon
         from speechbrain_fl.privacy.weighted_dpsgd import DPSGDPrivacyEngine
 
         ModuleValidator.validate(model, strict=True)  # no BatchNorm, supported layers only
@@ -255,11 +273,22 @@ def train_model(
         steps = epochs * len(loader)
         sigma = dp.get("noise_multiplier")
         if sigma is None:
-            sigma = noise_multiplier_for_epsilon(sampling_rate=q, target_epsilon=dp["target_epsilon"],
-                                                 rounds=steps, delta=dp["delta"],
-                                                 accountant=dp["accountant"])  # fmt: skip
-        engine = DPSGDPrivacyEngine(accountant=dp["accountant"], class_weights=class_weights,
-                                    seed=dp.get("seed"))  # fmt: skip
+            sigma = _sigma_for(q, dp["target_epsilon"], steps, dp["delta"], dp["accountant"])
+        adaptive = None
+        if batch_adaptive is not None and class_weights is not None:
+            expected = q * n
+            shares = torch.as_tensor(batch_adaptive["shares"], dtype=torch.float64)
+            shares = shares / shares.sum()
+            mix = shares * class_weights.double()
+            floor = batch_adaptive.get("floor")
+            if floor is None:
+                floor = max(1, math.floor(expected * float(shares.min())))
+            adaptive = {"coefficients": (expected * mix / mix.sum()).float(), "floor": int(floor)}
+            info["aw_batch_adaptive"] = {"coefficients": adaptive["coefficients"].tolist(),
+                                         "floor": adaptive["floor"]}  # fmt: skip
+        engine = DPSGDPrivacyEngine(accountant=dp["accountant"],
+                                    class_weights=None if adaptive else class_weights,
+                                    batch_adaptive=adaptive, seed=dp.get("seed"))  # fmt: skip
         model, optimizer, loader = engine.make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=float(sigma),
             max_grad_norm=dp["clip"], poisson_sampling=True,
@@ -267,8 +296,11 @@ def train_model(
         info.update({"sampling_rate": q, "noise_multiplier": float(sigma), "clip": dp["clip"],
                      "delta": dp["delta"], "accountant": dp["accountant"],
                      "planned_steps": steps, "aw_dp": class_weights is not None})  # fmt: skip
-        logger.info("%s: DP-SGD with q=%.4f, sigma=%.4f, C=%g, %d steps planned", desc, q, sigma,
-                    dp["clip"], steps)  # fmt: skip
+        if adaptive:
+            info["aw_batch_adaptive"]["sensitivity"] = optimizer.sensitivity
+        logger.info("%s: DP-SGD with q=%.4f, sigma=%.4f, C=%g, %d steps planned%s", desc, q, sigma,
+                    dp["clip"], steps, f", batch-adaptive AW-DP {info['aw_batch_adaptive']}"
+                    if adaptive else "")  # fmt: skip
     model.train()
     losses, steps_done, start = [], 0, time.time()
     for epoch in range(1, epochs + 1):
@@ -295,8 +327,11 @@ def train_model(
                 break
         losses.append(total / max(count, 1))
         stats = {"loss": losses[-1]}
-        if engine is not None:
-            stats["epsilon"] = engine.get_epsilon(dp["delta"])
+        if engine is not None:  # the same RDP arithmetic, per-step RDP cached (accounting.py)
+            stats["epsilon"] = compute_epsilon(sampling_rate=info["sampling_rate"],
+                                               noise_multiplier=info["noise_multiplier"],
+                                               rounds=steps_done, delta=dp["delta"],
+                                               accountant=dp["accountant"])  # fmt: skip
         logger.info("%s epoch %d: %s", desc, epoch, stats)
         if train_logger is not None:
             train_logger.log_stats(stats_meta={"model": desc, "epoch": epoch}, train_stats=stats)
@@ -304,8 +339,6 @@ def train_model(
             break
     info.update({"losses": losses, "steps": steps_done, "seconds": round(time.time() - start, 1)})
     if engine is not None:
-        from speechbrain_fl.privacy.accounting import compute_epsilon
-
         info["epsilon"] = float(engine.get_epsilon(dp["delta"]))
         # Cross-check the Opacus accountant's history against an independent evaluation.
         check = compute_epsilon(sampling_rate=info["sampling_rate"], noise_multiplier=info["noise_multiplier"],

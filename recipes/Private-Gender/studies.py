@@ -9,7 +9,8 @@ Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through t
   for DP-direct and the student;
 * the binary male/female variant (its own epsilon, AW-DP weights from a public prior);
 * a |D_aux| sweep: students distilled from one teacher's outputs on subsets of D_aux;
-* what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.7, 1,
+* what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.5, 0.7, 1,
+  and alpha = 0 with class-balanced CE on D_aux (the label-only rebalancing control),
 
 then writes ``<root>/studies.json`` (merged with the studies already there) and replaces the block between ``<!-- studies:begin -->``
 and ``<!-- studies:end -->`` of ``README.md`` with the tables. Each row is ONE run (the DP
@@ -100,18 +101,23 @@ def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
         handle.write(head + BEGIN + "\n" + "\n".join(body) + END + tail)
 
 
-ALPHAS = (0.0, 0.7, 1.0)
+ALPHAS = (0.0, 0.5, 0.7, 1.0)
 
 
-def run_study(name: str, root: Path, extra: list[str]) -> dict:
-    """Run one study; returns ``{row_key: student results}``."""
+def run_study(name: str, root: Path, extra: list[str], rows=None) -> dict:
+    """Run one study (only ``rows`` of the epsilon and ablation studies if given); returns
+    ``{row_key: student results}``."""
     out = {}
     if name == "epsilon":
         for eps in EPSILONS:
+            if rows and str(eps) not in rows:
+                continue
             targs = ["--dp", "False"] if eps is None else ["--target_epsilon", str(eps)]
             out[str(eps)] = pipeline(root / f"eps_{eps}", targs, extra=extra)
     elif name == "ablation":
         for row, targs in ABLATION.items():
+            if rows and row not in rows:
+                continue
             sargs = ["--dsaf", "True" if "DSAF" in row or row == "all" else "False"]
             out[row] = pipeline(root / f"ablation_{row.strip('+')}", targs, sargs, extra=extra)
     elif name == "binary":
@@ -140,6 +146,11 @@ def run_study(name: str, root: Path, extra: list[str]) -> dict:
                 out[str(alpha)] = distill_student.main(
                     ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
                 )
+            # The label-only control that also rebalances the classes (no teacher at all).
+            sargs = ["--alpha", "0.0", "--ce_class_weight", "balanced"]
+            out["0.0, balanced CE"] = distill_student.main(
+                ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
+            )
     else:
         raise ValueError(f"unknown study {name!r}")
     return out
@@ -152,7 +163,7 @@ def tables(results: dict) -> dict[str, str]:
         "ablation": ("Ablation at ε = 1 (DP-direct and student use the row's components)", lambda k, r: k),
         "binary": ("Binary variant (male / female, ε computed for this configuration)", lambda k, r: "binary, target ε = 1"),
         "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}"),
-        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.7, 1 (KD only)", lambda k, r: f"α = {k}"),
+        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.5, 0.7, 1 (KD only), and α = 0 with class-balanced CE", lambda k, r: f"α = {k}"),
     }  # fmt: skip
     out = {}
     for key, (title, label) in titles.items():
@@ -170,6 +181,8 @@ def main(argv=None):
         "--only", nargs="*", default=["epsilon", "ablation", "binary", "aux", "alpha"]
     )
     parser.add_argument("--extra", default="", help="overrides passed to both scripts")
+    parser.add_argument("--rows", nargs="*", help="rows of the epsilon/ablation studies to run "
+                        "(e.g. 0.5 None, or base +DSAF); the others keep their stored results")  # fmt: skip
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
@@ -180,7 +193,8 @@ def main(argv=None):
     minutes = dict(results.pop("_minutes", {}))
     for name in args.only:
         start = time.time()
-        results[name] = run_study(name, root, extra)
+        new = run_study(name, root, extra, rows=args.rows)
+        results[name] = {**results.get(name, {}), **new} if args.rows else new
         minutes[name] = round((time.time() - start) / 60, 1)
         with atomic_open(store) as handle:  # after each study: an interrupted run keeps the others
             json.dump({**results, "_minutes": minutes}, handle, indent=2, default=float)

@@ -70,10 +70,14 @@ def aw_weights(hparams, aux_counts, classes):
     else:
         raise ValueError(f"aw_source must be aux_counts or prior, got {hparams['aw_source']!r}")
     weights = class_weights_from_counts(source, gamma=hparams["aw_gamma"])
-    logger.info("AW-DP weights from %s %s: %s", hparams["aw_source"], source,
+    mode = hparams.get("aw_mode", "fixed")
+    if mode not in ("fixed", "batch_adaptive"):
+        raise ValueError(f"aw_mode must be fixed or batch_adaptive, got {mode!r}")
+    logger.info("AW-DP (%s) weights from %s %s: %s", mode, hparams["aw_source"], source,
                 dict(zip(classes, weights.tolist(), strict=True)))  # fmt: skip
-    return weights, {"source": hparams["aw_source"], "counts": source,
-                     "gamma": hparams["aw_gamma"], "weights": weights.tolist()}  # fmt: skip
+    return weights, {"mode": mode, "source": hparams["aw_source"], "counts": source,
+                     "gamma": hparams["aw_gamma"], "weights": weights.tolist(),
+                     "floor": hparams.get("aw_floor") if mode == "batch_adaptive" else None}  # fmt: skip
 
 
 def dp_settings(hparams):
@@ -160,7 +164,9 @@ def main(argv):
                                      buckets=hparams["priv_buckets"], max_tokens=hparams["max_tokens"])  # fmt: skip
 
     common = {"epochs": epochs, "batch_size": hparams["batch_size"], "lr": hparams["lr"], "dp": dp,
-              "class_weights": weights, "max_steps": max_steps, "train_logger": hparams["train_logger"]}  # fmt: skip
+              "class_weights": weights, "max_steps": max_steps, "train_logger": hparams["train_logger"],
+              "batch_adaptive": {"shares": aw_info["counts"], "floor": aw_info["floor"]}
+              if aw_info and aw_info["mode"] == "batch_adaptive" else None}  # fmt: skip
     start = time.time()
     torch.manual_seed(hparams["seed"])
     teacher = lib.build_model(hparams, num_classes=len(classes), privileged=multimodal)
@@ -173,7 +179,7 @@ def main(argv):
     aux_logits = lib.predict_logits(teacher, aux["feats"], aux["lengths"], tokens(aux))
     privacy = {"epsilon": teacher_info["epsilon"], "delta": hparams["delta"] if dp else None,
                "accountant": hparams["accountant"] if dp else None,
-               **{k: teacher_info.get(k) for k in ("noise_multiplier", "sampling_rate", "clip", "steps")}}  # fmt: skip
+               **{k: teacher_info.get(k) for k in ("noise_multiplier", "sampling_rate", "clip", "steps", "aw_batch_adaptive")}}  # fmt: skip
     write_teacher_outputs(out / "aux_logits.npz", ids=aux["ids"], logits=aux_logits.numpy(),
                           classes=classes, meta={**privacy, "teacher_modality": hparams["teacher_modality"]})  # fmt: skip
     teacher_aux = collapse_report(speakers=aux["speakers"], labels=aux["labels"].tolist(),

@@ -97,15 +97,16 @@ class DSAF(nn.Module):
         self.compress_scale = float(compress_scale)
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor):
-        batch, frames, _ = feats.shape
+        batch, frames, n_mels = feats.shape
         lengths = lengths.clamp(min=1, max=frames)
+        # Per-utterance statistics over the valid frames (one pass for the sum, one for the
+        # squares), then crop first and normalise only the kept frames: the same output as
+        # normalising every frame and cropping after, at crop/frames of the elementwise cost.
         mask = _mask(lengths, frames)[..., None].to(feats.dtype)
-        count = mask.sum(dim=(1, 2)) * feats.shape[2]
-        mean = (feats * mask).sum(dim=(1, 2)) / count
-        var = (((feats - mean[:, None, None]) * mask) ** 2).sum(dim=(1, 2)) / count
-        x = (feats - mean[:, None, None]) / (var.sqrt()[:, None, None] + 1e-5)
-        x = torch.tanh(x / self.compress_scale)
-        # Crop (or tile) each record to crop_frames valid frames.
+        masked = feats * mask
+        count = lengths.to(feats.dtype) * n_mels
+        mean = masked.sum(dim=(1, 2)) / count
+        var = ((masked * masked).sum(dim=(1, 2)) / count - mean * mean).clamp(min=0.0)
         crop = self.crop_frames
         if self.training:
             room = (lengths - crop).clamp(min=0).to(torch.float32)
@@ -114,8 +115,9 @@ class DSAF(nn.Module):
             start = ((lengths - crop).clamp(min=0) // 2).long()
         offsets = torch.arange(crop, device=feats.device)[None, :]
         index = start[:, None] + offsets % lengths[:, None]  # tiles records shorter than crop
-        x = torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[2]))
-        return x, torch.full_like(lengths, crop)
+        x = torch.gather(feats, 1, index[..., None].expand(-1, -1, n_mels))
+        x = (x - mean[:, None, None]) / (var.sqrt()[:, None, None] + 1e-5)
+        return torch.tanh(x / self.compress_scale), torch.full_like(lengths, crop)
 
 
 class AudioEncoder(nn.Module):

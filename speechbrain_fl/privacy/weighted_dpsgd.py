@@ -26,8 +26,38 @@ because ``||clip(g, C)|| <= C`` and ``w <= 1``. The L2 sensitivity is therefore 
 the same as Opacus's unweighted DP-SGD, so adding ``N(0, sigma^2 C^2)`` (Opacus's noise,
 unchanged) gives the sampled Gaussian mechanism with multiplier ``sigma`` and Opacus's RDP
 accountant applies as is. The bound is tight for the rarest class (w = 1). Labels enter only
-through the record's own term, which is what per-record sensitivity allows. A batch-adaptive
-form is not implemented.
+through the record's own term, which is what per-record sensitivity allows.
+
+**Batch-adaptive form** (:class:`BatchAdaptiveDPOptimizer`, also our choice). Each class's
+clipped gradients are averaged over the class's count in the *sampled* batch, with a floor
+``m >= 1`` on that count, and the class means are mixed with fixed coefficients ``a_c >= 0``:
+
+    S(B) = sum_c a_c / max(n_c(B), m) * sum_{i in B, y_i = c} clip(g_i, C),
+    G = (S(B) + N(0, sigma^2 Delta^2 I)) / sum_c a_c,
+    Delta = C * max_c a_c * 2 / (m + 1).
+
+Proof of the sensitivity ``Delta``. Let B' = B plus one record (x', y' = c) (Poisson
+neighbours). Only the term of class c changes. Write n = n_c(B) and s = sum of the n clipped
+gradients of class c in B, so ||s|| <= n C and ||clip(g')|| <= C.
+(i) n + 1 <= m: both denominators are m and the term changes by a_c clip(g') / m, of norm
+<= a_c C / m.
+(ii) n >= m: the change is a_c [(s + g') / (n + 1) - s / n] = a_c [g' / (n + 1) - s / (n (n + 1))],
+of norm <= a_c (C / (n + 1) + n C / (n (n + 1))) = 2 a_c C / (n + 1) <= 2 a_c C / (m + 1).
+For integers n these cases are exhaustive, and 2 / (m + 1) >= 1 / m for m >= 1, so
+||S(B') - S(B)|| <= Delta for every B and every added record: removal is the same pair read
+the other way. Case (ii) is tight (s = -n g', n = m). The sampled Gaussian mechanism of
+Mironov, Talwar and Zhang (2019), which Opacus's RDP accountant evaluates, is defined for any
+query of L2 sensitivity Delta on the Poisson-sampled set, with noise sigma * Delta: adding
+N(0, sigma^2 Delta^2) makes the accountant's figure for (q, sigma, steps) hold unchanged.
+Dividing by the fixed sum_c a_c is post-processing.
+
+What it costs (measured reasoning, not a theorem): with balanced coefficients
+``a_c = E|B| / K`` and ``m`` near the expected minority count, Delta is about 2 a / m times C,
+i.e. each minority record moves the update ``E|B| / (K m)`` times more than in plain DP-SGD
+and the noise grows by that factor; the fixed public weights above keep Delta = C and pay
+instead with a smaller signal from the down-weighted classes. Both give the minority the same
+share of the update; the fixed form avoids the factor 2 of case (ii), so it is the recipe's
+default (``aw_mode``).
 
 Randomness: the Poisson sampler and the Gaussian noise use ``torch.Generator`` objects seeded
 from ``os.urandom`` (not from the recipe seed: DESIGN.md privacy invariant 1), never written to
@@ -53,8 +83,11 @@ from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 __all__ = [
+    "BatchAdaptiveDPOptimizer",
     "DPSGDPrivacyEngine",
     "WeightedDPOptimizer",
+    "batch_adaptive_factors",
+    "batch_adaptive_sensitivity",
     "class_weights_from_counts",
     "os_seeded_generator",
 ]
@@ -169,6 +202,88 @@ class WeightedDPOptimizer(DPOptimizer):
         self._labels = None
 
 
+def batch_adaptive_factors(
+    labels: torch.Tensor, *, coefficients: torch.Tensor, floor: int
+) -> torch.Tensor:
+    """Per-record multipliers ``a_{y_i} / max(n_{y_i}(B), m)`` of the batch-adaptive form.
+
+    Example
+    -------
+    >>> batch_adaptive_factors(torch.tensor([0, 0, 0, 1]), coefficients=torch.tensor([3.0, 2.0]),
+    ...                        floor=2).tolist()
+    [1.0, 1.0, 1.0, 1.0]
+    """
+    labels = torch.as_tensor(labels).long().flatten()
+    coefficients = torch.as_tensor(coefficients, dtype=torch.float32).flatten()
+    counts = torch.bincount(labels, minlength=coefficients.numel()).to(torch.float32)
+    return coefficients[labels] / counts.clamp(min=float(floor))[labels]
+
+
+def batch_adaptive_sensitivity(*, clip: float, coefficients, floor: int) -> float:
+    """``Delta = C * max_c a_c * 2 / (m + 1)`` (proof in the module docstring).
+
+    Example
+    -------
+    >>> batch_adaptive_sensitivity(clip=1.0, coefficients=[3.0, 3.0], floor=2)
+    2.0
+    """
+    a = torch.as_tensor(coefficients, dtype=torch.float64).flatten()
+    if a.numel() == 0 or not bool((a >= 0).all()) or not float(a.max()) > 0:
+        raise ValueError(f"coefficients must be >= 0 with one > 0, got {a.tolist()}")
+    if int(floor) != floor or floor < 1:
+        raise ValueError(f"floor m must be an integer >= 1, got {floor}")
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0, got {clip}")
+    return float(clip) * float(a.max()) * 2.0 / (int(floor) + 1)
+
+
+class BatchAdaptiveDPOptimizer(WeightedDPOptimizer):
+    """Opacus ``DPOptimizer`` for the batch-adaptive AW-DP form (module docstring).
+
+    Per-record multipliers ``a_{y_i} / max(n_{y_i}(B), m)`` from the sampled batch's labels
+    (:meth:`set_labels` before ``step()``), Gaussian noise of std ``sigma * Delta`` with
+    ``Delta`` = :func:`batch_adaptive_sensitivity`, and division by the fixed ``sum_c a_c``
+    (Opacus's ``expected_batch_size`` is replaced by it; use ``loss_reduction="sum"`` in the
+    model, or Opacus's "mean", whose per-sample gradients are rescaled before clipping either
+    way). The noise multiplier ``sigma`` is the accountant's, unchanged.
+
+    Example
+    -------
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = BatchAdaptiveDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    ...     noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=8,
+    ...     coefficients=torch.tensor([4.0, 4.0]), floor=3)
+    >>> opt.sensitivity, opt.expected_batch_size
+    (2.0, 8.0)
+    """
+
+    def __init__(self, optimizer, *, coefficients: torch.Tensor, floor: int, **kwargs):
+        a = torch.as_tensor(coefficients, dtype=torch.float32).flatten()
+        kwargs["expected_batch_size"] = float(a.sum())
+        super().__init__(optimizer, class_weights=torch.ones_like(a), **kwargs)
+        self.coefficients = a
+        self.floor = int(floor)
+        self.sensitivity = batch_adaptive_sensitivity(clip=self.max_grad_norm, coefficients=a,
+                                                      floor=self.floor)  # fmt: skip
+
+    def per_sample_weights(self, batch_size: int) -> torch.Tensor:
+        super().per_sample_weights(batch_size)  # checks that the labels were set
+        return batch_adaptive_factors(self._labels, coefficients=self.coefficients,
+                                      floor=self.floor)  # fmt: skip
+
+    def add_noise(self):
+        """``p.grad = S + N(0, (sigma * Delta)^2)`` (Opacus's noise source, its std replaced)."""
+        from opacus.optimizers.optimizer import _generate_noise
+
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = _generate_noise(std=self.noise_multiplier * self.sensitivity,
+                                    reference=p.summed_grad, generator=self.generator,
+                                    secure_mode=self.secure_mode)  # fmt: skip
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+
+
 class DPSGDPrivacyEngine(PrivacyEngine):
     """Opacus ``PrivacyEngine`` with OS-seeded sampling/noise and optional AW-DP weights.
 
@@ -177,8 +292,11 @@ class DPSGDPrivacyEngine(PrivacyEngine):
     accountant : str
         Opacus accountant (``"rdp"``).
     class_weights : torch.Tensor, optional
-        AW-DP weights in (0, 1]; the optimizer returned by ``make_private`` is then a
+        Fixed AW-DP weights in (0, 1]; the optimizer returned by ``make_private`` is then a
         :class:`WeightedDPOptimizer` (``grad_sample_mode="hooks"`` only).
+    batch_adaptive : dict, optional
+        ``{"coefficients": a, "floor": m}``: the batch-adaptive form instead
+        (:class:`BatchAdaptiveDPOptimizer`); exclusive with ``class_weights``.
     seed : int, optional
         Fixed seed of the Poisson sampler and the noise: tests only (warns).
 
@@ -189,16 +307,20 @@ class DPSGDPrivacyEngine(PrivacyEngine):
     'rdp'
     """
 
-    def __init__(self, *, accountant: str = "rdp", class_weights=None, seed: int | None = None):
+    def __init__(self, *, accountant: str = "rdp", class_weights=None,
+                 batch_adaptive: dict | None = None, seed: int | None = None):  # fmt: skip
         super().__init__(accountant=accountant, secure_mode=False)
+        if class_weights is not None and batch_adaptive is not None:
+            raise ValueError("class_weights and batch_adaptive are exclusive AW-DP forms")
         self.class_weights = class_weights
+        self.batch_adaptive = batch_adaptive
         self.secure_rng = os_seeded_generator(seed, what="Poisson sampling")
         self.noise_rng = os_seeded_generator(None if seed is None else seed + 1, what="DP noise")
         self.fixed_seed = seed
 
     def _prepare_optimizer(self, *, optimizer, grad_sample_mode="hooks", clipping="flat",
                            distributed=False, noise_generator=None, **kwargs):  # fmt: skip
-        if self.class_weights is None:
+        if self.class_weights is None and self.batch_adaptive is None:
             return super()._prepare_optimizer(
                 optimizer=optimizer, grad_sample_mode=grad_sample_mode, clipping=clipping,
                 distributed=distributed, noise_generator=noise_generator or self.noise_rng,
@@ -209,10 +331,10 @@ class DPSGDPrivacyEngine(PrivacyEngine):
                              f"single process (got {grad_sample_mode!r}, {clipping!r})")  # fmt: skip
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
-        return WeightedDPOptimizer(
-            optimizer,
-            class_weights=self.class_weights,
-            generator=noise_generator or self.noise_rng,
-            secure_mode=False,
-            **kwargs,
-        )
+        common = {"generator": noise_generator or self.noise_rng, "secure_mode": False, **kwargs}
+        if self.batch_adaptive is not None:
+            return BatchAdaptiveDPOptimizer(
+                optimizer, coefficients=self.batch_adaptive["coefficients"],
+                floor=self.batch_adaptive["floor"], **common,
+            )  # fmt: skip
+        return WeightedDPOptimizer(optimizer, class_weights=self.class_weights, **common)

@@ -131,3 +131,17 @@ def test_bad_input_named_nothing_written(tmp_path, cache):
     assert math.isfinite(
         json.loads((out / "teacher" / "results.json").read_text())["privacy"]["epsilon"]
     )
+
+
+def test_batch_adaptive_aw_dp_records_its_sensitivity(tmp_path, cache):
+    """aw_mode batch_adaptive: the noise is calibrated to Delta = C max a 2 / (m + 1)."""
+    out = tmp_path / "out"
+    run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out), "--cache_folder",
+        str(cache), "--aw_mode", "batch_adaptive", "--aw_floor", "2", "--train_dp_direct", "False",
+        *TINY)  # fmt: skip
+    teacher = json.loads((out / "teacher" / "results.json").read_text())
+    adaptive = teacher["privacy"]["aw_batch_adaptive"]
+    assert adaptive["floor"] == 2
+    assert adaptive["sensitivity"] == pytest.approx(1.0 * max(adaptive["coefficients"]) * 2 / 3)
+    assert teacher["method"]["aw_dp"]["mode"] == "batch_adaptive"
+    assert 0 < teacher["privacy"]["epsilon"] <= 1.0 + 1e-6

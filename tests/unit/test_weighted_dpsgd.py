@@ -10,8 +10,11 @@ from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 
 from speechbrain_fl.privacy.weighted_dpsgd import (
+    BatchAdaptiveDPOptimizer,
     DPSGDPrivacyEngine,
     WeightedDPOptimizer,
+    batch_adaptive_factors,
+    batch_adaptive_sensitivity,
     class_weights_from_counts,
     os_seeded_generator,
 )
@@ -142,3 +145,79 @@ def test_engine_make_private_builds_weighted_optimizer_and_accounts():
         opt.set_labels(y)
         opt.step()
     assert engine.accountant.history and engine.get_epsilon(1e-5) > 0
+
+
+# ------------------------------------------------------------------------------------------
+# Batch-adaptive form: S(B) = sum_c a_c / max(n_c(B), m) * sum_{y_i = c} clip(g_i, C)
+# ------------------------------------------------------------------------------------------
+def _adaptive_sum(params_data, x, y, *, coefficients, floor, clip):
+    """Noise-free S(B) through BatchAdaptiveDPOptimizer (scaled back by sum_c a_c)."""
+    model = torch.nn.Linear(x.shape[1], 3)
+    with torch.no_grad():
+        model.weight.copy_(params_data[0])
+        model.bias.copy_(params_data[1])
+    gsm = GradSampleModule(model, loss_reduction="mean")
+    opt = BatchAdaptiveDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), coefficients=coefficients,
+                                   floor=floor, noise_multiplier=0.0, max_grad_norm=clip,
+                                   expected_batch_size=1, loss_reduction="mean")  # fmt: skip
+    torch.nn.functional.cross_entropy(gsm(x), y).backward()
+    opt.set_labels(y)
+    opt.step()
+    return torch.cat([p.grad.flatten() for p in gsm.parameters()]) * float(sum(coefficients))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 12), floor=st.integers(1, 6),
+       clip=st.floats(0.05, 5.0), scale=st.floats(0.01, 100.0))  # fmt: skip
+def test_batch_adaptive_sensitivity_bound(seed, n, floor, clip, scale):
+    """||S(B + x') - S(B)|| <= Delta = C max a 2 / (m + 1) for any batch and added record."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n + 1, 4, generator=gen) * scale
+    y = torch.randint(0, 3, (n + 1,), generator=gen)
+    params = (torch.randn(3, 4, generator=gen), torch.randn(3, generator=gen))
+    coefficients = (torch.rand(3, generator=gen) * 10 + 0.1).tolist()
+    full = _adaptive_sum(params, x, y, coefficients=coefficients, floor=floor, clip=clip)
+    without = _adaptive_sum(params, x[1:], y[1:], coefficients=coefficients, floor=floor, clip=clip)
+    bound = batch_adaptive_sensitivity(clip=clip, coefficients=coefficients, floor=floor)
+    assert (full - without).norm().item() <= bound * (1 + 1e-4) + 1e-6
+
+
+@pytest.mark.parametrize("floor", [1, 2, 5])
+def test_batch_adaptive_bound_is_tight(floor):
+    """Case (ii) of the proof with s = -n g' and n = m reaches Delta (pure formula check)."""
+    a, clip = torch.tensor([2.0, 0.5]), 1.0
+    g_new = torch.tensor([clip, 0.0])
+    labels = torch.zeros(floor, dtype=torch.long)
+    before = (batch_adaptive_factors(labels, coefficients=a, floor=floor)[:, None] * -g_new).sum(0)
+    after_labels = torch.zeros(floor + 1, dtype=torch.long)
+    grads = torch.cat([-g_new.expand(floor, 2), g_new[None]])
+    after = (
+        batch_adaptive_factors(after_labels, coefficients=a, floor=floor)[:, None] * grads
+    ).sum(0)
+    delta = batch_adaptive_sensitivity(clip=clip, coefficients=a, floor=floor)
+    assert (after - before).norm().item() == pytest.approx(delta, rel=1e-6)
+
+
+def test_batch_adaptive_noise_scale_and_checks():
+    """With zero gradients p.grad has std sigma * Delta / sum_c a_c."""
+    sigma, clip, a, floor = 1.3, 0.7, [6.0, 3.0, 1.0], 2
+    model = torch.nn.Linear(200, 150)
+    gsm = GradSampleModule(model, loss_reduction="mean")
+    opt = BatchAdaptiveDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), coefficients=a, floor=floor,
+                                   noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=99,
+                                   generator=os_seeded_generator())  # fmt: skip
+    delta = clip * 6.0 * 2 / 3
+    assert opt.sensitivity == pytest.approx(delta) and opt.expected_batch_size == 10.0
+    x, y = torch.randn(8, 200), torch.randint(0, 3, (8,))
+    (gsm(x).sum() * 0.0).backward()
+    opt.set_labels(y)
+    opt.step()
+    assert model.weight.grad.flatten().std().item() == pytest.approx(sigma * delta / 10.0, rel=0.03)
+    with pytest.raises(ValueError, match="floor"):
+        batch_adaptive_sensitivity(clip=1.0, coefficients=a, floor=0)
+    with pytest.raises(ValueError, match="coefficients"):
+        batch_adaptive_sensitivity(clip=1.0, coefficients=[0.0, -1.0], floor=1)
+    with pytest.raises(ValueError, match="exclusive"):
+        DPSGDPrivacyEngine(
+            class_weights=torch.ones(3), batch_adaptive={"coefficients": a, "floor": 1}
+        )
