@@ -170,7 +170,8 @@ def tables_markdown(results, best_exit, shallow=3):
         for name, runs in columns:
             scored = {e: _value(r, e) for e, r in runs.items() if r is not None}
             scored = {e: v for e, v in scored.items() if v is not None}
-            best[name] = better(scored, key=scored.get) if scored else None
+            top = better(scored.values()) if scored else None
+            best[name] = [e for e in EXITS if e in scored and scored[e] == top]  # ties: all
         lines += [
             f"Table 1: test {metric} [95% CI] by exit and scenario (best exit of each column "
             "in bold)",
@@ -183,21 +184,23 @@ def tables_markdown(results, best_exit, shallow=3):
             for name, runs in columns:
                 run = runs.get(e)
                 cell = _cell(run, e) if run is not None else "-"
-                cells.append(f"**{cell}**" if best[name] == e and cell != "-" else cell)
+                cells.append(f"**{cell}**" if e in best[name] and cell != "-" else cell)
             lines.append(f"| {e} | " + " | ".join(cells) + " |")
         lines += ["", "Best exit minus exit 12, same test clips (paired speaker bootstrap 95% CI):"]
         for scenario in ("centralized", "homogeneous"):
             name = "centralized" if scenario == "centralized" else "homogeneous FL"
-            e_best = best.get(name)
-            if e_best is None or f"{scenario}_12" not in results:
+            tops = best.get(name) or []
+            if not tops or f"{scenario}_12" not in results:
                 continue
-            if e_best == 12:
+            if tops == [12]:
                 lines.append(f"- {name}: exit 12 is the best exit")
                 continue
+            e_best = tops[0]
+            tie = " (tied best)" if 12 in tops else ""
             diff = paired_difference(
                 results[f"{scenario}_{e_best}"], e_best, results[f"{scenario}_12"], 12
             )
-            lines.append(f"- {name}: exit {e_best} - exit 12 = {_difference_text(diff)}")
+            lines.append(f"- {name}: exit {e_best} - exit 12{tie} = {_difference_text(diff)}")
         lines.append("")
     if "heterogeneous_fedavg_full" in results:
         lines += [

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile as sf
 import torch
 
@@ -48,6 +49,7 @@ def _train(brain, dataset, initial, seed):
     return {k: v.detach().clone() for k, v in brain.modules.state_dict().items()}
 
 
+@pytest.mark.slow  # ~17 s of CPU; ~60 s wall under load
 def test_local_training_is_bit_reproducible_whatever_numpys_global_state(tmp_path):
     import superb_task
 
