@@ -362,8 +362,10 @@ def plot_runs_by_round(
         raise ValueError("plot_runs_by_round: no runs to draw")
     fig = Figure(figsize=(5.2 * len(panels), 4.2))
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    labels = list(dict.fromkeys(label for tables in panels.values() for label in tables))
     for ax, (name, tables) in zip(axes, panels.items(), strict=True):
-        for index, (label, table) in enumerate(tables.items()):
+        for label, table in tables.items():
+            index = labels.index(label)  # one color per run label across panels
             if not has_values(table, column):
                 _skip(f"{label} in {path}", f"no {column} values")
                 continue
