@@ -3,8 +3,9 @@
 A recipe provides an :class:`FLTask` (a ClientApp builder returning a :class:`ClientTask` with a
 SpeechBrain ``Brain`` and the client's data, and a ServerApp builder returning a
 :class:`ServerTask` with the starting model and an :class:`FLConfig`), from one factory that
-both engines load (:mod:`speechbrain_fl.fl.task`). :func:`run_simulation` runs it on the
-Simulation Engine (Ray); ``flwr run`` runs the same task through :mod:`speechbrain_fl.fl.apps`
+both engines load (:mod:`speechbrain_fl.fl.task`). :func:`run_simulation` runs it on one machine,
+in process through :class:`~speechbrain_fl.fl.local_grid.LocalGrid` (``backend: local``) or on
+Flower's Simulation Engine with Ray (``backend: ray``); ``flwr run`` runs the same task through :mod:`speechbrain_fl.fl.apps`
 on a simulation federation or the Deployment Engine. The server strategy :class:`DPFedAvg` does
 Poisson sampling, server-side re-clipping, a pluggable aggregation rule, central Gaussian noise
 and RDP accounting; every round is checkpointed so the same command resumes. See
