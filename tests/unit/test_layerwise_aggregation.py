@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import ArrayRecord, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
 from speechbrain_fl.fl.aggregation import ClientUpdate, get_rule
 from speechbrain_fl.fl.layerwise import rule_name
 from speechbrain_fl.fl.replies import ReplyRejected, parse_train_reply
 from speechbrain_fl.privacy import Group, Layout
+
+from .strategy_toys import make_reply
 
 BELOW = "model.backbone.feature_projection.projection.weight"
 
@@ -102,28 +103,14 @@ def test_rule_name_errors():
 
 
 # ----------------------------------------------------------------------------- engine path
-@pytest.fixture
-def _server_identity():
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
-
-
-def _reply(node, delta, metrics):
-    out = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
-    content = RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
-    return Message(content, reply_to=out)
-
-
-def test_partial_replies_through_the_strategy(tmp_path, _server_identity):
+def test_partial_replies_through_the_strategy(tmp_path, server_identity):
     layout = Layout([Group(p, "all", 2) for p in ALL])
     strategy = DPFedAvg(
         config=FLConfig(output_folder=str(tmp_path), aggregation="layerwise"), layout=layout
     )
     strategy.current_arrays = ArrayRecord({p: torch.zeros(2) for p in ALL})
     strategy.cohort, strategy.population = [0, 1, 2], 3
-    replies = [_reply(u.node_id, dict(u.delta), u.metrics) for u in _updates()]
+    replies = [make_reply(u.node_id, dict(u.delta), u.metrics) for u in _updates()]
     arrays, _ = strategy.aggregate_train(1, replies)
     new = arrays.to_torch_state_dict()
     assert new[_layer(1)].tolist() == pytest.approx([_mix({"A": 0.125, "B": 0.125, "C": 0.75})] * 2)
@@ -131,15 +118,15 @@ def test_partial_replies_through_the_strategy(tmp_path, _server_identity):
     assert strategy.last_report.num_failed == 0
 
 
-def test_replies_partial_only_when_allowed(_server_identity):
+def test_replies_partial_only_when_allowed(server_identity):
     shapes = {p: (2,) for p in ALL}
-    reply = _reply(4, {BELOW: torch.zeros(2)}, {"num-examples": 1})
+    reply = make_reply(4, {BELOW: torch.zeros(2)}, {"num-examples": 1})
     with pytest.raises(ReplyRejected, match="missing"):
         parse_train_reply(reply, expected_shapes=shapes)
     assert set(parse_train_reply(reply, expected_shapes=shapes, allow_partial=True).delta) == {
         BELOW
     }
-    extra = _reply(4, {"not.a.param": torch.zeros(2)}, {"num-examples": 1})
+    extra = make_reply(4, {"not.a.param": torch.zeros(2)}, {"num-examples": 1})
     with pytest.raises(ReplyRejected, match="unexpected"):
         parse_train_reply(extra, expected_shapes=shapes, allow_partial=True)
 
