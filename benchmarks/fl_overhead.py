@@ -307,6 +307,110 @@ def run_pfl(dp: bool) -> dict:
     return {"rounds": rounds, "first_round": rounds[0], "run": time.perf_counter() - t}
 
 
+# (label, module, attribute): timed during the steady rounds by ``--breakdown`` (inclusive
+# times; a row's children are indented under it).
+TIMED = [
+    (
+        "client: LocalGrid delivery (all below + message copy, RNG restore)",
+        "speechbrain_fl.fl.local_grid",
+        "LocalGrid._deliver",
+    ),
+    ("  ClientApp train handler (ours)", "speechbrain_fl.fl.client", "train_round"),
+    ("    decode global tensors (cached per round)", "speechbrain_fl.fl.client", "_global_tensors"),
+    ("    load global into model (x2)", "speechbrain_fl.fl.client", "load_trainable"),
+    ("    local training (Brain.fit, or the lean loop)", "speechbrain_fl.fl.client", "_local_fit"),
+    ("    local training (Brain.fit, or the lean loop)", "speechbrain.core", "Brain.fit"),
+    (
+        "      DataLoader + PaddedBatch collation",
+        "torch.utils.data.dataloader",
+        "_BaseDataLoaderIter.__next__",
+    ),
+    ("        of which PaddedBatch", "speechbrain.dataio.batch", "PaddedBatch.__init__"),
+    ("      Brain.fit_batch (forward, backward, step)", "speechbrain.core", "Brain.fit_batch"),
+    ("        Brain.optimizers_step", "speechbrain.core", "Brain.optimizers_step"),
+    (
+        "          clip_grad_norm_ (SpeechBrain's max_grad_norm)",
+        "torch.nn.utils",
+        "clip_grad_norm_",
+    ),
+    ("    clip the update (DP)", "speechbrain_fl.fl.client", "clip_update"),
+    ("server: aggregate_train", "speechbrain_fl.fl.strategy", "DPFedAvg.aggregate_train"),
+    ("  decode + check a reply", "speechbrain_fl.fl.strategy", "parse_train_reply"),
+    ("  re-clip (DP)", "speechbrain_fl.fl.strategy", "clip_update"),
+    ("  noise (DP)", "speechbrain_fl.privacy.noise", "GaussianNoise.add"),
+    ("server: configure_train", "speechbrain_fl.fl.strategy", "DPFedAvg.configure_train"),
+    ("server: save state (atomic, fsync)", "speechbrain_fl.fl.server", "atomic_torch_save"),
+    ("server: rounds.csv / plots", "speechbrain_fl.fl.telemetry", "RoundsTelemetry.write_round"),
+    ("server: epsilon", "speechbrain_fl.fl.strategy", "DPFedAvg.epsilon"),
+]
+
+
+def run_breakdown(dp: bool) -> dict:
+    """One local run with perf_counter timers around :data:`TIMED` during rounds 3..10.
+
+    Returns the milliseconds per client update of each row, the steady round and the number
+    of client updates timed. Timers are plain wrappers (about 1 us a call), no profiler.
+    """
+    import importlib
+
+    from speechbrain_fl.fl import TaskSpec, run_simulation
+    from speechbrain_fl.fl import strategy as strategy_module
+
+    totals = {label: 0.0 for label, _, _ in TIMED}
+    on = [False]
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            if not on[0]:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+
+        return wrapper
+
+    for label, module_name, attr in TIMED:
+        owner = importlib.import_module(module_name)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        if hasattr(owner, name):  # else a function this version does not have
+            setattr(owner, name, timed(label, getattr(owner, name)))
+    clients = [0]
+    configure = strategy_module.DPFedAvg.configure_train
+
+    def configure_train(self, server_round, *args, **kwargs):
+        on[0] = server_round >= 3
+        messages = list(configure(self, server_round, *args, **kwargs))
+        if on[0]:
+            clients[0] += len(messages)
+        return messages
+
+    strategy_module.DPFedAvg.configure_train = configure_train
+    with tempfile.TemporaryDirectory() as out:
+        overrides = {
+            "output_folder": out,
+            "number_of_rounds": ROUNDS,
+            "eval_every": 0,
+            "method": "flat" if dp else "fedavg",
+            **(DP if dp else {}),
+        }
+        result = run_simulation(
+            TaskSpec(task=f"{HERE}:mlp_task", overrides=overrides), backend="local"
+        )
+    steady = result.round_seconds[2:]
+    per_client = {k: 1000 * v / max(clients[0], 1) for k, v in totals.items()}
+    return {
+        "per_client_ms": per_client,
+        "round_ms": 1000 * statistics.median(steady),
+        "all_rounds_per_client_ms": 1000 * sum(steady) / max(clients[0], 1),
+        "clients": clients[0],
+        "rounds": result.round_seconds,
+    }
+
+
 def child(kind: str, dp: bool) -> None:
     """Run one configuration and print its timings as one JSON line."""
     runners = {
@@ -314,6 +418,7 @@ def child(kind: str, dp: bool) -> None:
         "ray": lambda dp: run_engine(dp, "ray"),
         "plain": run_plain,
         "pfl": run_pfl,
+        "breakdown": run_breakdown,
     }
     out = runners[kind](dp)
     out["since_start"] = time.perf_counter() - T0
@@ -344,15 +449,52 @@ def measure(kind: str, dp: bool) -> dict | None:
     return out
 
 
+def breakdown(repeats: int) -> None:
+    """Print the per-client milliseconds of each :data:`TIMED` row (medians of ``repeats``)."""
+    for dp in (False, True):
+        runs = [measure("breakdown", dp) for _ in range(repeats)]
+        plain = [measure("plain", dp) for _ in range(repeats)]
+        runs, plain = [r for r in runs if r], [r for r in plain if r]
+        if not runs:
+            continue
+        loads = [r["load"] for r in runs + plain]
+        cohort = CLIENTS * (DP["sampling_rate"] if dp else 1.0)
+        print(
+            f"\n{'DP' if dp else 'no DP'}: ms per client update, rounds 3-{ROUNDS}, medians of "
+            f"{len(runs)} runs (load {min(loads):.1f}-{max(loads):.1f})"
+        )
+        print("| part | ms per client |\n|---|---|")
+        labels = list(dict.fromkeys(label for label, _, _ in TIMED))
+        for label in labels:
+            value = statistics.median(r["per_client_ms"][label] for r in runs)
+            if value > 0:
+                print(
+                    f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} "
+                    f"| {value:.2f} |"
+                )
+        whole = statistics.median(r["all_rounds_per_client_ms"] for r in runs)
+        base = statistics.median(1000 * sum(r["rounds"][2:]) for r in plain) / (
+            cohort * (ROUNDS - 2)
+        )
+        print(f"| steady round / client updates (engine) | {whole:.2f} |")
+        print(f"| plain loop, same (expected cohort {cohort:g}) | {base:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", default="plain,local,ray,pfl")
     parser.add_argument("--child", default=None)
     parser.add_argument("--dp", action="store_true")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="time the parts of a steady round (local)"
+    )
     args = parser.parse_args()
     if args.child:
         child(args.child, args.dp)
+        return
+    if args.breakdown:
+        breakdown(args.repeats)
         return
     kinds = args.kinds.split(",")
     if "pfl" in kinds:

@@ -61,6 +61,7 @@ import speechbrain as sb
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from speechbrain.dataio.dataloader import LoopedLoader
 
 from speechbrain_fl.privacy import Layout, clip_update
 
@@ -91,6 +92,11 @@ class ClientTask:
         carries only the tensors in ``names`` (those this client trained, for a rule with
         ``accepts_partial`` such as :mod:`.layerwise`) and adds ``metrics`` (e.g. the
         client's ``exit-depth``) to its MetricRecord.
+    lean_fit : bool
+        Train with :func:`lean_fit` (default, our choice) instead of ``brain.fit``: the same
+        Brain hooks and arithmetic without ``Brain.fit``'s per-call overhead; a Brain that
+        needs ``Brain.fit`` (see :func:`lean_fit_applies`) gets it either way. ``False``
+        always calls ``brain.fit``.
     """
 
     brain: sb.Brain
@@ -98,6 +104,7 @@ class ClientTask:
     train_loader_kwargs: dict[str, Any] = field(default_factory=dict)
     layout: Layout | None = None
     partial: Callable[[sb.Brain], tuple[Any, dict[str, Any]]] | None = None
+    lean_fit: bool = True
     _loader: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -188,6 +195,105 @@ def _reset_optimizer(brain: sb.Brain) -> Iterator[None]:
         del brain.init_optimizers  # back to the class method
 
 
+#: Brain methods the lean loop stands in for: a Brain overriding any of them gets ``fit``.
+_FIT_METHODS = ("fit", "_fit_train", "_fit_valid", "on_fit_start")
+
+
+def lean_fit_applies(brain: sb.Brain) -> bool:
+    """Whether :func:`lean_fit` does exactly what ``brain.fit`` would for a client round.
+
+    True for a Brain that keeps SpeechBrain's ``fit``, ``_fit_train``, ``_fit_valid`` and
+    ``on_fit_start`` and asks for none of what ``on_fit_start`` or the training loop adds per
+    call: no checkpointer (a :class:`ClientTask` has none), no ``torch.compile``/JIT, no DDP or
+    DataParallel wrapping, no profiler, not ``test_only``.
+
+    Example
+    -------
+    >>> from speechbrain_fl.fl.toy import toy_client, toy_settings
+    >>> from flwr.app import Context, RecordDict
+    >>> ctx = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    >>> lean_fit_applies(toy_client(ctx, toy_settings()).brain)
+    True
+    """
+    cls = type(brain)
+    return (
+        all(getattr(cls, m) is getattr(sb.Brain, m) for m in _FIT_METHODS)
+        and getattr(brain, "checkpointer", None) is None
+        and not getattr(brain, "compile", False)
+        and not getattr(brain, "jit", False)
+        and not getattr(brain, "distributed_launch", False)
+        and not getattr(brain, "data_parallel_backend", False)
+        and getattr(brain, "profiler", None) is None
+        and not getattr(brain, "test_only", False)
+    )
+
+
+def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
+    """``brain.fit(range(1, epochs + 1), train_loader, progressbar=False)`` without its
+    per-call overhead, for a Brain where :func:`lean_fit_applies`.
+
+    ``Brain.fit`` (SpeechBrain 1.x ``speechbrain/core.py``) does, per call: ``on_fit_start``
+    (``_compile`` and ``_wrap_distributed``, no-ops here; ``init_optimizers``; checkpoint
+    recovery, none here), then per epoch ``_fit_train``: ``on_stage_start(TRAIN, epoch)``,
+    ``modules.train()``, ``zero_grad()``, the sampler's ``set_epoch(epoch)``, a tqdm object
+    around the loader (disabled, but it still formats the running loss into a postfix string
+    every step), per batch ``step += 1``, ``fit_batch(batch)``, ``update_average``, then
+    ``zero_grad(set_to_none=True)``, ``on_stage_end(TRAIN, avg_loss, epoch)``. This function
+    makes the same calls on the Brain in the same order, so the Brain's own ``fit_batch``,
+    ``on_stage_start``, ``on_stage_end``, ``init_optimizers``, ``on_fit_batch_start/end`` and
+    ``optimizers_step`` (with SpeechBrain's per-step ``clip_grad_norm_`` to ``max_grad_norm``)
+    run unchanged and the update is bit-identical (``tests/unit/test_fl_speed.py``); it leaves
+    out the tqdm object and its postfix, the profiler, intra-epoch checkpoints (no
+    checkpointer) and the validation stage (a client has no validation set). SpeechBrain's
+    ``debug`` limits and ``optimizer_step_limit`` are kept.
+
+    Arguments
+    ---------
+    brain : speechbrain.Brain
+        A Brain for which :func:`lean_fit_applies`.
+    train_loader : DataLoader
+        The client's training loader (not a Dataset).
+    epochs : int
+        Local epochs (1, 2, ..., ``epochs``).
+    """
+    brain.init_optimizers()  # on_fit_start with no compile, wrapping or checkpointer
+    for epoch in range(1, epochs + 1):
+        brain.on_stage_start(sb.Stage.TRAIN, epoch)
+        brain.modules.train()
+        brain.zero_grad()
+        brain.nonfinite_count = 0
+        sampler = brain.train_sampler
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        for batch in train_loader:
+            if brain._optimizer_step_limit_exceeded:
+                break
+            brain.step += 1
+            loss = brain.fit_batch(batch)
+            brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
+            if brain.debug and brain.step == brain.debug_batches:
+                break
+        brain.zero_grad(set_to_none=True)
+        brain.on_stage_end(sb.Stage.TRAIN, brain.avg_train_loss, epoch)
+        brain.avg_train_loss = 0.0
+        brain.step = 0
+        if (brain.debug and epoch == brain.debug_epochs) or brain._optimizer_step_limit_exceeded:
+            break
+
+
+def _local_fit(task: ClientTask, train_loader: Any, epochs: int) -> None:
+    """One round's local training: :func:`lean_fit` where it applies (a DataLoader or
+    LoopedLoader, which ``Brain.fit`` would use as is), else ``brain.fit``."""
+    if (
+        task.lean_fit
+        and isinstance(train_loader, (torch.utils.data.DataLoader, LoopedLoader))
+        and lean_fit_applies(task.brain)
+    ):
+        lean_fit(task.brain, train_loader, epochs)
+    else:
+        task.brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+
+
 # The last round's decoded global tensors: (names, the Arrays' bytes objects, tensors).
 _DECODED: list[Any] = []
 
@@ -212,6 +318,8 @@ def _seed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
 #: The bound used when the server asks for group norms without clipping (``clip-groups`` and
 #: no ``clip-budgets``): no finite update reaches it, so nothing is clipped.
 NORMS_ONLY_BUDGET = 1e300
@@ -257,7 +365,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
     try:
         with _record_stage_end(task.brain) as records, _reset_optimizer(task.brain):
-            task.brain.fit(range(1, epochs + 1), _train_loader(task), progressbar=False)
+            _local_fit(task, _train_loader(task), epochs)
         with torch.no_grad():
             delta = {
                 n: params[n].detach().cpu().to(torch.float32) - v.to(torch.float32)

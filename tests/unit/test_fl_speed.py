@@ -131,3 +131,110 @@ def test_an_overridden_init_optimizers_runs_every_round():
     for server_round in (1, 2, 3):
         train_round(client, _message(start, server_round), partition_id=0)
     assert calls == [1, 2, 3]
+
+
+# --- the lean local loop (speechbrain_fl/fl/client.py:lean_fit) against Brain.fit
+
+
+def _recording_client(lean: bool, calls: list):
+    """An Adam toy client (2 local epochs, SpeechBrain's shuffling sampler) recording hooks."""
+    import speechbrain as sb
+
+    from speechbrain_fl.fl.toy import ToyBrain
+
+    class Recording(ToyBrain):
+        def on_stage_start(self, stage, epoch=None):
+            calls.append(("start", stage, epoch))
+
+        def on_stage_end(self, stage, stage_loss, epoch=None):
+            calls.append(("end", stage, epoch, float(stage_loss)))
+
+        def on_fit_batch_end(self, batch, outputs, loss, should_step):
+            calls.append(("batch", float(loss), should_step))
+
+    client = _adam_client()
+    client.brain.__class__ = Recording
+    client.lean_fit = lean
+    assert isinstance(client.brain, sb.Brain)
+    return client
+
+
+def _two_rounds(client):
+    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.params import trainable_state
+
+    start = trainable_state(client.brain.modules)
+    first = train_round(client, _message(start, 1), partition_id=3)
+    moved = {k: v + 0.1 for k, v in start.items()}
+    second = train_round(client, _message(moved, 2), partition_id=3)
+    return [(_update(r), float(r["metrics"]["train-loss"])) for r in (first, second)]
+
+
+def _assert_same(a, b):
+    import torch
+
+    for (update_a, loss_a), (update_b, loss_b) in zip(a, b, strict=True):
+        assert loss_a == loss_b
+        assert all(torch.equal(update_a[k], update_b[k]) for k in update_a)
+
+
+def test_lean_loop_update_equals_brain_fit(monkeypatch):
+    import speechbrain as sb
+
+    fit_calls, lean_calls = [], []
+    expected = _two_rounds(_recording_client(False, fit_calls))
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("the lean loop must not call Brain.fit")
+
+    monkeypatch.setattr(sb.Brain, "fit", no_fit)
+    got = _two_rounds(_recording_client(True, lean_calls))
+    _assert_same(got, expected)  # bit for bit, with the same train-loss
+    assert lean_calls == fit_calls  # the same hooks, stages, epochs, losses, in the same order
+    assert sum(c[0] == "batch" for c in fit_calls) == 2 * 2 * 4  # rounds x epochs x batches
+
+
+def test_lean_loop_comparison_catches_a_wrong_loop(monkeypatch):
+    """The equality above has power: a loop that forgets the sampler's set_epoch differs."""
+    import pytest
+
+    from speechbrain_fl.fl import client as client_module
+
+    expected = _two_rounds(_recording_client(False, []))
+    real = client_module.lean_fit
+
+    def without_set_epoch(brain, loader, epochs):
+        sampler, brain.train_sampler = brain.train_sampler, None
+        try:
+            real(brain, loader, epochs)
+        finally:
+            brain.train_sampler = sampler
+
+    monkeypatch.setattr(client_module, "lean_fit", without_set_epoch)
+    with pytest.raises(AssertionError):
+        _assert_same(_two_rounds(_recording_client(True, [])), expected)
+
+
+def test_brain_needing_fit_gets_fit():
+    from speechbrain_fl.fl.client import lean_fit_applies, train_round
+    from speechbrain_fl.fl.params import trainable_state
+    from speechbrain_fl.fl.toy import ToyBrain
+
+    starts = []
+
+    class OwnFitStart(ToyBrain):
+        def on_fit_start(self):
+            starts.append(1)
+            super().on_fit_start()
+
+    client = _adam_client()
+    assert lean_fit_applies(client.brain)
+    client.brain.__class__ = OwnFitStart
+    assert not lean_fit_applies(client.brain)
+    start = trainable_state(client.brain.modules)
+    for server_round in (1, 2):
+        train_round(client, _message(start, server_round), partition_id=0)
+    assert starts == [1, 1]  # its on_fit_start ran every round, through Brain.fit
+    client.brain.__class__ = ToyBrain
+    client.brain.profiler = object()  # a SpeechBrain profiler: only Brain.fit drives it
+    assert not lean_fit_applies(client.brain)
