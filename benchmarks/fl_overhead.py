@@ -167,14 +167,38 @@ def run_engine(dp: bool, backend: str) -> dict:
     }
 
 
-def run_plain(dp: bool) -> dict:
-    """The same training as one loop in one process (torch only)."""
+def run_plain(dp: bool, brain: bool = False) -> dict:
+    """The same training as one loop in one process (torch only).
+
+    With ``brain``: the local steps are SpeechBrain's instead, ``Brain.fit`` of the engine's
+    Brain (:class:`~speechbrain_fl.fl.toy.ToyBrain`) on the engine's DataLoader (PaddedBatch
+    collation, SpeechBrain's shuffling sampler; one loader per client, made once), everything
+    else as the plain loop: what a SpeechBrain user's own FL loop would cost, with no engine.
+    """
     import torch
 
     t = time.perf_counter()
     torch.manual_seed(0)
     model = _mlp()
     data = [_data(1 + pid, EXAMPLES) for pid in range(CLIENTS)]
+    if brain:
+        import speechbrain as sb
+        from speechbrain.dataio.batch import PaddedBatch
+
+        from speechbrain_fl.fl.toy import ToyBrain, _Examples
+
+        sb_brain = ToyBrain(
+            modules={"model": model},
+            opt_class=lambda params: torch.optim.SGD(params, lr=LR),
+            run_opts={"device": "cpu", "noprogressbar": True},
+        )
+        loaders = []  # (loader, its shuffling sampler, which Brain.fit calls set_epoch on)
+        for d in data:
+            loader = sb_brain.make_dataloader(
+                _Examples(*d), stage=sb.Stage.TRAIN, batch_size=BATCH, shuffle=True,
+                collate_fn=PaddedBatch,
+            )  # fmt: skip
+            loaders.append((loader, sb_brain.train_sampler))
     x_val, y_val = _data(10_000, 256)
     params = [p.detach().clone() for p in model.parameters()]
     gen = torch.Generator().manual_seed(1)
@@ -190,14 +214,18 @@ def run_plain(dp: bool) -> dict:
             with torch.no_grad():
                 for p, g in zip(model.parameters(), params, strict=False):
                     p.copy_(g)
-            opt = torch.optim.SGD(model.parameters(), lr=LR)
-            x, y = data[pid]
-            order = torch.randperm(EXAMPLES, generator=gen)
-            for step in range(EXAMPLES // BATCH):
-                idx = order[step * BATCH : (step + 1) * BATCH]
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-                opt.step()
+            if brain:
+                loader, sb_brain.train_sampler = loaders[pid]
+                sb_brain.fit(range(1, 2), loader, progressbar=False)
+            else:
+                opt = torch.optim.SGD(model.parameters(), lr=LR)
+                x, y = data[pid]
+                order = torch.randperm(EXAMPLES, generator=gen)
+                for step in range(EXAMPLES // BATCH):
+                    idx = order[step * BATCH : (step + 1) * BATCH]
+                    opt.zero_grad()
+                    torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+                    opt.step()
             delta = [p.detach() - g for p, g in zip(model.parameters(), params, strict=False)]
             if dp:
                 norm = torch.sqrt(sum((d**2).sum() for d in delta))
@@ -318,8 +346,8 @@ TIMED = [
     ("  ClientApp train handler (ours)", "speechbrain_fl.fl.client", "train_round"),
     ("    decode global tensors (cached per round)", "speechbrain_fl.fl.client", "_global_tensors"),
     ("    load global into model (x2)", "speechbrain_fl.fl.client", "load_trainable"),
-    ("    local training (Brain.fit, or the lean loop)", "speechbrain_fl.fl.client", "_local_fit"),
-    ("    local training (Brain.fit, or the lean loop)", "speechbrain.core", "Brain.fit"),
+    ("    local training (lean loop, or Brain.fit)", "speechbrain_fl.fl.client", "_local_fit"),
+    ("    local training (lean loop, or Brain.fit)", "speechbrain.core", "Brain.fit"),
     (
         "      DataLoader + PaddedBatch collation",
         "torch.utils.data.dataloader",
@@ -357,7 +385,7 @@ def run_breakdown(dp: bool) -> dict:
     from speechbrain_fl.fl import strategy as strategy_module
 
     totals = {label: 0.0 for label, _, _ in TIMED}
-    on = [False]
+    on, wrapped = [False], set()
 
     def timed(label, fn):
         def wrapper(*args, **kwargs):
@@ -376,8 +404,9 @@ def run_breakdown(dp: bool) -> dict:
         *path, name = attr.split(".")
         for part in path:
             owner = getattr(owner, part)
-        if hasattr(owner, name):  # else a function this version does not have
+        if hasattr(owner, name) and label not in wrapped:  # the first that exists
             setattr(owner, name, timed(label, getattr(owner, name)))
+            wrapped.add(label)
     clients = [0]
     configure = strategy_module.DPFedAvg.configure_train
 
@@ -417,6 +446,7 @@ def child(kind: str, dp: bool) -> None:
         "local": lambda dp: run_engine(dp, "local"),
         "ray": lambda dp: run_engine(dp, "ray"),
         "plain": run_plain,
+        "brain": lambda dp: run_plain(dp, brain=True),
         "pfl": run_pfl,
         "breakdown": run_breakdown,
     }
@@ -468,10 +498,8 @@ def breakdown(repeats: int) -> None:
         for label in labels:
             value = statistics.median(r["per_client_ms"][label] for r in runs)
             if value > 0:
-                print(
-                    f"| {label.replace(' ', '&nbsp;', len(label) - len(label.lstrip()))} "
-                    f"| {value:.2f} |"
-                )
+                depth = (len(label) - len(label.lstrip())) // 2
+                print(f"| {'. ' * depth}{label.lstrip()} | {value:.2f} |")
         whole = statistics.median(r["all_rounds_per_client_ms"] for r in runs)
         base = statistics.median(1000 * sum(r["rounds"][2:]) for r in plain) / (
             cohort * (ROUNDS - 2)
@@ -483,7 +511,7 @@ def breakdown(repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kinds", default="plain,local,ray,pfl")
+    parser.add_argument("--kinds", default="plain,brain,local,ray,pfl")
     parser.add_argument("--child", default=None)
     parser.add_argument("--dp", action="store_true")
     parser.add_argument(
