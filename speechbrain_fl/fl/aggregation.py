@@ -64,11 +64,18 @@ AggregationRule = Callable[..., dict[str, torch.Tensor]]
 def _weighted_sum(
     updates: Sequence[ClientUpdate], weights: Sequence[float]
 ) -> dict[str, torch.Tensor]:
+    """``sum_i w_i u_i`` in float64, accumulated in place (one scratch buffer per tensor name:
+    the same roundings as ``total + u.to(float64) * w``, without three allocations per term)."""
     total: dict[str, torch.Tensor] = {}
+    scratch: dict[str, torch.Tensor] = {}
     for update, weight in zip(updates, weights, strict=True):
         for name, tensor in update.delta.items():
-            term = tensor.detach().to(torch.float64) * weight
-            total[name] = total[name] + term if name in total else term
+            if name not in total:
+                total[name] = tensor.detach().to(torch.float64) * weight
+                continue
+            if name not in scratch:
+                scratch[name] = torch.empty(tensor.shape, dtype=torch.float64)
+            total[name].add_(scratch[name].copy_(tensor.detach()).mul_(weight))
     return total
 
 

@@ -238,3 +238,27 @@ def test_brain_needing_fit_gets_fit():
     client.brain.__class__ = ToyBrain
     client.brain.profiler = object()  # a SpeechBrain profiler: only Brain.fit drives it
     assert not lean_fit_applies(client.brain)
+
+
+def test_in_place_weighted_sum_is_the_allocating_formula():
+    """speechbrain_fl/fl/aggregation.py:_weighted_sum accumulates in place, same roundings."""
+    import torch
+
+    from speechbrain_fl.fl.aggregation import ClientUpdate, _weighted_sum
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        updates = [
+            ClientUpdate(i, {"a": torch.randn(7, 5, generator=gen).to(dtype), "b": torch.randn(3)})
+            for i in range(9)
+        ]
+        updates[4].delta.pop("b")  # a partial update
+        weights = torch.rand(9, generator=gen).tolist()
+        expected: dict = {}
+        for update, weight in zip(updates, weights, strict=True):
+            for name, tensor in update.delta.items():
+                term = tensor.to(torch.float64) * weight
+                expected[name] = expected[name] + term if name in expected else term
+        got = _weighted_sum(updates, weights)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), dtype
+        assert updates[0].delta["a"].dtype == dtype  # the inputs are not modified
