@@ -14,6 +14,9 @@ configuration runs in a fresh Python process, so the "whole run" time is what a 
 - ``plain``: the same training in one loop in one process (torch only: FedAvg, and for DP
   Poisson client sampling, per-client update clipping to C and Gaussian noise
   ``N(0, (sigma C)^2)`` on the sum divided by the expected cohort ``q K``);
+- ``brain``: the plain loop with SpeechBrain doing the local steps (``Brain.fit`` of the
+  engine's Brain on the engine's DataLoader with ``PaddedBatch`` collation, one loader per
+  client): SpeechBrain's own cost, with no Flower and no engine;
 - ``pfl``: pfl-research's ``FederatedAveraging`` on the same model, data and DP settings
   (``pip install pfl``; skipped when absent).
 
@@ -21,17 +24,31 @@ configuration runs in a fresh Python process, so the "whole run" time is what a 
 time of ``speechbrain_fl.fl`` and of ``run_simulation`` (with torch, Flower), the Ray start
 (``ray`` only: a separate ``ray.init``/``ray.shutdown`` with the engine's arguments), the first
 round (which builds the clients) and the time from the last round to the end of
-``run_simulation``. The engine's Brain keeps SpeechBrain's per-step gradient-norm clipping
-(``max_grad_norm`` 5, never reached here, so the same arithmetic as the plain loop, but its
-norm is computed every step): a cost of SpeechBrain's ``fit``, counted in the engine's figures.
+``run_simulation``.
 
-Last figures (README "Overhead of the Simulation Engine": three passes on the shared 2-core
-machine, load average 8.5-16.5, ratios to the plain loop, no DP / DP): ``local`` whole run
-1.8x / 1.7x, steady round 2.9x / 2.9x; ``ray`` 4.7x / 7.2x and 3.6x / 4.9x; pfl-research
-0.8x / 1.2x and 0.7x / 1.2x.
+Like with like: the engine's Brain keeps SpeechBrain's per-step gradient-norm clipping
+(``max_grad_norm`` 5, never reached here, so the arithmetic equals the plain loop's, which does
+not clip per step; SpeechBrain computes the norm every step and has no switch to skip it) and
+SpeechBrain's data path (a DataLoader with ``PaddedBatch`` collation where the plain loop and
+pfl slice two tensors). Both are SpeechBrain's costs, counted in the engine's figures and in
+``brain``'s; ``--breakdown`` measures them.
+
+``--breakdown`` runs the local backend ``--repeats`` times per DP setting with
+``perf_counter`` wrappers around the parts listed in :data:`TIMED` (the LocalGrid delivery,
+our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
+``optimizers_step``/``clip_grad_norm_``, the server's reply check, aggregation, noise, state
+file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
+
+Last figures (README "Overhead of the Simulation Engine": ``--repeats 3`` on the shared 2-core
+machine, load average 1.3-5.1, ratios to the plain loop, no DP / DP): ``local`` whole run
+2.0x / 1.7x, steady round 2.6x / 2.5x; ``brain`` (SpeechBrain without the engine) 1.7x / 1.7x
+and 1.8x / 1.7x; ``ray`` 7.9x / 7.3x and 6.9x / 6.4x; pfl-research 1.4x / 1.4x and 1.3x / 1.3x.
+Per client update at load 3.3-4.0: ~15 ms on ``local``, of which SpeechBrain's training path
+~10-11 ms (DataLoader + ``PaddedBatch`` ~2.2, ``fit_batch`` ~6.5-7.5 with ~1.4 in
+``clip_grad_norm_``), against ~5 ms for the plain loop's whole client update.
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
-[--kinds plain,local,ray,pfl]``
+[--kinds plain,brain,local,ray,pfl] [--breakdown]``
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""ClientApp factory: a SpeechBrain ``Brain`` trained locally by ``brain.fit``.
+"""ClientApp factory: a SpeechBrain ``Brain`` trained locally (``Brain.fit``'s calls, see
+:func:`lean_fit`).
 
 The recipe supplies ``build_client(context) -> ClientTask``: the Brain (built *without* a
 checkpointer, since ``Brain.on_fit_start`` would otherwise recover an old checkpoint over the
@@ -15,9 +16,10 @@ without a ``cache_key`` is cached per ClientApp object only (one hit per unpickl
 One training message: load the global *trainable* tensors (exactly the names in the ArrayRecord,
 which must all be ``requires_grad`` parameters of ``brain.modules``), set ``brain.fl_round`` and
 ``brain.fl_num_rounds`` from the round's config (for schedules that span the run), seed torch
-with the round seed plus the partition id (reproducible runs and resumes), run ``brain.fit`` for
-``local-epochs`` epochs, read the loss the Brain passes to ``on_stage_end`` (recorded by a
-wrapper around the instance's hook, so ``Brain.fit`` is neither copied nor overridden), compute
+with the round seed plus the partition id (reproducible runs and resumes), train for
+``local-epochs`` epochs (:func:`lean_fit`, or ``brain.fit`` where that does not apply), read
+the loss the Brain passes to ``on_stage_end`` (recorded by a wrapper around the instance's
+hook, so neither the Brain's class nor its hooks are changed), compute
 delta = local - global, clip it with the budgets from the ConfigRecord
 (:func:`speechbrain_fl.privacy.clip_update`) and reply with the clipped delta and a MetricRecord:
 ``num-examples``, ``train-loss``, and, when clipping or when the server sends ``clip-groups``
@@ -43,6 +45,8 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
 - The global tensors of a round are decoded from the message once per process and shared by
   the clients of the round that receive the same arrays (the local backend's messages share
   them; a Ray actor's unpickled messages do not, and decode as before). They are read-only.
+- Local training makes the calls ``Brain.fit`` makes on the Brain for a training-only round,
+  without ``Brain.fit``'s per-call extras (:func:`lean_fit`; bit-identical updates).
 - Seeding: the CPU generator and, if present, CUDA's, not every accelerator backend torch
   knows (``torch.manual_seed`` also seeds XPU, MTIA, MPS: ~1 ms per call for nothing here).
 """

@@ -22,9 +22,9 @@
   Flower and the recipe, the per-message pickling of the ClientApp and Flower's 0.1 s
   hand-off threads cost seconds per run and tens of milliseconds per client, more than a
   small model's training; the local backend has none of them. On the benchmark's workload
-  (32 clients, 10 rounds, loaded 2-core machine) the whole run took 1.8x the plain loop on
-  ``local`` against 4.7x on ``ray`` (DP: 1.7x against 7.2x), the steady round 2.9x against
-  3.6x (DP: 2.9x against 4.9x); the MLS default's federated stage 133 s against 147 s. Ray
+  (32 clients, 10 rounds, shared 2-core machine) the whole run took 2.0x the plain loop on
+  ``local`` against 7.9x on ``ray`` (DP: 1.7x against 7.3x), the steady round 2.6x against
+  6.9x (DP: 2.5x against 6.4x); the MLS default's federated stage 133 s against 147 s. Ray
   stays the backend for a cluster (``ray_address``) and for several GPUs shared by fractional
   ``client_resources``; the Deployment Engine for many machines. The server task is built in this process before
   the backend starts (its config names the backend), then handed to the ServerApp.
