@@ -27,9 +27,9 @@ round (which builds the clients) and the time from the last round to the end of
 ``run_simulation``.
 
 Like with like: the engine's Brain keeps SpeechBrain's per-step gradient-norm clipping
-(``max_grad_norm`` 5, never reached here, so the arithmetic equals the plain loop's, which does
-not clip per step; SpeechBrain computes the norm every step and has no switch to skip it) and
-SpeechBrain's data path (a DataLoader with ``PaddedBatch`` collation where the plain loop and
+(``max_grad_norm`` 5, never reached here: at most 2.89 over the 1,280 steps of a run, so the
+arithmetic equals the plain loop's, which does not clip per step; SpeechBrain computes the norm
+every step and has no switch to skip it) and SpeechBrain's data path (a DataLoader with ``PaddedBatch`` collation where the plain loop and
 pfl slice two tensors). Both are SpeechBrain's costs, counted in the engine's figures and in
 ``brain``'s; ``--breakdown`` measures them.
 
