@@ -43,9 +43,10 @@ Last figures (README "Overhead of the Simulation Engine": ``--repeats 3`` on the
 machine, load average 1.3-5.1, ratios to the plain loop, no DP / DP): ``local`` whole run
 2.0x / 1.7x, steady round 2.6x / 2.5x; ``brain`` (SpeechBrain without the engine) 1.7x / 1.7x
 and 1.8x / 1.7x; ``ray`` 7.9x / 7.3x and 6.9x / 6.4x; pfl-research 1.4x / 1.4x and 1.3x / 1.3x.
-Per client update at load 3.3-4.0: ~15 ms on ``local``, of which SpeechBrain's training path
-~10-11 ms (DataLoader + ``PaddedBatch`` ~2.2, ``fit_batch`` ~6.5-7.5 with ~1.4 in
-``clip_grad_norm_``), against ~5 ms for the plain loop's whole client update.
+Per client update (``--breakdown``, load 3.1-4.3): 10.3 ms on ``local`` (12.2 with DP; 11.6 and
+13.1 before the lean loop and the cheaper reply check), of which SpeechBrain's training path
+~7 ms (DataLoader + ``PaddedBatch`` ~1.7, ``fit_batch`` ~5.3 with ~1.1 in ``clip_grad_norm_``),
+against 3.8 ms (4.3) for the plain loop's whole client update.
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
 [--kinds plain,brain,local,ray,pfl] [--breakdown]``
