@@ -1,4 +1,7 @@
-"""The accountant's cached epsilon equals Opacus's, computed once per distinct value."""
+"""Speed cuts keep results: the accountant's cached epsilon equals Opacus's (computed once per
+distinct value); the client's reused optimiser starts every round fresh; the lean local loop's
+update equals Brain.fit's bit for bit (and the comparison catches a wrong loop); the server's
+in-place weighted sum equals the allocating formula."""
 
 import pytest
 from opacus.accountants import RDPAccountant
