@@ -89,7 +89,7 @@ def norm_profile(report: Any, layout: Layout, *, clip: float, kappa: float = 2.0
     -------
     dict
         ``per_matrix_mean_norm``, ``component_norm``, ``llm_encoder_ratio`` (when the encoder
-        trains), ``alpha`` (None with ``alpha_refused`` when no alpha < 1 fits),
+        trains; the connector's norm stands for the LLM's when no LLM group trains), ``alpha`` (None with ``alpha_refused`` when no alpha < 1 fits),
         ``recommendation`` and ``caveat``.
 
     Example
@@ -116,7 +116,9 @@ def norm_profile(report: Any, layout: Layout, *, clip: float, kappa: float = 2.0
     component = {k: float(v) for k, v in report.component_norms.items()}
     profile: dict[str, Any] = {"per_matrix_mean_norm": per_matrix, "component_norm": component}
     if per_matrix.get("encoder", 0.0) > 0:
-        ratio = per_matrix.get("llm", 0.0) / per_matrix["encoder"]
+        # the LLM's adapters frozen (a connector but no LLM group trains): the connector
+        # stands for the LLM side, as in alpha-split's pools
+        ratio = per_matrix.get("llm", per_matrix.get("connector", 0.0)) / per_matrix["encoder"]
         profile["llm_encoder_ratio"] = ratio
         try:
             profile["alpha"] = select_alpha(component, clip=clip, kappa=kappa)
