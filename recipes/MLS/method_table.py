@@ -30,8 +30,8 @@ A run whose ``results.json`` exists is skipped unless ``--force``; an interrupte
 last finished round). Arguments this script does not know are passed to every ``train_fl.py``
 run, e.g. ``--number_of_rounds 6`` or ``--device cuda``.
 
-Usage (from the repository root; at K = 128 one run takes ~13 min on 2 loaded CPU cores, so the
-14 + 6 runs take hours; select with --methods/--variants)::
+Usage (from the repository root; at K = 128 one run takes 2.5-7 min on 2 shared CPU cores with
+the seed cached, so the 14 + 6 runs take 1-2 hours; select with --methods/--variants)::
 
     python recipes/MLS/method_table.py
     python recipes/MLS/method_table.py --methods fedavg flat alpha_split --variants unfrozen

@@ -146,10 +146,30 @@ class SpeechLLMBrain(sb.Brain):
             self.checkpointer.add_recoverable("optimizer", self.optimizer)
 
     def round_lr(self):
-        """Cosine decay of the peak ``lr`` over the federated rounds (paper Sec. II-D)."""
+        """Cosine decay of the peak ``lr`` over the federated rounds, down to a floor.
+
+        lr_t = lr * (m + (1 - m) * (1 + cos(pi (t - 1) / T)) / 2) for round t of T, with
+        m = ``lr_min_ratio``. m = 0 is the paper's cosine decay (Sec. II-D); the floor m > 0 is
+        ours (with few rounds a cosine to ~0 leaves the last rounds almost idle), m = 1 a
+        constant lr.
+
+        Example
+        -------
+        >>> from types import SimpleNamespace
+        >>> brain = SpeechLLMBrain.__new__(SpeechLLMBrain)
+        >>> brain.hparams = SimpleNamespace(lr=1.0, lr_min_ratio=0.5)
+        >>> brain.fl_round, brain.fl_num_rounds = 1, 10
+        >>> brain.round_lr()
+        1.0
+        >>> brain.fl_round = 6
+        >>> round(brain.round_lr(), 3)
+        0.75
+        """
         rnd = getattr(self, "fl_round", 1)
         total = max(1, getattr(self, "fl_num_rounds", 1))
-        return self.hparams.lr * 0.5 * (1.0 + math.cos(math.pi * (rnd - 1) / total))
+        floor = getattr(self.hparams, "lr_min_ratio", 0.0)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * (rnd - 1) / total))
+        return self.hparams.lr * (floor + (1.0 - floor) * cosine)
 
     def on_stage_start(self, stage, epoch=None):
         """A fresh WER accumulator for each evaluation stage."""
@@ -408,6 +428,7 @@ def component_layout(brain):
 BRAIN_KEYS = (
     "seed",
     "lr",
+    "lr_min_ratio",
     "weight_decay",
     "encoder_lr_multiplier",
     "max_new_tokens",
@@ -752,6 +773,11 @@ def check_hparams(hparams):
             f"model: {model!r} is neither a preset {sorted(PRESETS)} nor a folder with "
             "speech_llm.json"
         )
+    if not 0.0 <= float(hparams.get("lr_min_ratio", 0.0)) <= 1.0:
+        raise ValueError(f"lr_min_ratio: {hparams['lr_min_ratio']!r} must be in [0, 1]")
+    kappa = hparams["alpha_kappa"]
+    if isinstance(kappa, bool) or not isinstance(kappa, int | float) or not 0 < kappa < math.inf:
+        raise ValueError(f"alpha_kappa: {kappa!r} must be a positive number")
     if hparams["alpha"] == "auto" and hparams["profile_rounds"] < 1:
         raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
     # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
@@ -796,12 +822,21 @@ def main(argv):
         spec = TaskSpec(TASK, _hparams_path(hparams_file), {**spec_overrides, "stage": "profile"})
         result = run_federated(spec, hparams)
         profile = norm_profile(
-            result.reports[-1], component_layout(brain), clip=hparams["clip"] or 1.0
+            result.reports[-1],
+            component_layout(brain),
+            clip=hparams["clip"] or 1.0,
+            kappa=hparams["alpha_kappa"],
         )
         write_profile(profile, os.path.join(hparams["output_folder"], "profile"))
         print("\n" + format_profile(profile, rounds=hparams["profile_rounds"]) + "\n")
         timings["profiling"] = time.time() - start
         if hparams["alpha"] == "auto":
+            if profile["alpha"] is None and "alpha_refused" in profile:
+                raise ValueError(
+                    f"alpha: auto: {profile['alpha_refused']} (alpha_kappa "
+                    f"{hparams['alpha_kappa']}, clip {hparams['clip']}); rerun with --clip or "
+                    "--alpha_kappa set so (see recipes/MLS/README.md, automatic alpha)"
+                )
             if profile["alpha"] is None:
                 raise ValueError(
                     "alpha: auto needs encoder update norms, but the encoder is frozen; "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,13 @@ def profile_config(config: FLConfig, *, rounds: int, output_folder: str) -> FLCo
     )
 
 
-def norm_profile(report: Any, layout: Layout, *, clip: float) -> dict[str, Any]:
+def norm_profile(report: Any, layout: Layout, *, clip: float, kappa: float = 2.0) -> dict[str, Any]:
     """Diagnostics of a profiling round (see the module docstring).
+
+    When ``kappa`` times the encoder norm reaches ``clip`` (alpha would be >= 1:
+    :func:`~speechbrain_fl.privacy.select_alpha` refuses), the profile still holds the norms and
+    the recommendation, with ``alpha`` None and ``alpha_refused`` naming a ``clip`` and a
+    ``kappa`` that would give alpha = 0.25 (ours: the middle of the encoder-light range).
 
     Arguments
     ---------
@@ -76,12 +82,15 @@ def norm_profile(report: Any, layout: Layout, *, clip: float) -> dict[str, Any]:
         Groups and their component labels.
     clip : float
         The total budget ``C`` the private run will use (for the alpha).
+    kappa : float
+        Encoder pool budget / observed encoder norm (``select_alpha``; the paper's ~2).
 
     Returns
     -------
     dict
         ``per_matrix_mean_norm``, ``component_norm``, ``llm_encoder_ratio`` (when the encoder
-        trains), ``alpha``, ``recommendation`` and ``caveat``.
+        trains; the connector's norm stands for the LLM's when no LLM group trains), ``alpha`` (None with ``alpha_refused`` when no alpha < 1 fits),
+        ``recommendation`` and ``caveat``.
 
     Example
     -------
@@ -93,6 +102,10 @@ def norm_profile(report: Any, layout: Layout, *, clip: float) -> dict[str, Any]:
     >>> p = norm_profile(rep, lay, clip=1.0)
     >>> p["llm_encoder_ratio"], p["recommendation"]["method"]
     (20.0, 'alpha_split')
+    >>> rep.component_norms = {"encoder": 0.6, "llm": 0.2}
+    >>> p = norm_profile(rep, lay, clip=1.0)
+    >>> p["alpha"], p["alpha_refused"].split("; ")[-1]
+    (None, 'clip >= 2.4 or kappa <= 0.833 gives alpha = 0.25')
     """
     per_matrix: dict[str, float] = {}
     for label in layout.components:
@@ -103,9 +116,21 @@ def norm_profile(report: Any, layout: Layout, *, clip: float) -> dict[str, Any]:
     component = {k: float(v) for k, v in report.component_norms.items()}
     profile: dict[str, Any] = {"per_matrix_mean_norm": per_matrix, "component_norm": component}
     if per_matrix.get("encoder", 0.0) > 0:
-        ratio = per_matrix.get("llm", 0.0) / per_matrix["encoder"]
+        # the LLM's adapters frozen (a connector but no LLM group trains): the connector
+        # stands for the LLM side, as in alpha-split's pools
+        ratio = per_matrix.get("llm", per_matrix.get("connector", 0.0)) / per_matrix["encoder"]
         profile["llm_encoder_ratio"] = ratio
-        profile["alpha"] = select_alpha(component, clip=clip)
+        try:
+            profile["alpha"] = select_alpha(component, clip=clip, kappa=kappa)
+        except ValueError as err:
+            encoder = math.sqrt(sum(v**2 for k, v in component.items() if k == "encoder"))
+            if encoder == 0.0:
+                raise
+            profile["alpha"] = None
+            profile["alpha_refused"] = (
+                f"{err}; clip >= {math.ceil(20 * kappa * encoder) / 10:g} or kappa <= "
+                f"{math.floor(500 * clip / encoder) / 1000:g} gives alpha = 0.25"
+            )
         method = "alpha_split" if ratio >= SPLIT_RATIO else "pfl_dim_ema"
         profile["recommendation"] = {"method": method, "alpha": profile["alpha"]}
     else:
@@ -135,7 +160,9 @@ def format_profile(profile: Mapping[str, Any], *, rounds: int) -> str:
     lines.append(f"  recommended method: {profile['recommendation']['method']}")
     if profile["alpha"] is not None:
         lines.append(
-            f"  alpha for alpha-split (encoder pool ~ 2x its norm): {profile['alpha']:.4f}"
+            f"  alpha for alpha-split (encoder pool ~ kappa x its norm): {profile['alpha']:.4f}"
         )
+    elif "alpha_refused" in profile:
+        lines.append(f"  no alpha for alpha-split: {profile['alpha_refused']}")
     lines.append(f"  {PROFILE_CAVEAT}")
     return "\n".join(lines)

@@ -93,6 +93,27 @@ def test_refused_run_option_fails_before_work(tmp_path):
     assert "--ckpt_interval_minutes is not supported by the federated recipe" in stderr
 
 
+def test_bad_schedule_and_kappa_fail_before_work(tmp_path):
+    assert "lr_min_ratio: 1.5" in run_expecting_failure(tmp_path, "--lr_min_ratio", "1.5")
+    assert "alpha_kappa: 0" in run_expecting_failure(tmp_path, "--alpha_kappa", "0")
+
+
+@pytest.mark.slow
+def test_auto_alpha_refusal_names_a_clip_and_kappa_that_fit(tmp_path, recipe_cache):
+    """When alpha_kappa x the profiled encoder norm reaches the clip, no alpha < 1 fits: the
+    profile is still written, and the run stops with the clip and alpha_kappa that would."""
+    out = tmp_path / "out"
+    proc = run_script(MLS_ROWS["alpha_split"], out, recipe_cache("MLS"), "--profile_rounds", "1",
+                      "--alpha", "auto", "--alpha_kappa", "50")  # fmt: skip
+    assert proc.returncode != 0
+    profile = json.loads((out / "profile" / "profile.json").read_text())
+    assert profile["alpha"] is None and profile["per_matrix_mean_norm"]["encoder"] > 0
+    assert "gives alpha = 0.25" in profile["alpha_refused"]
+    log = proc.stdout + proc.stderr
+    assert "alpha: auto:" in log and "--alpha_kappa" in log
+    assert not (out / "results.json").exists()
+
+
 @pytest.mark.slow
 def test_run_options_clip_only_run_and_transcribe(tmp_path, recipe_cache):
     """SpeechBrain's run options reach the Brains; a clipping method without noise reports no
@@ -130,12 +151,13 @@ def test_unknown_preset_fails_before_work(tmp_path):
 def test_recipe_norm_profile_and_auto_alpha(tmp_path, recipe_cache):
     """--profile_rounds measures component norms without DP and alpha: auto uses them.
 
-    alpha = (kappa * encoder norm / C)^2 with kappa 2: with the LLM's adapters frozen (the tiny
-    default) the encoder is most of the update (a debug round's encoder norm ~0.5), so C = 1
-    would ask alpha >= 1 (refused by select_alpha); C = 3 keeps the selection inside (0, 1)."""
+    alpha = (alpha_kappa * encoder norm / C)^2: with the LLM's adapters frozen (the tiny
+    default) the encoder is most of the update (a debug round's encoder norm ~2 at lr 0.01), so
+    kappa 2 and C = 1 would ask alpha >= 1 (refused, next test); kappa 0.5 and C = 3 keep the
+    selection inside (0, 1) up to an encoder norm of 6."""
     out = tmp_path / "out"
     proc = _run(out, recipe_cache, "--profile_rounds", "1", "--alpha", "auto", "--clip", "3.0",
-                hparams="alpha_split")  # fmt: skip
+                "--alpha_kappa", "0.5", hparams="alpha_split")  # fmt: skip
     profile = json.loads((out / "profile" / "profile.json").read_text())
     assert profile["per_matrix_mean_norm"]["encoder"] > 0
     assert profile["recommendation"]["method"] in ("alpha_split", "pfl_dim_ema")

@@ -50,3 +50,15 @@ def test_fedavg_reports_the_paper_sigma_and_survives_missing_norms():
     )
     assert empty["mean_update_norm"] is None and empty["ratio"] is None
     train_fl._log_noise_ratio(empty)  # says "no client norms recorded", no error
+
+
+def test_large_encoder_update_is_reported_not_refused():
+    """An encoder update norm with 2 x norm >= C (alpha >= 1 for alpha: auto) still gives the
+    diagnosis: norm_profile records why no alpha fits instead of raising mid-report."""
+    report = _report(2.0, {"e": 0.9, "c": 0.3})
+    report.component_norms = {"encoder": 1.9, "connector": 0.5}
+    out = train_fl.noise_vs_update(
+        [report], LAYOUT, noise_multiplier=0.1, clip=1.0, expected_cohort_size=38.4
+    )
+    assert out["norm_profile"]["llm_encoder_ratio"] == pytest.approx(0.3 / 0.9)
+    assert out["ratio"] == pytest.approx(0.1 / 38.4 * 20 / 2.0)
