@@ -123,7 +123,7 @@ def norm_profile(report: Any, layout: Layout, *, clip: float, kappa: float = 2.0
         try:
             profile["alpha"] = select_alpha(component, clip=clip, kappa=kappa)
         except ValueError as err:
-            encoder = math.sqrt(sum(v**2 for k, v in component.items() if k == "encoder"))
+            encoder = abs(component.get("encoder", 0.0))
             if encoder == 0.0:
                 raise
             profile["alpha"] = None
