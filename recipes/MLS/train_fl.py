@@ -224,6 +224,7 @@ def prepare_data(hparams, *, progressbar=True):
             client_novel_share=hparams["corpus_client_novel_share"],
             seed=hparams["seed"],
             progress=progressbar,
+            num_workers=hparams.get("corpus_workers"),
         )
         logger.info(
             "Embedded corpus %s (%.1f s)",
@@ -775,6 +776,11 @@ def check_hparams(hparams):
         )
     if not 0.0 <= float(hparams.get("lr_min_ratio", 0.0)) <= 1.0:
         raise ValueError(f"lr_min_ratio: {hparams['lr_min_ratio']!r} must be in [0, 1]")
+    workers = hparams.get("corpus_workers")
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+    ):
+        raise ValueError(f"corpus_workers: {workers!r} must be a positive integer or null")
     kappa = hparams["alpha_kappa"]
     if isinstance(kappa, bool) or not isinstance(kappa, int | float) or not 0 < kappa < math.inf:
         raise ValueError(f"alpha_kappa: {kappa!r} must be a positive number")

@@ -96,6 +96,7 @@ def test_refused_run_option_fails_before_work(tmp_path):
 def test_bad_schedule_and_kappa_fail_before_work(tmp_path):
     assert "lr_min_ratio: 1.5" in run_expecting_failure(tmp_path, "--lr_min_ratio", "1.5")
     assert "alpha_kappa: 0" in run_expecting_failure(tmp_path, "--alpha_kappa", "0")
+    assert "corpus_workers: 0" in run_expecting_failure(tmp_path, "--corpus_workers", "0")
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ TINY = dict(
     eval_utterances_per_speaker=2,
     public_test_speakers=1,
     progress=False,
+    num_workers=1,
 )
 
 
@@ -101,10 +102,10 @@ def test_cached_then_regenerated_on_option_change(corpus, tmp_path):
     assert os.path.isfile(os.path.join(other, STAMP_FILE))
 
 
-def test_deterministic_for_seed(corpus, tmp_path):
-    out, _ = corpus
+def test_deterministic_for_seed_and_worker_count(corpus, tmp_path):
+    out, _ = corpus  # generated in-process (num_workers=1)
     other = str(tmp_path / "copy")
-    generate_mls_corpus(other, **TINY)
+    generate_mls_corpus(other, **{**TINY, "num_workers": 2})  # two spawned processes
     for root, _, files in os.walk(out):
         for name in files:
             if name == STAMP_FILE:
@@ -140,6 +141,8 @@ def test_bad_options():
         generate_mls_corpus("/tmp/unused", languages=["klingon"])
     with pytest.raises(ValueError, match="speakers_per_language"):
         generate_mls_corpus("/tmp/unused", speakers_per_language=0)
+    with pytest.raises(ValueError, match="num_workers"):
+        generate_mls_corpus("/tmp/unused", num_workers=0)
 
 
 def test_sentences_all_languages():
