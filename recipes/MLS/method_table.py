@@ -37,6 +37,7 @@ the seed cached, so the 14 + 6 runs take 1-2 hours; select with --methods/--vari
     python recipes/MLS/method_table.py --methods fedavg flat alpha_split --variants unfrozen
     python recipes/MLS/method_table.py --number_of_rounds 6 --output-root results/MLS/short
     python recipes/MLS/method_table.py --table-only      # tabulate the runs that exist
+    python recipes/MLS/method_table.py --jobs 16         # on a 16-core machine, ~2 x one run
 
 Authors
  * speechbrain-fl contributors
@@ -569,6 +570,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no-readme", action="store_true", help="do not touch the README")
     parser.add_argument("--force", action="store_true", help="rerun runs that have results")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs side by side (one thread each, after a preparation-only run fills the cache)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument("--table-only", action="store_true", help="run nothing; tabulate")
     parser.add_argument(
@@ -588,6 +595,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "beside --table-file)",
     )
     args, extra = parser.parse_known_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     args.methods = _names(args.methods, choices=list(METHODS), option="--methods")
     args.variants = _names(args.variants, choices=list(VARIANTS), option="--variants")
     args.private_variants = _names(
@@ -647,7 +656,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_all(args, output_root, methods, variants, extra, failed) -> None:
-    """Run train_fl.py for each (method, variant) without results under ``output_root``."""
+    """Run train_fl.py for each (method, variant) without results under ``output_root``.
+
+    With ``--jobs N`` > 1 a preparation-only run (``--prepare_only True``) first fills the
+    shared cache (corpus, manifests, seed model), then up to N runs go side by side, each with
+    one intra-op thread (``OMP_NUM_THREADS=1`` unless set) and its output in
+    ``<run folder>/stdout.txt``.
+    """
+    todo = []
     for method in methods:
         for variant in variants:
             folder = run_folder(output_root, method, variant)
@@ -662,13 +678,52 @@ def _run_all(args, output_root, methods, variants, extra, failed) -> None:
                 print(f"[{method}, {variant}] skipped: {folder}/results.json exists (--force)")
                 continue
             print(f"[{method}, {variant}] $ {' '.join(cmd)}", flush=True)
-            if args.dry_run:
-                continue
+            todo.append((f"{method}, {variant}", folder, cmd))
+    if args.dry_run or not todo:
+        return
+    if args.jobs <= 1:
+        for name, _, cmd in todo:
             start = time.time()
             code = subprocess.run(cmd, check=False).returncode
-            print(f"[{method}, {variant}] exit {code} after {time.time() - start:.0f} s")
+            print(f"[{name}] exit {code} after {time.time() - start:.0f} s")
             if code != 0:
-                failed.append(f"{method}/{variant} (exit {code})")
+                failed.append(f"{name.replace(', ', '/')} (exit {code})")
+        return
+    prepare = list(todo[0][2])
+    prepare[prepare.index("--output_folder") + 1] = str(Path(output_root) / "prepare")
+    print(f"[prepare] $ {' '.join(prepare)} --prepare_only True", flush=True)
+    if subprocess.run([*prepare, "--prepare_only", "True"], check=False).returncode != 0:
+        failed.append("prepare (the shared cache could not be made; no run started)")
+        return
+    run_side_by_side(todo, jobs=args.jobs, failed=failed)
+
+
+def run_side_by_side(todo: Sequence[tuple], *, jobs: int, failed: list[str]) -> None:
+    """Run ``(name, folder, command)`` items, at most ``jobs`` at once, one thread each.
+
+    Each command's output goes to ``<folder>/stdout.txt``; a command that exits non-zero is
+    appended to ``failed`` with that file's path. ``OMP_NUM_THREADS`` is 1 unless already set
+    (``jobs`` processes with torch's default thread count each would oversubscribe the cores).
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or "1"}
+    running: dict = {}
+    pending = list(todo)
+    while pending or running:
+        while pending and len(running) < jobs:
+            name, folder, cmd = pending.pop(0)
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            log = open(Path(folder) / "stdout.txt", "w", encoding="utf-8")  # noqa: SIM115
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[proc] = (name, folder, log, time.time())
+        time.sleep(0.2)
+        for proc in [p for p in running if p.poll() is not None]:
+            name, folder, log, start = running.pop(proc)
+            log.close()
+            print(f"[{name}] exit {proc.returncode} after {time.time() - start:.0f} s", flush=True)
+            if proc.returncode != 0:
+                failed.append(
+                    f"{name.replace(', ', '/')} (exit {proc.returncode}; {folder}/stdout.txt)"
+                )
 
 
 def _write_table(args, table, results, failed) -> int:

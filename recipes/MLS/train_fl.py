@@ -804,6 +804,12 @@ def main(argv):
     )
     settings, info = prepare_run(hparams, run_opts)
     timings = dict(info["timings"])
+    if hparams.get("prepare_only", False):
+        logger.info(
+            "prepare_only: corpus, manifests and seed model ready (%s); no federated run",
+            ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()),
+        )
+        return
     spec_overrides = {**merged, **run_opts}
     num_clients = len(settings["clients"])
     logger.info(

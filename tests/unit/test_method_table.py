@@ -279,3 +279,30 @@ def test_dev_wer_figure_from_rounds(root, tmp_path):
     path = method_table.write_dev_wer_figure({"σ 0.1": root}, tmp_path / "f" / "w.png")
     assert path.is_file() and path.stat().st_size > 1000
     assert method_table.write_dev_wer_figure({"x": tmp_path / "none"}, tmp_path / "n.png") is None
+
+
+def test_run_side_by_side_bounds_concurrency_and_reports_failures(tmp_path):
+    # real subprocesses: each records when it ran and its thread setting, one fails
+    script = (
+        "import os, sys, time; t = time.time(); time.sleep(0.6); "
+        "open(sys.argv[1], 'w').write(f\"{t} {time.time()} {os.environ['OMP_NUM_THREADS']}\"); "
+        "sys.exit(int(sys.argv[2]))"
+    )
+    todo = [
+        (f"run{i}, v", tmp_path / f"run{i}", [sys.executable, "-c", script,
+                                             str(tmp_path / f"t{i}"), "3" if i == 2 else "0"])
+        for i in range(4)
+    ]  # fmt: skip
+    failed = []
+    method_table.run_side_by_side(todo, jobs=2, failed=failed)
+    spans = [tuple(map(float, (tmp_path / f"t{i}").read_text().split()[:2])) for i in range(4)]
+    assert all((tmp_path / f"t{i}").read_text().split()[2] == "1" for i in range(4))
+    for start, _ in spans:  # at most 2 runs alive at any start
+        assert sum(s <= start < e for s, e in spans) <= 2
+    assert len(failed) == 1 and failed[0].startswith("run2/v (exit 3;")
+    assert (tmp_path / "run2" / "stdout.txt").is_file()
+
+
+def test_jobs_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        method_table.parse_args(["--jobs", "0"])
