@@ -28,13 +28,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speechbrain_fl.privacy import METHODS
+from speechbrain_fl.privacy import budget_methods, get_budget_method
 
-__all__ = ["BACKENDS", "FLConfig", "NO_CLIP_METHOD", "YAML_KEYS"]
+__all__ = ["BACKENDS", "FLConfig", "NO_CLIP_METHOD", "YAML_KEYS", "ema_base_of"]
 
 logger = logging.getLogger(__name__)
 
-EMA_METHODS = {"pfl_dim_ema": "dim", "pfl_unif_ema": "uniform"}
+
+def ema_base_of(method: str) -> str | None:
+    """The base allocation ("dim" or "uniform") an adaptive (EMA) budget method starts from.
+
+    Read from the budget registry (``speechbrain_fl/privacy/budgets.py``), so a method
+    registered with ``register_budget_method(..., ema_base=...)`` gets the server's EMA state
+    like the built-in ``pfl_dim_ema`` and ``pfl_unif_ema``; None for a static method, for
+    ``fedavg`` and for a name that is not registered.
+
+    Example
+    -------
+    >>> ema_base_of("pfl_unif_ema"), ema_base_of("flat"), ema_base_of("fedavg")
+    ('uniform', None, None)
+    """
+    try:
+        return get_budget_method(method).ema_base
+    except ValueError:
+        return None
+
 
 # The YAML method that clips nothing and adds no noise (plain FedAvg, McMahan et al. 2017).
 NO_CLIP_METHOD = "fedavg"
@@ -240,8 +258,10 @@ class FLConfig:
                     "noise_multiplier: 0"
                 )
             values.update(noise_multiplier=0.0, clip=None, alpha=None)
-        elif method not in METHODS:
-            raise ValueError(f"method: {method!r} is not one of {[NO_CLIP_METHOD, *METHODS]}")
+        elif method not in budget_methods():  # the live registry: plug-in methods included
+            raise ValueError(
+                f"method: {method!r} is not one of {[NO_CLIP_METHOD, *budget_methods()]}"
+            )
         else:
             values["clip_method"] = method
             if method != "alpha_split":

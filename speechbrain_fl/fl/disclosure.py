@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import EMA_METHODS, FLConfig
+from .config import FLConfig, ema_base_of
 
 __all__ = [
     "EPSILON_PER_COMPONENT_NOTE",
@@ -101,7 +101,7 @@ def privacy_disclosure(
                     "run is NOT differentially private"
                 )
     ema = None
-    if config.clip is not None and config.clip_method in EMA_METHODS:
+    if config.clip is not None and ema_base_of(config.clip_method) is not None:
         raw = config.ema_signal == "raw"
         ema = {
             "signal": config.ema_signal,  # "noisy" (the released aggregate) or "raw"

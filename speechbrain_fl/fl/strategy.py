@@ -66,7 +66,7 @@ from speechbrain_fl.privacy import (
 )
 
 from .aggregation import ClientUpdate, get_rule
-from .config import EMA_METHODS, FLConfig
+from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
 from .replies import ReplyRejected, parse_train_reply
 from .sampling import PoissonSampler
@@ -241,10 +241,11 @@ class DPFedAvg(FedAvg):
             else None
         )
         self.ema = None
-        if config.clip is not None and config.clip_method in EMA_METHODS:
+        base = ema_base_of(config.clip_method) if config.clip is not None else None
+        if base is not None:
             self.ema = EMABudgetState(
                 layout,
-                base=EMA_METHODS[config.clip_method],
+                base=base,
                 beta=config.ema_beta,
                 gamma=config.ema_gamma,
                 warmup_rounds=config.ema_warmup_rounds,

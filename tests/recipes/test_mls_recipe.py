@@ -213,3 +213,15 @@ def test_debug_run_on_a_real_layout_tree_with_some_languages(tmp_path):
     train = (out / "save" / "manifests" / "train.csv").read_text().splitlines()
     speakers = {line.split(",")[3] for line in public[1:]}
     assert speakers and not speakers & {line.split(",")[3] for line in train[1:]}
+
+
+@pytest.mark.slow
+def test_prepare_only_fills_the_cache_and_trains_nothing(tmp_path, recipe_cache):
+    """prepare_only: manifests, partition and seed model ready; no round, no results.json."""
+    out = tmp_path / "out"
+    proc = _run(out, recipe_cache, "--prepare_only", "True")
+    assert "prepare_only: corpus, manifests and seed model ready" in proc.stdout + proc.stderr
+    assert (out / "save" / "manifests" / "test.csv").is_file()
+    assert (out / "save" / "partition" / "partition.json").is_file()
+    assert list(Path(recipe_cache("MLS")).glob("seed_tiny_*/speech_llm.json"))
+    assert not (out / "results.json").exists() and not (out / "rounds.csv").exists()

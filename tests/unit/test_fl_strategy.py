@@ -85,6 +85,29 @@ def test_noise_std_is_sigma_clip_over_qk(tmp_path):
     assert strategy.accountant.rounds == 2
 
 
+def test_plugin_budget_method_is_accepted_and_gets_ema_state(tmp_path):
+    """A method registered at run time is a valid YAML method, and an adaptive one (ema_base
+    set) gets the server's EMA budgets, as the built-in EMA methods do."""
+    from speechbrain_fl.privacy import get_budget_method, register_budget_method
+    from speechbrain_fl.privacy.budgets import unregister_budget_method
+
+    register_budget_method("dim_ema_plugin_test", ema_base="dim")(
+        get_budget_method("pfl_dim_ema").allocate
+    )
+    try:
+        hparams = {"output_folder": str(tmp_path), "method": "dim_ema_plugin_test", "clip": 1.0,
+                   "noise_multiplier": 0.5, "sampling_rate": 1.0, "population_size": 2}  # fmt: skip
+        cfg = FLConfig.from_hparams(hparams)
+        strategy = DPFedAvg(config=cfg, layout=Layout([Group("a", "all", 4), Group("b", "x", 4)]))
+        assert strategy.ema is not None and strategy.ema.base == "dim"
+        static = FLConfig.from_hparams({**hparams, "method": "pfl_dim"})
+        assert DPFedAvg(config=static, layout=strategy.layout).ema is None
+    finally:
+        unregister_budget_method("dim_ema_plugin_test")
+    with pytest.raises(ValueError, match="dim_ema_plugin_test"):
+        FLConfig.from_hparams(hparams)  # unregistered again: refused, naming the method
+
+
 def test_ema_budgets_are_updated_by_the_strategy(tmp_path):
     """After the warm-up, the EMA budgets follow the released aggregate's group norms."""
     layout = Layout([Group("a", "all", 2000), Group("b", "all", 2000)])
