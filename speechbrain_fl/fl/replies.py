@@ -13,7 +13,9 @@ aggregate, so nothing non-finite can reach the global model through them.
 
 The decoded tensors of a reply with one dtype are views of one buffer
 (:func:`speechbrain_fl.privacy.clipping.pack_update`'s layout), which the server's re-clipping
-measures and scales with one operation each.
+measures and scales with one operation each. They are float32 or wider: a float16 reply is
+widened on decoding (exactly), so the re-clip's arithmetic is never narrower than float32 and
+the aggregate (float64) reads the clipped values exactly.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def parse_train_reply(
     Returns
     -------
     ClientUpdate
-        The delta (float32 tensors) and the flattened metrics.
+        The delta (float32 or float64 tensors) and the flattened metrics.
     """
     node = message.metadata.src_node_id
     if message.has_error():
@@ -131,13 +133,24 @@ def _metric_problem(key: str, value: Any) -> str | None:
 
 
 def _to_tensors(decoded: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Torch tensors of ``decoded``: views of one buffer when they share a dtype (one copy)."""
+    """Torch tensors of ``decoded``, at least float32: views of one buffer when they share a dtype.
+
+    A float16 array is widened to float32 (exactly) here, so that the server's re-clipping and
+    everything after it runs in float32 or wider whatever the wire dtype: float16 arithmetic
+    (a row norm, a scale factor rounded to float16) is too coarse for the clipping margin.
+    """
     dtypes = {a.dtype for a in decoded.values()}
     if not dtypes:
         return {}
     if len(dtypes) != 1:
-        return {k: torch.from_numpy(np.array(a)) for k, a in decoded.items()}
-    buffer = torch.from_numpy(np.concatenate([a.reshape(-1) for a in decoded.values()]))
+        return {
+            k: torch.from_numpy(np.array(a, dtype=np.promote_types(a.dtype, np.float32)))
+            for k, a in decoded.items()
+        }
+    dtype = np.promote_types(dtypes.pop(), np.float32)
+    buffer = torch.from_numpy(
+        np.concatenate([a.reshape(-1) for a in decoded.values()], dtype=dtype)
+    )
     out, offset = {}, 0
     for name, array in decoded.items():
         out[name] = buffer[offset : offset + array.size].view(array.shape)
