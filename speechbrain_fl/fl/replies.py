@@ -28,16 +28,17 @@ import torch
 from flwr.app import Message
 
 from .aggregation import ClientUpdate
+from .reply_checks import ReplyLimits, ReplyRejected, check_reply
 
-__all__ = ["ReplyRejected", "parse_train_reply"]
-
-
-class ReplyRejected(Exception):
-    """A client reply that cannot be aggregated; ``str(err)`` says why."""
+__all__ = ["ReplyLimits", "ReplyRejected", "parse_train_reply"]
 
 
 def parse_train_reply(
-    message: Message, *, expected_shapes: dict[str, tuple[int, ...]], allow_partial: bool = False
+    message: Message,
+    *,
+    expected_shapes: dict[str, tuple[int, ...]],
+    allow_partial: bool = False,
+    limits: ReplyLimits | None = None,
 ) -> ClientUpdate:
     """Turn a training reply into a :class:`ClientUpdate` or raise :class:`ReplyRejected`.
 
@@ -50,6 +51,9 @@ def parse_train_reply(
     allow_partial : bool
         Accept a reply carrying a non-empty subset of the names (the tensors its client
         trained), for rules with ``accepts_partial`` (e.g. :mod:`.layerwise`).
+    limits : ReplyLimits, optional
+        What the server knows (partition sizes, exits, ranges): the reply's claims are checked
+        against it by :func:`speechbrain_fl.fl.reply_checks.check_reply`.
 
     Returns
     -------
@@ -105,13 +109,20 @@ def parse_train_reply(
         problem = _metric_problem(key, value)
         if problem:
             raise ReplyRejected(f"node {node}: metric {key!r} {problem} (got {value!r:.80})")
-    if metrics.get("num-examples", 1) <= 0:
-        raise ReplyRejected(f"node {node}: num-examples must be > 0, got {metrics['num-examples']}")
-    return ClientUpdate(node_id=node, delta=delta, metrics=metrics)
+    update = ClientUpdate(node_id=node, delta=delta, metrics=metrics)
+    check_reply(update, limits or ReplyLimits())
+    return update
 
 
 #: Metrics that must be one number, and metrics that must be a list of numbers.
-SCALAR_METRICS = ("num-examples", "train-loss", "joint-norm", "clip-ratio", "partition-id")
+SCALAR_METRICS = (
+    "num-examples",
+    "train-loss",
+    "joint-norm",
+    "clip-ratio",
+    "partition-id",
+    "exit-depth",
+)
 LIST_METRICS = ("group-norms", "group-clipped", "component-norms", "component-clipped")
 
 

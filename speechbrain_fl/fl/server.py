@@ -24,7 +24,7 @@ with an error naming the key, both values and the state file.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -43,7 +43,7 @@ from speechbrain_fl.privacy.accounting import privacy_report
 from .config import FLConfig
 from .params import load_trainable, params_fingerprint, trainable_parameters, trainable_state
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
-from .strategy import DPFedAvg, RoundFailed
+from .strategy import AggregateFailed, DPFedAvg, RoundFailed
 from .telemetry import RoundsTelemetry, progress_line
 
 __all__ = ["ServerResult", "ServerTask", "make_server_app", "run_server"]
@@ -72,6 +72,14 @@ class ServerTask:
     num_partitions : int, optional
         The number of client partitions: the declared population K of a private run when the
         config has no ``population_size``.
+    partition_sizes : sequence of int, optional
+        Examples in each partition, when the server knows them (simulation): a reply's
+        ``num-examples`` must not exceed its partition's (:mod:`.reply_checks`). In deployment
+        set the FLConfig key ``max_num_examples`` instead.
+    depth_names : mapping of int to collection of str, optional
+        Exit depth -> the tensors a client of that depth trains, for layer-wise (partial)
+        replies; default: read from a module of ``brain.modules`` that has ``exits`` and
+        ``trained_parameter_names(depth, prefix=...)`` (the multi-exit wav2vec 2.0).
     """
 
     brain: sb.Brain
@@ -82,6 +90,8 @@ class ServerTask:
     evaluate: Callable[[sb.Brain], dict[str, float]] | None = None
     min_available_nodes: int = 1
     num_partitions: int | None = None
+    partition_sizes: Sequence[int] | None = None
+    depth_names: Mapping[int, Collection[str]] | None = None
 
     def __post_init__(self) -> None:
         if getattr(self.brain, "checkpointer", None) is not None:
@@ -135,6 +145,23 @@ def default_layout(brain: sb.Brain) -> Layout:
     )
 
 
+def model_depth_names(brain: sb.Brain) -> dict[int, set[str]] | None:
+    """Exit -> names of the tensors a client of that depth trains, from a multi-exit module.
+
+    A module of ``brain.modules`` with ``exits`` and ``trained_parameter_names(depth, prefix)``
+    declares them (the names carry the module's key as prefix, like the federated tensors).
+    """
+    modules = getattr(brain, "modules", None)
+    if modules is None or not hasattr(modules, "items"):
+        return None
+    for key, module in modules.items():
+        exits = getattr(module, "exits", None)
+        names_of = getattr(module, "trained_parameter_names", None)
+        if exits and callable(names_of):
+            return {int(e): set(names_of(int(e), prefix=f"{key}.")) for e in exits}
+    return None
+
+
 def _evaluate(task: ServerTask) -> dict[str, float]:
     if task.evaluate is not None:
         return {k: float(v) for k, v in task.evaluate(task.brain).items()}
@@ -183,6 +210,10 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         layout=layout,
         min_available_nodes=task.min_available_nodes,
         population_size=task.num_partitions,
+        partition_sizes=task.partition_sizes,
+        depth_names=task.depth_names
+        if task.depth_names is not None
+        else model_depth_names(task.brain),
     )
     params = trainable_state(task.brain.modules)
     initial_fingerprint = params_fingerprint(params)
@@ -299,6 +330,15 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 arrays, _ = strategy.aggregate_train(server_round, replies)
                 break
             except RoundFailed as err:
+                if attempt == cfg.max_retries and isinstance(err, AggregateFailed):
+                    log(
+                        WARNING,
+                        "%s; round %d is recorded as failed, the global model is unchanged and "
+                        "the run goes on",
+                        err,
+                        server_round,
+                    )
+                    break
                 if attempt == cfg.max_retries:
                     raise RuntimeError(
                         f"{err}; stopping after {cfg.max_retries} retries. Lower min_clients, "

@@ -1,10 +1,12 @@
 """Per-round telemetry: ``rounds.csv``, ``group_norms.csv`` and the progress line.
 
 Columns follow docs/api.md "Run outputs": ``rounds.csv`` has ``round, cohort_size, num_replied,
-num_failed, epsilon, joint_norm_mean, clip_rate, mean_clip_ratio, noise_std, train_loss``, the
+num_failed, dropped_replies, epsilon, joint_norm_mean, clip_rate, mean_clip_ratio, noise_std, train_loss``, the
 evaluation metric columns, then ``norm_<L>, clip_rate_<L>, budget_<L>`` per component label L;
 ``group_norms.csv`` has one row per (round, group). Round 0 is the starting model (evaluation
-only). Empty cells where a value does not apply.
+only). Empty cells where a value does not apply. ``num_failed`` counts the sampled nodes whose
+reply did not count (dropped or missing), ``dropped_replies`` the replies that arrived and were
+dropped by a check (:mod:`.reply_checks`, one log line each).
 
 Norms, clip rates and the train loss are means of the *pre-clip* values the clients report (the
 paper's Fig. 3 and 5 quantities), and the cohort columns reveal who took part: diagnostics for
@@ -108,6 +110,7 @@ class RoundsTelemetry:
                 cohort_size=report.cohort_size,
                 num_replied=report.num_replied,
                 num_failed=report.num_failed,
+                dropped_replies=report.num_dropped,
                 joint_norm_mean=_cell(report.joint_norm_mean),
                 clip_rate=_cell(report.clip_rate),
                 mean_clip_ratio=_cell(report.mean_clip_ratio),
