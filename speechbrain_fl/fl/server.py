@@ -23,6 +23,7 @@ with an error naming the key, both values and the state file.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,12 +40,15 @@ from speechbrain.utils.train_logger import FileTrainLogger
 
 from speechbrain_fl.privacy import Group, Layout
 from speechbrain_fl.privacy.accounting import privacy_report
+from speechbrain_fl.utils.atomic import sweep_stale_temporaries
+from speechbrain_fl.utils.run_lock import hold_run_lock
 
 from .config import FLConfig
+from .config_checks import check_delta_population
 from .params import load_trainable, params_fingerprint, trainable_parameters, trainable_state
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
-from .strategy import AggregateFailed, DPFedAvg, RoundFailed
-from .telemetry import RoundsTelemetry, progress_line
+from .strategy import AggregateFailed, DPFedAvg, RoundFailed, RoundReport
+from .telemetry import RoundsTelemetry, progress_line, train_log_rounds, truncate_train_log
 
 __all__ = ["ServerResult", "ServerTask", "make_server_app", "run_server"]
 
@@ -189,6 +193,12 @@ def _fit_pull_interval(grid: Any, last_round: float | None) -> None:
 def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     """Run (or resume) the federated rounds of ``task`` on ``grid``.
 
+    Holds the run lock of ``task.config.output_folder`` for the whole run
+    (:func:`speechbrain_fl.utils.run_lock.hold_run_lock`; re-entrant, so a recipe script that
+    holds it already goes on): a second run on the same folder stops at once with
+    :class:`~speechbrain_fl.utils.run_lock.RunLockedError` naming the folder and the holder's
+    pid. Under the lock, temporaries a killed run left there are removed first.
+
     Arguments
     ---------
     grid : flwr.serverapp.Grid
@@ -201,9 +211,30 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     ServerResult
         The final global trainable tensors and epsilon.
     """
+    with hold_run_lock(task.config.output_folder) as out:
+        sweep_stale_temporaries(out)
+        return _run_server(grid, task)
+
+
+def _evaluate_due(cfg: FLConfig, server_round: int) -> bool:
+    return cfg.eval_every > 0 and (
+        server_round % cfg.eval_every == 0 or server_round == cfg.num_rounds
+    )
+
+
+def _evaluate_isolated(task: ServerTask) -> dict[str, float]:
+    """:func:`_evaluate` without touching the process RNG streams (the state holds them)."""
+    states = capture_rng_states()
+    try:
+        return _evaluate(task)
+    finally:
+        restore_rng_states(states)
+
+
+def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
+    """The round loop of :func:`run_server` (the run lock held)."""
     cfg = task.config
     out = Path(cfg.output_folder)
-    out.mkdir(parents=True, exist_ok=True)
     layout = task.layout or default_layout(task.brain)
     strategy = DPFedAvg(
         config=cfg,
@@ -215,10 +246,13 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         if task.depth_names is not None
         else model_depth_names(task.brain),
     )
+    if strategy.population_size is not None and cfg.private:
+        check_delta_population(cfg.delta, strategy.population_size)
     params = trainable_state(task.brain.modules)
     initial_fingerprint = params_fingerprint(params)
     state = load_state(out / STATE_FILE)
-    train_logger = FileTrainLogger(str(out / "train_log.txt"))
+    log_path = out / "train_log.txt"
+    train_logger = FileTrainLogger(str(log_path))
     if cfg.private and cfg.max_retries > 0:
         log(
             WARNING,
@@ -226,28 +260,31 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
             "with too few replies is released with its noise, never re-sampled)",
             cfg.max_retries,
         )
+
+    def write_outputs(done: int, report, epsilon, metrics) -> None:
+        """The round's rows and log lines: only ever after its state is committed."""
+        telemetry.write_round(done, report=report, epsilon=epsilon, metrics=metrics)
+        meta: dict[str, Any] = {"round": done}
+        if report is not None:
+            meta["epsilon"] = epsilon if epsilon is not None else "-"
+            if report.round_failed:
+                meta["round_failed"] = "yes"
+        train_logger.log_stats(
+            stats_meta=meta,
+            train_stats={"loss": report.train_loss}
+            if report is not None and report.train_loss is not None
+            else None,
+            valid_stats=metrics or None,
+        )
+
     if state is None:
         for stale in ("rounds.csv", "group_norms.csv"):
             (out / stale).unlink(missing_ok=True)
+        truncate_train_log(log_path, -1)  # lines of a run whose state was removed
         start = 0
-        metrics = _evaluate(task)
+        metrics = _evaluate_isolated(task)
         metric_names = list(metrics)
         telemetry = RoundsTelemetry(out, layout, metric_names)
-        telemetry.write_round(0, report=None, epsilon=strategy.epsilon(), metrics=metrics)
-        train_logger.log_stats(stats_meta={"round": 0}, valid_stats=metrics or None)
-        log(
-            INFO,
-            "%s",
-            progress_line(
-                server_round=0,
-                num_rounds=cfg.num_rounds,
-                report=None,
-                epsilon=None,
-                metrics=metrics,
-                started=0,
-                rounds_done_here=0,
-            ),
-        )
     else:
         # the privacy settings first: a changed C, delta, q, sigma, method, layout or K is named
         strategy.check_privacy_settings(
@@ -271,13 +308,16 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         restore_rng_states(state["rng"])
         metric_names = state["metric_names"]
         telemetry = RoundsTelemetry(out, layout, metric_names)
+        # rows and lines of rounds after the committed one (written by an older version) go
         telemetry.truncate(start)
+        truncate_train_log(log_path, start)
         load_trainable(task.brain.modules, params)
         log(INFO, "resuming from %s after round %d", out / STATE_FILE, start)
 
     round_budgets: list[dict[str, float]] = list(state.get("round_budgets", [])) if state else []
 
-    def save(done: int) -> None:
+    def save(done: int, outputs: dict[str, Any]) -> None:
+        """Commit round ``done``: parameters, accountant, EMA, RNG and its pending outputs."""
         atomic_torch_save(
             {
                 "round": done,
@@ -287,12 +327,29 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 "metric_names": metric_names,
                 "initial_fingerprint": initial_fingerprint,
                 "round_budgets": round_budgets,
+                "outputs": outputs,
             },
             out / STATE_FILE,
         )
 
     if state is None:
-        save(0)
+        save(0, {"report": None, "epsilon": strategy.epsilon(), "metrics": metrics})
+        write_outputs(0, None, strategy.epsilon(), metrics)
+        log(
+            INFO,
+            "%s",
+            progress_line(
+                server_round=0,
+                num_rounds=cfg.num_rounds,
+                report=None,
+                epsilon=None,
+                metrics=metrics,
+                started=0,
+                rounds_done_here=0,
+            ),
+        )
+    else:  # the committed round's rows, if the kill came between its commit and its writes
+        _restore_outputs(task, state, telemetry, log_path, write_outputs)
     if strategy.accountant is not None:
         log(
             INFO,
@@ -347,24 +404,18 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                     ) from err
                 log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
         params = arrays.to_torch_state_dict()
-        round_seconds.append(time.time() - round_start)
-        _fit_pull_interval(grid, round_seconds[-1])
-        load_trainable(task.brain.modules, params)
-        evaluate_now = cfg.eval_every > 0 and (
-            server_round % cfg.eval_every == 0 or server_round == cfg.num_rounds
-        )
-        metrics = _evaluate(task) if evaluate_now else None
         report, epsilon = strategy.last_report, strategy.epsilon()
         reports.append(report)
         round_budgets.append(dict(report.component_budgets))
-        telemetry.write_round(server_round, report=report, epsilon=epsilon, metrics=metrics)
-        train_logger.log_stats(
-            stats_meta={"round": server_round, "epsilon": epsilon if epsilon is not None else "-"},
-            train_stats={"loss": report.train_loss} if report.train_loss is not None else None,
-            valid_stats=metrics or None,
-        )
-        save(server_round)
+        # account first, then release: the accountant step, the new model and the round's
+        # pending outputs are committed before anything derived from them is written
+        save(server_round, {"report": dataclasses.asdict(report), "epsilon": epsilon})
         done = server_round
+        round_seconds.append(time.time() - round_start)
+        _fit_pull_interval(grid, round_seconds[-1])
+        load_trainable(task.brain.modules, params)
+        metrics = _evaluate_isolated(task) if _evaluate_due(cfg, server_round) else None
+        write_outputs(server_round, report, epsilon, metrics)
         log(
             INFO,
             "%s",
@@ -399,6 +450,22 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         if strategy.accountant is not None
         else None,
     )
+
+
+def _restore_outputs(task, state, telemetry, log_path, write_outputs) -> None:
+    """Write the committed round's rows and log line when a kill left them unwritten."""
+    outputs = state.get("outputs")
+    done = int(state["round"])
+    if outputs is None or telemetry.last_round() >= done:
+        return
+    report = None if outputs["report"] is None else RoundReport(**outputs["report"])
+    metrics = outputs.get("metrics")
+    if metrics is None and done > 0 and _evaluate_due(task.config, done):
+        metrics = _evaluate_isolated(task)
+    if done in train_log_rounds(log_path):
+        truncate_train_log(log_path, done - 1)
+    write_outputs(done, report, outputs["epsilon"], metrics)
+    log(INFO, "round %d: its outputs were committed but not written before the kill; written", done)
 
 
 def make_server_app(

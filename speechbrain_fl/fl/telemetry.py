@@ -24,19 +24,64 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.atomic import atomic_open
 from speechbrain_fl.privacy import Layout
 from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, GROUP_COLUMNS, ROUND_COLUMNS
+from speechbrain_fl.utils.atomic import atomic_open
 
 from .strategy import RoundReport
 
-__all__ = ["RoundsTelemetry", "progress_line"]
+__all__ = ["RoundsTelemetry", "progress_line", "train_log_rounds", "truncate_train_log"]
 
 BASE_COLUMNS = [*ROUND_COLUMNS, "train_loss"]
 
 
 def _cell(value: Any) -> Any:
     return "" if value is None else value
+
+
+def _log_round(line: str) -> int | None:
+    """The round of a ``train_log.txt`` line written by the engine (``round: k, ...``)."""
+    if not line.startswith("round: "):
+        return None
+    head = line[len("round: ") :].split(",", 1)[0].split(" ", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def train_log_rounds(path: str | Path) -> set[int]:
+    """Rounds that have a line in the engine's ``train_log.txt``."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    with open(path, encoding="utf-8") as handle:
+        return {r for r in map(_log_round, handle) if r is not None}
+
+
+def truncate_train_log(path: str | Path, last_round: int) -> None:
+    """Drop the engine's lines of rounds after ``last_round`` from ``train_log.txt``.
+
+    Other lines (a recipe's own) are kept. Used on resume (lines of rounds that were never
+    committed, from a version that wrote them first) and at a fresh start (``last_round=-1``:
+    the lines of a run whose server state was removed, as ``rounds.csv`` is).
+
+    Example
+    -------
+    >>> tmp = getfixture("tmp_path") / "train_log.txt"
+    >>> _ = tmp.write_text("round: 0 - valid loss: 1\\nround: 1, epsilon: 2\\nnote\\n")
+    >>> truncate_train_log(tmp, 0)
+    >>> tmp.read_text().splitlines()
+    ['round: 0 - valid loss: 1', 'note']
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.readlines()
+    kept = [
+        line for line in lines if (_log_round(line) or 0) <= last_round or _log_round(line) is None
+    ]
+    if len(kept) != len(lines):
+        with atomic_open(path, "w") as handle:
+            handle.writelines(kept)
 
 
 def _rewrite_upto(path: Path, last_round: int) -> None:
@@ -89,6 +134,12 @@ class RoundsTelemetry:
             if not path.exists() or path.stat().st_size == 0:
                 with open(path, "w", newline="", encoding="utf-8") as handle:
                     csv.writer(handle).writerow(header)
+
+    def last_round(self) -> int:
+        """The last round with a row in ``rounds.csv`` (-1 when none)."""
+        with open(self.rounds_path, newline="", encoding="utf-8") as handle:
+            rows = [r for r in csv.reader(handle)][1:]
+        return max((int(r[0]) for r in rows if r), default=-1)
 
     def truncate(self, last_round: int) -> None:
         """Drop rows after ``last_round`` (rows written before a kill but not checkpointed)."""
