@@ -134,6 +134,11 @@ class FLConfig:
         Non-private runs: a reply whose update has a larger L2 norm is dropped (a guard of
         FedAvg against absurd updates; off by default). A private run's ``clip`` bounds every
         update already, so it is refused there.
+    node_partitions : dict of int to int, optional
+        Deployment: the binding of authenticated SuperNode ids to partition ids (one node per
+        partition). Only these nodes are sampled, and a node must answer the partition it is
+        bound to (docs/fl_engine.md "Identity in deployment"). ``None``: partitions are
+        self-declared; a partition id claimed by a second node is still refused.
 
     Example
     -------
@@ -170,6 +175,7 @@ class FLConfig:
     record_norms: bool = False
     max_num_examples: int | None = None
     max_update_norm: float | None = None
+    node_partitions: dict[int, int] | None = None
 
     def __post_init__(self) -> None:
         check_config(self)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from speechbrain_fl.privacy import budget_methods
@@ -147,8 +148,32 @@ def check_config(cfg: Any) -> None:
             "max_update_norm",
             "is for non-private runs: a private run's clip already bounds every update",
         )
+    if cfg.node_partitions is not None:
+        cfg.node_partitions = _node_partitions(cfg.node_partitions, bad)
     if cfg.noise_multiplier > 0:
         check_delta_population(cfg.delta, cfg.population_size)
+
+
+def _node_partitions(value: Any, bad) -> dict[int, int]:
+    """``{node id: partition id}`` with integer keys and values, one node per partition."""
+    if not isinstance(value, Mapping):
+        raise bad("node_partitions", "must be a mapping of node id -> partition id")
+    out: dict[int, int] = {}
+    for node, partition in value.items():
+        try:
+            node_id, part = int(str(node)), int(str(partition))
+        except ValueError:
+            raise bad(
+                "node_partitions", f"has a non-integer entry {node!r}: {partition!r}"
+            ) from None
+        if part < 0:
+            raise bad("node_partitions", f"binds node {node_id} to a negative partition {part}")
+        out[node_id] = part
+    parts = sorted(out.values())
+    twice = sorted({p for p in parts if parts.count(p) > 1})
+    if twice:
+        raise bad("node_partitions", f"binds partitions {twice} to more than one node")
+    return out
 
 
 def _looks_numeric(text: str) -> bool:

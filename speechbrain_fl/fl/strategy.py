@@ -469,12 +469,21 @@ class DPFedAvg(FedAvg):
             else:
                 answers[node] = partition
         owner = {p: n for n, p in self.node_order.items()}
+        binding = self.config.node_partitions
         for node in sorted(answers):
             partition = answers[node]
-            if partition in owner:
-                self.refused_nodes[node] = (
-                    f"partition-id={partition} is already claimed by node {owner[partition]}"
+            reason = None
+            if binding is not None and node not in binding:
+                reason = "its node id is not in node_partitions (not an enrolled SuperNode)"
+            elif binding is not None and binding[node] != partition:
+                reason = (
+                    f"it answered partition-id={partition}, but node_partitions binds it to "
+                    f"partition {binding[node]}"
                 )
+            elif partition in owner:
+                reason = f"partition-id={partition} is already claimed by node {owner[partition]}"
+            if reason is not None:
+                self.refused_nodes[node] = reason
                 log(
                     WARNING,
                     "node %d: refused, %s; its replies are dropped (check the SuperNodes' "
@@ -493,6 +502,8 @@ class DPFedAvg(FedAvg):
         """Poisson-sample the cohort and send it the global arrays and this round's budgets."""
         self.current_arrays = arrays
         node_ids = [n for n in self._connected_nodes(grid) if n not in self.refused_nodes]
+        if self.config.node_partitions is not None:  # only enrolled nodes are ever sampled
+            node_ids = [n for n in node_ids if n in self.config.node_partitions]
         self.population = len(node_ids)
         self.check_population(self.population)
         draw = self._next_draw(server_round)
