@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from flwr.app import Message
 
-from .aggregation import ClientUpdate
+from .updates import ClientUpdate
 from .reply_checks import ReplyLimits, ReplyRejected, check_reply
 
 __all__ = ["ReplyLimits", "ReplyRejected", "parse_train_reply"]

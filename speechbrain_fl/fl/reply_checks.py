@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .aggregation import ClientUpdate
+from .updates import ClientUpdate
 
 __all__ = ["MAX_EXACT_COUNT", "ReplyLimits", "ReplyRejected", "check_reply"]
 
