@@ -4,8 +4,8 @@
 front refuses a bad value before corpus synthesis, features or pretraining. Each error names
 the key and the value: ``federated config: delta=1.5 must be in (0, 1)``. Decisions (ours):
 
-- integers must be ``int`` (a YAML ``2.0`` for ``number_of_rounds`` is refused, ``True`` too);
-  real numbers may be ``int`` or ``float`` but not ``bool`` or a string (YAML 1.1 reads
+- integers must be integers (a YAML ``2.0`` for ``number_of_rounds`` is refused, ``True``
+  too); real numbers may be any real number but not ``bool`` or a string (YAML 1.1 reads
   ``1e-5`` without a dot as a string: the message says so);
 - ``delta`` in (0, 1); a private run whose declared population K is known and
   ``delta >= 1/K`` gets a warning: such a delta allows a mechanism that publishes one data
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -34,11 +35,11 @@ logger = logging.getLogger(__name__)
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_delta_population(delta: float, population: int | None) -> None:

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from flwr.app import Message
 
-from .updates import ClientUpdate
 from .reply_checks import ReplyLimits, ReplyRejected, check_reply
+from .updates import ClientUpdate
 
 __all__ = ["ReplyLimits", "ReplyRejected", "parse_train_reply"]
 
