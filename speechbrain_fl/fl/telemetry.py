@@ -19,6 +19,7 @@ them with the operator.
 from __future__ import annotations
 
 import csv
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,12 +40,16 @@ def _cell(value: Any) -> Any:
     return "" if value is None else value
 
 
+#: A line the engine writes into ``train_log.txt`` (``write_outputs`` in :mod:`.server`):
+#: ``round: k`` then optionally ``, epsilon: e`` and ``, round_failed: yes``, then `` - `` or
+#: the end. A recipe's own lines (``round: 0, stage: test - ...``) do not match.
+ENGINE_LOG_LINE = re.compile(r"^round: (\d+)(, epsilon: [^,\s]+)?(, round_failed: yes)?( - |\s*$)")
+
+
 def _log_round(line: str) -> int | None:
-    """The round of a ``train_log.txt`` line written by the engine (``round: k, ...``)."""
-    if not line.startswith("round: "):
-        return None
-    head = line[len("round: ") :].split(",", 1)[0].split(" ", 1)[0]
-    return int(head) if head.isdigit() else None
+    """The round of a ``train_log.txt`` line written by the engine, else ``None``."""
+    match = ENGINE_LOG_LINE.match(line)
+    return int(match.group(1)) if match else None
 
 
 def train_log_rounds(path: str | Path) -> set[int]:
@@ -59,26 +64,26 @@ def train_log_rounds(path: str | Path) -> set[int]:
 def truncate_train_log(path: str | Path, last_round: int) -> None:
     """Drop the engine's lines of rounds after ``last_round`` from ``train_log.txt``.
 
-    Other lines (a recipe's own) are kept. Used on resume (lines of rounds that were never
+    Other lines (a recipe's own, even ``round: 0, stage: test ...``) are kept. Used on resume (lines of rounds that were never
     committed, from a version that wrote them first) and at a fresh start (``last_round=-1``:
     the lines of a run whose server state was removed, as ``rounds.csv`` is).
 
     Example
     -------
     >>> tmp = getfixture("tmp_path") / "train_log.txt"
-    >>> _ = tmp.write_text("round: 0 - valid loss: 1\\nround: 1, epsilon: 2\\nnote\\n")
+    >>> _ = tmp.write_text("round: 0 - valid loss: 1\\nround: 1, epsilon: 2\\n"
+    ...                    "round: 1, stage: test - test WER: 0.5\\n")
     >>> truncate_train_log(tmp, 0)
     >>> tmp.read_text().splitlines()
-    ['round: 0 - valid loss: 1', 'note']
+    ['round: 0 - valid loss: 1', 'round: 1, stage: test - test WER: 0.5']
     """
     path = Path(path)
     if not path.exists():
         return
     with open(path, encoding="utf-8") as handle:
         lines = handle.readlines()
-    kept = [
-        line for line in lines if (_log_round(line) or 0) <= last_round or _log_round(line) is None
-    ]
+    rounds = [_log_round(line) for line in lines]
+    kept = [line for line, r in zip(lines, rounds, strict=True) if r is None or r <= last_round]
     if len(kept) != len(lines):
         with atomic_open(path, "w") as handle:
             handle.writelines(kept)
