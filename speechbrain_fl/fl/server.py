@@ -197,7 +197,8 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     (:func:`speechbrain_fl.utils.run_lock.hold_run_lock`; re-entrant, so a recipe script that
     holds it already goes on): a second run on the same folder stops at once with
     :class:`~speechbrain_fl.utils.run_lock.RunLockedError` naming the folder and the holder's
-    pid. Under the lock, temporaries a killed run left there are removed first.
+    pid. Under the lock, temporaries a killed run left at the folder's top level (the engine's
+    files: ``.server_state.pt.*.tmp``, ``.rounds.csv.*.tmp``, ...) are removed first.
 
     Arguments
     ---------
@@ -212,7 +213,9 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         The final global trainable tensors and epsilon.
     """
     with hold_run_lock(task.config.output_folder) as out:
-        sweep_stale_temporaries(out)
+        # the engine's own files are at the top level; a subfolder may be a cache that other
+        # runs write too (the recipe sweeps what it owns, holding the same lock)
+        sweep_stale_temporaries(out, recursive=False)
         return _run_server(grid, task)
 
 
