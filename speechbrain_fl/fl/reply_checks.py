@@ -12,7 +12,7 @@ against :class:`ReplyLimits`, what the server knows independently of the client:
   -1000 against two honest +1; ``1e308`` overflowed the weights to ``inf``).
 - ``exit-depth`` (layer-wise rules, :mod:`.layerwise`): an integer that is one of the model's
   exits when the server's model declares them (``ReplyLimits.depth_names``), else an integer
-  >= 1 when the rule weights by depth; and the reply carries only tensors at or below that
+  in ``1 .. 2**53`` when the rule weights by depth (so a weight ``n_i L_i`` stays finite); and the reply carries only tensors at or below that
   depth (the union of what a client training exit e <= depth updates).
 - every value fits the global parameter's dtype (a float64 delta of 1e300 on a float32 model
   would make the parameter ``inf``);
@@ -158,8 +158,8 @@ def _check_depth(update: ClientUpdate, limits: ReplyLimits, reject) -> None:
     depth = update.metrics.get(DEPTH_METRIC)
     if depth is None:
         raise reject(f"no {DEPTH_METRIC!r} metric (the exit the client trained to)")
-    if not _is_integer(depth) or depth < 1:
-        raise reject(f"{DEPTH_METRIC}={depth!r} must be an integer >= 1")
+    if not _is_integer(depth) or not 1 <= depth <= MAX_EXACT_COUNT:
+        raise reject(f"{DEPTH_METRIC}={depth!r} must be an integer in 1..2**53")
     depth = int(depth)
     if limits.depth_names is None:
         return

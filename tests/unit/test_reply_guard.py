@@ -60,6 +60,7 @@ HOSTILE = {
     "list exit-depth": (_names(3), {"num-examples": 10, "exit-depth": [3]}, "exit-depth"),
     "exit-depth=1e9": (_names(3), {"num-examples": 10, "exit-depth": 1e9}, "not one of the"),
     "exit-depth=4.5": (_names(3), {"num-examples": 10, "exit-depth": 4.5}, "integer"),
+    "exit-depth=-3": (_names(3), {"num-examples": 10, "exit-depth": -3}, "integer in 1"),
     "num-examples=1e308": (_names(3), {"num-examples": 1e308, "exit-depth": 3}, "1..2\\*\\*53"),
     "num-examples=2.5": (_names(3), {"num-examples": 2.5, "exit-depth": 3}, "integer"),
     "depth 3 sends layer 12": (
@@ -106,6 +107,22 @@ def test_num_examples_bounded_by_the_partition_size(tmp_path, server_identity, c
     fair = _reply(3, _names(3), -1000.0, {"num-examples": 50, "exit-depth": 3, "partition-id": 2})
     arrays, _ = strategy.aggregate_train(2, [*replies[:2], fair])
     assert strategy.last_report.num_dropped == 0
+
+
+def test_depth_without_known_exits_is_bounded(tmp_path, server_identity, caplog):
+    """A model without declared exits: depth-aware weights n_i L_i must stay finite."""
+    layout = Layout([Group(p, "all", 2) for p in ALL])
+    strategy = DPFedAvg(
+        config=FLConfig(output_folder=str(tmp_path), aggregation="layerwise"), layout=layout
+    )
+    strategy.current_arrays = ArrayRecord({p: torch.zeros(2) for p in ALL})
+    strategy.cohort, strategy.population = [1, 2, 3], 3
+    replies = [_reply(n, _names(d), 1.0, m) for n, d, m in HONEST]
+    replies.append(_reply(3, _names(3), -1000.0, {"num-examples": 2**53, "exit-depth": 1e300}))
+    with caplog.at_level(logging.WARNING):
+        arrays, _ = strategy.aggregate_train(1, replies)
+    assert "node 3: exit-depth=1e+300 must be an integer in 1..2**53" in caplog.text
+    assert arrays.to_torch_state_dict()[_layer(1)][0].item() == pytest.approx(1.0)
 
 
 def test_num_examples_bounded_by_the_declared_maximum(tmp_path, server_identity, caplog):
