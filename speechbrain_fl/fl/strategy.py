@@ -543,7 +543,7 @@ class DPFedAvg(FedAvg):
         )
 
     def _parse(self, message: Message, shapes, limits: ReplyLimits) -> ClientUpdate:
-        """One reply -> a checked, re-clipped update, or :class:`ReplyRejected` saying why."""
+        """One reply -> a checked update (format, claims, partition), or :class:`ReplyRejected`."""
         node = message.metadata.src_node_id
         update = parse_train_reply(
             message,
