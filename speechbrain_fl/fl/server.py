@@ -13,10 +13,14 @@ exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
 
 Per round: refuse to start if the accountant says it would exceed ``max_epsilon``; train (a
 non-private run retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then
-stops with the reason; a private run releases every draw and never retries);
+records the round as failed, keeps the global model and goes on: no reply can end a run; it
+stops only when fewer nodes are connected than ``min_clients``; a private run releases every
+draw and never retries);
 evaluate every ``eval_every`` rounds and at the last round (round 0 is always evaluated);
-append to ``rounds.csv``/``group_norms.csv`` and ``train_log.txt``; save the state atomically
-(:mod:`.state`); log a progress line. A resume whose privacy settings (C, delta, q, sigma, clip
+commit the state atomically (:mod:`.state`: the accountant step, the new model, the round's
+pending outputs), then evaluate, append to ``rounds.csv``/``group_norms.csv`` and
+``train_log.txt`` and log a progress line: nothing derived from a round's (noisy) aggregate is
+written before the round is committed. A resume whose privacy settings (C, delta, q, sigma, clip
 method and its settings, layout, declared population) differ from the saved ones is refused
 with an error naming the key, both values and the state file.
 """
@@ -390,22 +394,24 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 arrays, _ = strategy.aggregate_train(server_round, replies)
                 break
             except RoundFailed as err:
-                if attempt == cfg.max_retries and isinstance(err, AggregateFailed):
-                    log(
-                        WARNING,
-                        "%s; round %d is recorded as failed, the global model is unchanged and "
-                        "the run goes on",
-                        err,
-                        server_round,
-                    )
-                    break
-                if attempt == cfg.max_retries:
+                if attempt < cfg.max_retries:
+                    log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
+                    continue
+                if not isinstance(err, AggregateFailed) and strategy.population < cfg.min_clients:
+                    # no round can ever succeed: a configuration error, not a bad reply
                     raise RuntimeError(
-                        f"{err}; stopping after {cfg.max_retries} retries. Lower min_clients, "
-                        "raise sampling_rate or round_timeout, or fix the failing clients "
-                        "(see the 'dropped' lines above)"
+                        f"{err}; only {strategy.population} nodes are connected. Lower "
+                        "min_clients or connect more nodes"
                     ) from err
-                log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
+                log(
+                    WARNING,
+                    "%s; round %d is recorded as failed (after %d retries), the global model is "
+                    "unchanged and the run goes on (see the 'dropped' lines above; lower "
+                    "min_clients or raise sampling_rate if rounds keep failing)",
+                    err,
+                    server_round,
+                    cfg.max_retries,
+                )
         params = arrays.to_torch_state_dict()
         report, epsilon = strategy.last_report, strategy.epsilon()
         reports.append(report)

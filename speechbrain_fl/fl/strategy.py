@@ -613,20 +613,6 @@ class DPFedAvg(FedAvg):
         # a fixed summation order makes the float sum independent of reply arrival order
         updates.sort(key=lambda u: (u.metrics.get("partition-id", u.node_id), u.node_id))
         private = self.config.private
-        if len(updates) < self.config.min_clients:
-            summary = (
-                f"round {server_round}: {len(updates)} valid replies from a cohort of "
-                f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
-                f"{self.config.min_clients}"
-            )
-            if not private:
-                raise RoundFailed(summary)
-            log(
-                WARNING,
-                "%s; released anyway (noise and an accountant step): a private run releases "
-                "every Poisson draw",
-                summary,
-            )
         report = RoundReport(
             round=server_round,
             cohort_size=len(self.cohort),
@@ -641,6 +627,22 @@ class DPFedAvg(FedAvg):
             ignored=ignored,
             num_dropped=dropped,
         )
+        if len(updates) < self.config.min_clients:
+            summary = (
+                f"round {server_round}: {len(updates)} valid replies from a cohort of "
+                f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
+                f"{self.config.min_clients}"
+            )
+            if not private:
+                report.round_failed = summary
+                self.last_report = report
+                raise RoundFailed(summary)
+            log(
+                WARNING,
+                "%s; released anyway (noise and an accountant step): a private run releases "
+                "every Poisson draw",
+                summary,
+            )
         self.last_report = report
         if budgets is None and self.config.record_norms:
             self._client_statistics(updates, None, report)  # norms only: nothing to clip

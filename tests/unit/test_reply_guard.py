@@ -236,3 +236,26 @@ def test_an_overflowing_model_fails_rounds_and_the_run_goes_on(tmp_path, server_
         assert f"round {failed} is recorded as failed" in caplog.text
     assert "round 1 is recorded" not in caplog.text
     assert all(torch.isfinite(v).all() for v in result.params.values())
+
+
+def test_a_round_with_only_bad_replies_fails_and_the_run_goes_on(tmp_path, server_identity, caplog):
+    """The measured case end to end: the only client replies ``num-examples=1e308`` each round."""
+
+    def reply(node, partition, server_round, arrays):
+        return {k: torch.zeros_like(v) for k, v in arrays.items()}, {"num-examples": 1e308}
+
+    task = _toy_task(tmp_path, number_of_rounds=3, num_partitions=1, max_retries=1)
+    with caplog.at_level(logging.WARNING):
+        result = run_server(ScriptedGrid(reply, num_nodes=1), task)
+    assert result.last_round == 3
+    assert "round 1 is recorded as failed (after 1 retries)" in caplog.text
+    rows = _rows(tmp_path)
+    assert [r["num_replied"] for r in rows[1:]] == ["0", "0", "0"]
+    assert [r["dropped_replies"] for r in rows[1:]] == ["1", "1", "1"]
+
+
+def test_min_clients_above_the_connected_nodes_still_stops_the_run(tmp_path, server_identity):
+    """A configuration no round can meet is an error, not a bad reply."""
+    task = _toy_task(tmp_path, number_of_rounds=2, num_partitions=1, min_clients=2)
+    with pytest.raises(RuntimeError, match="only 1 nodes are connected. Lower min_clients"):
+        run_server(ScriptedGrid(lambda *a: ({}, {}), num_nodes=1), task)
