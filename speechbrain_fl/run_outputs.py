@@ -23,6 +23,7 @@ ROUND_COLUMNS = (
     "cohort_size",
     "num_replied",
     "num_failed",
+    "dropped_replies",
     "epsilon",
     "joint_norm_mean",
     "clip_rate",

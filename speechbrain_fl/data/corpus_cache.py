@@ -1,7 +1,7 @@
 """The stamp file of a generated corpus: reuse the folder when it was made with the same options.
 
 Every embedded corpus (``mls_synth``, ``common_voice_synth``, ``superb_synth``) is generated
-into one folder through :func:`speechbrain_fl.atomic.atomic_folder`, with a JSON stamp file
+into one folder through :func:`speechbrain_fl.utils.atomic.atomic_folder`, with a JSON stamp file
 ``{"options": ..., "seconds": ..., "summary": ...}`` written last. A later run with the same
 options reuses the folder; other options regenerate it.
 """

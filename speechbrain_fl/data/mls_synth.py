@@ -60,7 +60,6 @@ import soundfile as sf
 import torch
 from tqdm.auto import tqdm
 
-from speechbrain_fl.atomic import atomic_folder
 from speechbrain_fl.data.corpus_cache import cached_stamp
 from speechbrain_fl.data.espeak import SAMPLE_RATE, synthesize
 from speechbrain_fl.data.sentences import LANGUAGE_CODES, LANGUAGES, make_sentences
@@ -70,6 +69,7 @@ from speechbrain_fl.data.voices import (
     SpeakerVoice,
     make_speakers,
 )
+from speechbrain_fl.utils.atomic import atomic_folder
 
 __all__ = [
     "generate_mls_corpus",

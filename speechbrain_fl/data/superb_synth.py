@@ -36,11 +36,11 @@ import numpy as np
 import soundfile as sf
 from tqdm.auto import tqdm
 
-from speechbrain_fl.atomic import atomic_folder
 from speechbrain_fl.data.corpus_cache import cached_stamp
 from speechbrain_fl.data.espeak import SAMPLE_RATE, Voice, synthesize
 from speechbrain_fl.data.sentences import make_sentences
 from speechbrain_fl.data.voices import apply_prosody, make_speakers
+from speechbrain_fl.utils.atomic import atomic_folder
 
 __all__ = [
     "COMMANDS",

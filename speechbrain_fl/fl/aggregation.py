@@ -15,14 +15,18 @@ per-parameter averaging over the clients that trained it); that parameter is the
   realised count instead would make the sensitivity depend on the (private) cohort size.
 - :func:`weighted_mean`: sum_i w_i delta_i / sum_i w_i with w_i = ``num-examples`` (FedAvg,
   McMahan et al., 2017). Not sensitivity-bounded; for non-private runs only.
+- the layer-wise rules of :mod:`.layerwise` (``layerwise``, ``layerwise_<weighting>``,
+  ``fedavg_full``), imported here one way (:mod:`.layerwise` imports only :mod:`.updates`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
+
+from .layerwise import RULES as LAYERWISE_RULES
+from .updates import ClientUpdate
 
 __all__ = [
     "AggregationRule",
@@ -32,30 +36,6 @@ __all__ = [
     "uniform_mean",
     "weighted_mean",
 ]
-
-
-@dataclass
-class ClientUpdate:
-    """One client's validated reply.
-
-    Arguments
-    ---------
-    node_id : int
-        The Flower node that sent it.
-    delta : dict of str to torch.Tensor
-        local - global, per trainable parameter name.
-    metrics : dict of str to float
-        The reply's MetricRecord (``num-examples``, ``train-loss``, ...).
-    """
-
-    node_id: int
-    delta: dict[str, torch.Tensor]
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def num_examples(self) -> float:
-        """Return the client's ``num-examples`` (1.0 when absent)."""
-        return float(self.metrics.get("num-examples", 1.0))
 
 
 AggregationRule = Callable[..., dict[str, torch.Tensor]]
@@ -144,11 +124,15 @@ def weighted_mean(
 
 weighted_mean.dp_sensitivity_bounded = False  # type: ignore[attr-defined]
 
-_RULES: dict[str, AggregationRule] = {"uniform": uniform_mean, "weighted": weighted_mean}
+_RULES: dict[str, AggregationRule] = {
+    "uniform": uniform_mean,
+    "weighted": weighted_mean,
+    **LAYERWISE_RULES,
+}
 
 
 def register_rule(name: str, rule: AggregationRule) -> None:
-    """Register ``rule`` under ``name`` for :func:`get_rule` (e.g. :mod:`.layerwise`'s rules).
+    """Register ``rule`` under ``name`` for :func:`get_rule` (a plug-in rule).
 
     A rule may set ``accepts_partial = True``: its replies may then carry any non-empty subset
     of the global tensors (the ones the client trained), see :mod:`.replies`.
@@ -162,9 +146,6 @@ def get_rule(rule: str | AggregationRule) -> AggregationRule:
     """Return the rule named ``rule`` (``uniform``/``weighted``) or ``rule`` if callable."""
     if callable(rule):
         return rule
-    if rule not in _RULES:
-        # the layer-wise rules register themselves when their module is imported
-        from . import layerwise  # noqa: F401
     if rule not in _RULES:
         raise ValueError(f"aggregation must be one of {sorted(_RULES)} or a callable, got {rule!r}")
     return _RULES[rule]

@@ -30,6 +30,8 @@ from typing import Any
 
 from speechbrain_fl.privacy import budget_methods, get_budget_method
 
+from .config_checks import BACKENDS, check_config
+
 __all__ = ["BACKENDS", "FLConfig", "NO_CLIP_METHOD", "YAML_KEYS", "ema_base_of"]
 
 logger = logging.getLogger(__name__)
@@ -57,8 +59,6 @@ def ema_base_of(method: str) -> str | None:
 # The YAML method that clips nothing and adds no noise (plain FedAvg, McMahan et al. 2017).
 NO_CLIP_METHOD = "fedavg"
 
-# Simulation backends of speechbrain_fl.fl.engine.run_simulation (see its module docstring).
-BACKENDS = ("local", "ray")
 
 # YAML key -> FLConfig field, for every key whose name differs; every other field is read under
 # its own name (``sampling_rate``, ``clip``, ``delta``, ...).
@@ -127,6 +127,18 @@ class FLConfig:
     record_norms : bool
         A run without clipping (FedAvg) still has its clients report their update's per-group
         and per-component norms (nothing is clipped), for the telemetry and Fig. 2.
+    max_num_examples : int, optional
+        The largest ``num-examples`` a reply may declare when the server does not know the
+        partition sizes (deployment); a reply above it is dropped (:mod:`.reply_checks`).
+    max_update_norm : float, optional
+        Non-private runs: a reply whose update has a larger L2 norm is dropped (a guard of
+        FedAvg against absurd updates; off by default). A private run's ``clip`` bounds every
+        update already, so it is refused there.
+    node_partitions : dict of int to int, optional
+        Deployment: the binding of authenticated SuperNode ids to partition ids (one node per
+        partition). Only these nodes are sampled, and a node must answer the partition it is
+        bound to (docs/fl_engine.md "Identity in deployment"). ``None``: partitions are
+        self-declared; a partition id claimed by a second node is still refused.
 
     Example
     -------
@@ -161,41 +173,12 @@ class FLConfig:
     sampler_seed: int | None = None
     backend: str = "local"
     record_norms: bool = False
+    max_num_examples: int | None = None
+    max_update_norm: float | None = None
+    node_partitions: dict[int, int] | None = None
 
     def __post_init__(self) -> None:
-        def bad(key: str, why: str) -> ValueError:
-            return ValueError(f"federated config: {key}={getattr(self, key)!r} {why}")
-
-        if self.num_rounds < 1:
-            raise bad("num_rounds", "must be >= 1")
-        if not 0.0 < self.sampling_rate <= 1.0:
-            raise bad("sampling_rate", "must be in (0, 1]")
-        if self.min_clients < 1:
-            raise bad("min_clients", "must be >= 1")
-        if self.local_epochs < 1:
-            raise bad("local_epochs", "must be >= 1")
-        if self.noise_multiplier < 0:
-            raise bad("noise_multiplier", "must be >= 0")
-        if self.clip is not None and self.clip <= 0:
-            raise bad("clip", "must be > 0")
-        if self.noise_multiplier > 0 and self.clip is None:
-            raise bad("clip", "is required when noise_multiplier > 0")
-        if self.ema_signal not in ("noisy", "raw"):
-            raise bad("ema_signal", "must be 'noisy' or 'raw'")
-        if self.eval_every < 0:
-            raise bad("eval_every", "must be >= 0")
-        if self.max_retries < 0:
-            raise bad("max_retries", "must be >= 0")
-        if self.round_timeout <= 0:
-            raise bad("round_timeout", "must be > 0")
-        if self.backend not in BACKENDS:
-            raise bad("backend", f"must be one of {list(BACKENDS)}")
-        if self.population_size is not None and (
-            isinstance(self.population_size, bool)
-            or not isinstance(self.population_size, int)
-            or self.population_size < 1
-        ):
-            raise bad("population_size", "must be an integer >= 1")
+        check_config(self)
 
     @property
     def private(self) -> bool:

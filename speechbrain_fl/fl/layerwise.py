@@ -50,7 +50,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .aggregation import ClientUpdate, register_rule
+from .updates import ClientUpdate
 
 __all__ = ["DEPTH_METRIC", "WEIGHTINGS", "fedavg_full", "layerwise_rule", "trained_sets"]
 
@@ -175,6 +175,7 @@ fedavg_full.dp_refusal = _DP_REASON.replace(  # type: ignore[attr-defined]
     "fedavg_full weights by the clients' example counts n_i",
 )
 
+#: The rules of this module by name; :mod:`.aggregation` puts them in its registry.
 RULES = {
     "layerwise": layerwise_rule("depth_aware"),
     "layerwise_depth_aware": layerwise_rule("depth_aware"),
@@ -182,8 +183,6 @@ RULES = {
     "layerwise_uniform": layerwise_rule("uniform"),
     "fedavg_full": fedavg_full,
 }
-for _name, _rule in RULES.items():
-    register_rule(_name, _rule)
 
 
 def rule_name(aggregation: str, weighting: str) -> str:

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.atomic import atomic_open
 from speechbrain_fl.privacy import Layout, select_alpha
+from speechbrain_fl.utils.atomic import atomic_open
 
 from .config import FLConfig
 

@@ -13,7 +13,9 @@ aggregate, so nothing non-finite can reach the global model through them.
 
 The decoded tensors of a reply with one dtype are views of one buffer
 (:func:`speechbrain_fl.privacy.clipping.pack_update`'s layout), which the server's re-clipping
-measures and scales with one operation each.
+measures and scales with one operation each. They are float32 or wider: a float16 reply is
+widened on decoding (exactly), so the re-clip's arithmetic is never narrower than float32 and
+the aggregate (float64) reads the clipped values exactly.
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ import numpy as np
 import torch
 from flwr.app import Message
 
-from .aggregation import ClientUpdate
+from .reply_checks import ReplyLimits, ReplyRejected, check_reply
+from .updates import ClientUpdate
 
-__all__ = ["ReplyRejected", "parse_train_reply"]
-
-
-class ReplyRejected(Exception):
-    """A client reply that cannot be aggregated; ``str(err)`` says why."""
+__all__ = ["ReplyLimits", "ReplyRejected", "parse_train_reply"]
 
 
 def parse_train_reply(
-    message: Message, *, expected_shapes: dict[str, tuple[int, ...]], allow_partial: bool = False
+    message: Message,
+    *,
+    expected_shapes: dict[str, tuple[int, ...]],
+    allow_partial: bool = False,
+    limits: ReplyLimits | None = None,
 ) -> ClientUpdate:
     """Turn a training reply into a :class:`ClientUpdate` or raise :class:`ReplyRejected`.
 
@@ -48,11 +51,14 @@ def parse_train_reply(
     allow_partial : bool
         Accept a reply carrying a non-empty subset of the names (the tensors its client
         trained), for rules with ``accepts_partial`` (e.g. :mod:`.layerwise`).
+    limits : ReplyLimits, optional
+        What the server knows (partition sizes, exits, ranges): the reply's claims are checked
+        against it by :func:`speechbrain_fl.fl.reply_checks.check_reply`.
 
     Returns
     -------
     ClientUpdate
-        The delta (float32 tensors) and the flattened metrics.
+        The delta (float32 or float64 tensors) and the flattened metrics.
     """
     node = message.metadata.src_node_id
     if message.has_error():
@@ -103,13 +109,20 @@ def parse_train_reply(
         problem = _metric_problem(key, value)
         if problem:
             raise ReplyRejected(f"node {node}: metric {key!r} {problem} (got {value!r:.80})")
-    if metrics.get("num-examples", 1) <= 0:
-        raise ReplyRejected(f"node {node}: num-examples must be > 0, got {metrics['num-examples']}")
-    return ClientUpdate(node_id=node, delta=delta, metrics=metrics)
+    update = ClientUpdate(node_id=node, delta=delta, metrics=metrics)
+    check_reply(update, limits or ReplyLimits())
+    return update
 
 
 #: Metrics that must be one number, and metrics that must be a list of numbers.
-SCALAR_METRICS = ("num-examples", "train-loss", "joint-norm", "clip-ratio", "partition-id")
+SCALAR_METRICS = (
+    "num-examples",
+    "train-loss",
+    "joint-norm",
+    "clip-ratio",
+    "partition-id",
+    "exit-depth",
+)
 LIST_METRICS = ("group-norms", "group-clipped", "component-norms", "component-clipped")
 
 
@@ -131,13 +144,24 @@ def _metric_problem(key: str, value: Any) -> str | None:
 
 
 def _to_tensors(decoded: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Torch tensors of ``decoded``: views of one buffer when they share a dtype (one copy)."""
+    """Torch tensors of ``decoded``, at least float32: views of one buffer when they share a dtype.
+
+    A float16 array is widened to float32 (exactly) here, so that the server's re-clipping and
+    everything after it runs in float32 or wider whatever the wire dtype: float16 arithmetic
+    (a row norm, a scale factor rounded to float16) is too coarse for the clipping margin.
+    """
     dtypes = {a.dtype for a in decoded.values()}
     if not dtypes:
         return {}
     if len(dtypes) != 1:
-        return {k: torch.from_numpy(np.array(a)) for k, a in decoded.items()}
-    buffer = torch.from_numpy(np.concatenate([a.reshape(-1) for a in decoded.values()]))
+        return {
+            k: torch.from_numpy(np.array(a, dtype=np.promote_types(a.dtype, np.float32)))
+            for k, a in decoded.items()
+        }
+    dtype = np.promote_types(dtypes.pop(), np.float32)
+    buffer = torch.from_numpy(
+        np.concatenate([a.reshape(-1) for a in decoded.values()], dtype=dtype)
+    )
     out, offset = {}, 0
     for name, array in decoded.items():
         out[name] = buffer[offset : offset + array.size].view(array.shape)

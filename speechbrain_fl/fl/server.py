@@ -13,18 +13,23 @@ exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
 
 Per round: refuse to start if the accountant says it would exceed ``max_epsilon``; train (a
 non-private run retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then
-stops with the reason; a private run releases every draw and never retries);
+records the round as failed, keeps the global model and goes on: no reply can end a run; it
+stops only when fewer nodes are connected than ``min_clients``; a private run releases every
+draw and never retries);
 evaluate every ``eval_every`` rounds and at the last round (round 0 is always evaluated);
-append to ``rounds.csv``/``group_norms.csv`` and ``train_log.txt``; save the state atomically
-(:mod:`.state`); log a progress line. A resume whose privacy settings (C, delta, q, sigma, clip
+commit the state atomically (:mod:`.state`: the accountant step, the new model, the round's
+pending outputs), then evaluate, append to ``rounds.csv``/``group_norms.csv`` and
+``train_log.txt`` and log a progress line: nothing derived from a round's (noisy) aggregate is
+written before the round is committed. A resume whose privacy settings (C, delta, q, sigma, clip
 method and its settings, layout, declared population) differ from the saved ones is refused
 with an error naming the key, both values and the state file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -39,12 +44,15 @@ from speechbrain.utils.train_logger import FileTrainLogger
 
 from speechbrain_fl.privacy import Group, Layout
 from speechbrain_fl.privacy.accounting import privacy_report
+from speechbrain_fl.utils.atomic import sweep_stale_temporaries
+from speechbrain_fl.utils.run_lock import hold_run_lock
 
 from .config import FLConfig
+from .config_checks import check_delta_population
 from .params import load_trainable, params_fingerprint, trainable_parameters, trainable_state
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
-from .strategy import DPFedAvg, RoundFailed
-from .telemetry import RoundsTelemetry, progress_line
+from .strategy import AggregateFailed, DPFedAvg, RoundFailed, RoundReport
+from .telemetry import RoundsTelemetry, progress_line, train_log_rounds, truncate_train_log
 
 __all__ = ["ServerResult", "ServerTask", "make_server_app", "run_server"]
 
@@ -72,6 +80,14 @@ class ServerTask:
     num_partitions : int, optional
         The number of client partitions: the declared population K of a private run when the
         config has no ``population_size``.
+    partition_sizes : sequence of int, optional
+        Examples in each partition, when the server knows them (simulation): a reply's
+        ``num-examples`` must not exceed its partition's (:mod:`.reply_checks`). In deployment
+        set the FLConfig key ``max_num_examples`` instead.
+    depth_names : mapping of int to collection of str, optional
+        Exit depth -> the tensors a client of that depth trains, for layer-wise (partial)
+        replies; default: read from a module of ``brain.modules`` that has ``exits`` and
+        ``trained_parameter_names(depth, prefix=...)`` (the multi-exit wav2vec 2.0).
     """
 
     brain: sb.Brain
@@ -82,6 +98,8 @@ class ServerTask:
     evaluate: Callable[[sb.Brain], dict[str, float]] | None = None
     min_available_nodes: int = 1
     num_partitions: int | None = None
+    partition_sizes: Sequence[int] | None = None
+    depth_names: Mapping[int, Collection[str]] | None = None
 
     def __post_init__(self) -> None:
         if getattr(self.brain, "checkpointer", None) is not None:
@@ -135,6 +153,23 @@ def default_layout(brain: sb.Brain) -> Layout:
     )
 
 
+def model_depth_names(brain: sb.Brain) -> dict[int, set[str]] | None:
+    """Exit -> names of the tensors a client of that depth trains, from a multi-exit module.
+
+    A module of ``brain.modules`` with ``exits`` and ``trained_parameter_names(depth, prefix)``
+    declares them (the names carry the module's key as prefix, like the federated tensors).
+    """
+    modules = getattr(brain, "modules", None)
+    if modules is None or not hasattr(modules, "items"):
+        return None
+    for key, module in modules.items():
+        exits = getattr(module, "exits", None)
+        names_of = getattr(module, "trained_parameter_names", None)
+        if exits and callable(names_of):
+            return {int(e): set(names_of(int(e), prefix=f"{key}.")) for e in exits}
+    return None
+
+
 def _evaluate(task: ServerTask) -> dict[str, float]:
     if task.evaluate is not None:
         return {k: float(v) for k, v in task.evaluate(task.brain).items()}
@@ -162,6 +197,13 @@ def _fit_pull_interval(grid: Any, last_round: float | None) -> None:
 def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     """Run (or resume) the federated rounds of ``task`` on ``grid``.
 
+    Holds the run lock of ``task.config.output_folder`` for the whole run
+    (:func:`speechbrain_fl.utils.run_lock.hold_run_lock`; re-entrant, so a recipe script that
+    holds it already goes on): a second run on the same folder stops at once with
+    :class:`~speechbrain_fl.utils.run_lock.RunLockedError` naming the folder and the holder's
+    pid. Under the lock, temporaries a killed run left at the folder's top level (the engine's
+    files: ``.server_state.pt.*.tmp``, ``.rounds.csv.*.tmp``, ...) are removed first.
+
     Arguments
     ---------
     grid : flwr.serverapp.Grid
@@ -174,20 +216,50 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
     ServerResult
         The final global trainable tensors and epsilon.
     """
+    with hold_run_lock(task.config.output_folder) as out:
+        # the engine's own files are at the top level; a subfolder may be a cache that other
+        # runs write too (the recipe sweeps what it owns, holding the same lock)
+        sweep_stale_temporaries(out, recursive=False)
+        return _run_server(grid, task)
+
+
+def _evaluate_due(cfg: FLConfig, server_round: int) -> bool:
+    return cfg.eval_every > 0 and (
+        server_round % cfg.eval_every == 0 or server_round == cfg.num_rounds
+    )
+
+
+def _evaluate_isolated(task: ServerTask) -> dict[str, float]:
+    """:func:`_evaluate` without touching the process RNG streams (the state holds them)."""
+    states = capture_rng_states()
+    try:
+        return _evaluate(task)
+    finally:
+        restore_rng_states(states)
+
+
+def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
+    """The round loop of :func:`run_server` (the run lock held)."""
     cfg = task.config
     out = Path(cfg.output_folder)
-    out.mkdir(parents=True, exist_ok=True)
     layout = task.layout or default_layout(task.brain)
     strategy = DPFedAvg(
         config=cfg,
         layout=layout,
         min_available_nodes=task.min_available_nodes,
         population_size=task.num_partitions,
+        partition_sizes=task.partition_sizes,
+        depth_names=task.depth_names
+        if task.depth_names is not None
+        else model_depth_names(task.brain),
     )
+    if strategy.population_size is not None and cfg.private:
+        check_delta_population(cfg.delta, strategy.population_size)
     params = trainable_state(task.brain.modules)
     initial_fingerprint = params_fingerprint(params)
     state = load_state(out / STATE_FILE)
-    train_logger = FileTrainLogger(str(out / "train_log.txt"))
+    log_path = out / "train_log.txt"
+    train_logger = FileTrainLogger(str(log_path))
     if cfg.private and cfg.max_retries > 0:
         log(
             WARNING,
@@ -195,28 +267,31 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
             "with too few replies is released with its noise, never re-sampled)",
             cfg.max_retries,
         )
+
+    def write_outputs(done: int, report, epsilon, metrics) -> None:
+        """The round's rows and log lines: only ever after its state is committed."""
+        telemetry.write_round(done, report=report, epsilon=epsilon, metrics=metrics)
+        meta: dict[str, Any] = {"round": done}
+        if report is not None:
+            meta["epsilon"] = epsilon if epsilon is not None else "-"
+            if report.round_failed:
+                meta["round_failed"] = "yes"
+        train_logger.log_stats(
+            stats_meta=meta,
+            train_stats={"loss": report.train_loss}
+            if report is not None and report.train_loss is not None
+            else None,
+            valid_stats=metrics or None,
+        )
+
     if state is None:
         for stale in ("rounds.csv", "group_norms.csv"):
             (out / stale).unlink(missing_ok=True)
+        truncate_train_log(log_path, -1)  # lines of a run whose state was removed
         start = 0
-        metrics = _evaluate(task)
+        metrics = _evaluate_isolated(task)
         metric_names = list(metrics)
         telemetry = RoundsTelemetry(out, layout, metric_names)
-        telemetry.write_round(0, report=None, epsilon=strategy.epsilon(), metrics=metrics)
-        train_logger.log_stats(stats_meta={"round": 0}, valid_stats=metrics or None)
-        log(
-            INFO,
-            "%s",
-            progress_line(
-                server_round=0,
-                num_rounds=cfg.num_rounds,
-                report=None,
-                epsilon=None,
-                metrics=metrics,
-                started=0,
-                rounds_done_here=0,
-            ),
-        )
     else:
         # the privacy settings first: a changed C, delta, q, sigma, method, layout or K is named
         strategy.check_privacy_settings(
@@ -240,13 +315,16 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         restore_rng_states(state["rng"])
         metric_names = state["metric_names"]
         telemetry = RoundsTelemetry(out, layout, metric_names)
+        # rows and lines of rounds after the committed one (written by an older version) go
         telemetry.truncate(start)
+        truncate_train_log(log_path, start)
         load_trainable(task.brain.modules, params)
         log(INFO, "resuming from %s after round %d", out / STATE_FILE, start)
 
     round_budgets: list[dict[str, float]] = list(state.get("round_budgets", [])) if state else []
 
-    def save(done: int) -> None:
+    def save(done: int, outputs: dict[str, Any]) -> None:
+        """Commit round ``done``: parameters, accountant, EMA, RNG and its pending outputs."""
         atomic_torch_save(
             {
                 "round": done,
@@ -256,12 +334,29 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 "metric_names": metric_names,
                 "initial_fingerprint": initial_fingerprint,
                 "round_budgets": round_budgets,
+                "outputs": outputs,
             },
             out / STATE_FILE,
         )
 
     if state is None:
-        save(0)
+        save(0, {"report": None, "epsilon": strategy.epsilon(), "metrics": metrics})
+        write_outputs(0, None, strategy.epsilon(), metrics)
+        log(
+            INFO,
+            "%s",
+            progress_line(
+                server_round=0,
+                num_rounds=cfg.num_rounds,
+                report=None,
+                epsilon=None,
+                metrics=metrics,
+                started=0,
+                rounds_done_here=0,
+            ),
+        )
+    else:  # the committed round's rows, if the kill came between its commit and its writes
+        _restore_outputs(task, state, telemetry, log_path, write_outputs)
     if strategy.accountant is not None:
         log(
             INFO,
@@ -299,32 +394,37 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 arrays, _ = strategy.aggregate_train(server_round, replies)
                 break
             except RoundFailed as err:
-                if attempt == cfg.max_retries:
+                if attempt < cfg.max_retries:
+                    log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
+                    continue
+                if not isinstance(err, AggregateFailed) and strategy.population < cfg.min_clients:
+                    # no round can ever succeed: a configuration error, not a bad reply
                     raise RuntimeError(
-                        f"{err}; stopping after {cfg.max_retries} retries. Lower min_clients, "
-                        "raise sampling_rate or round_timeout, or fix the failing clients "
-                        "(see the 'dropped' lines above)"
+                        f"{err}; only {strategy.population} nodes are connected. Lower "
+                        "min_clients or connect more nodes"
                     ) from err
-                log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
+                log(
+                    WARNING,
+                    "%s; round %d is recorded as failed (after %d retries), the global model is "
+                    "unchanged and the run goes on (see the 'dropped' lines above; lower "
+                    "min_clients or raise sampling_rate if rounds keep failing)",
+                    err,
+                    server_round,
+                    cfg.max_retries,
+                )
         params = arrays.to_torch_state_dict()
-        round_seconds.append(time.time() - round_start)
-        _fit_pull_interval(grid, round_seconds[-1])
-        load_trainable(task.brain.modules, params)
-        evaluate_now = cfg.eval_every > 0 and (
-            server_round % cfg.eval_every == 0 or server_round == cfg.num_rounds
-        )
-        metrics = _evaluate(task) if evaluate_now else None
         report, epsilon = strategy.last_report, strategy.epsilon()
         reports.append(report)
         round_budgets.append(dict(report.component_budgets))
-        telemetry.write_round(server_round, report=report, epsilon=epsilon, metrics=metrics)
-        train_logger.log_stats(
-            stats_meta={"round": server_round, "epsilon": epsilon if epsilon is not None else "-"},
-            train_stats={"loss": report.train_loss} if report.train_loss is not None else None,
-            valid_stats=metrics or None,
-        )
-        save(server_round)
+        # account first, then release: the accountant step, the new model and the round's
+        # pending outputs are committed before anything derived from them is written
+        save(server_round, {"report": dataclasses.asdict(report), "epsilon": epsilon})
         done = server_round
+        round_seconds.append(time.time() - round_start)
+        _fit_pull_interval(grid, round_seconds[-1])
+        load_trainable(task.brain.modules, params)
+        metrics = _evaluate_isolated(task) if _evaluate_due(cfg, server_round) else None
+        write_outputs(server_round, report, epsilon, metrics)
         log(
             INFO,
             "%s",
@@ -359,6 +459,22 @@ def run_server(grid: Grid, task: ServerTask) -> ServerResult:
         if strategy.accountant is not None
         else None,
     )
+
+
+def _restore_outputs(task, state, telemetry, log_path, write_outputs) -> None:
+    """Write the committed round's rows and log line when a kill left them unwritten."""
+    outputs = state.get("outputs")
+    done = int(state["round"])
+    if outputs is None or telemetry.last_round() >= done:
+        return
+    report = None if outputs["report"] is None else RoundReport(**outputs["report"])
+    metrics = outputs.get("metrics")
+    if metrics is None and done > 0 and _evaluate_due(task.config, done):
+        metrics = _evaluate_isolated(task)
+    if done in train_log_rounds(log_path):
+        truncate_train_log(log_path, done - 1)
+    write_outputs(done, report, outputs["epsilon"], metrics)
+    log(INFO, "round %d: its outputs were committed but not written before the kill; written", done)
 
 
 def make_server_app(

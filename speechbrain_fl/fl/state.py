@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 
 __all__ = ["atomic_torch_save", "capture_rng_states", "load_state", "restore_rng_states"]
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -68,10 +68,10 @@ from speechbrain_fl.privacy import (
 from .aggregation import ClientUpdate, get_rule
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
-from .replies import ReplyRejected, parse_train_reply
+from .replies import ReplyLimits, ReplyRejected, parse_train_reply
 from .sampling import PoissonSampler
 
-__all__ = ["DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
+__all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
 
 #: FLConfig fields a resumed run must not change (the privacy settings of its earlier rounds).
 PRIVACY_KEYS = (
@@ -91,6 +91,14 @@ PRIVACY_KEYS = (
 
 class RoundFailed(RuntimeError):
     """Fewer than ``min_clients`` valid replies in a non-private run; the round may be retried."""
+
+
+class AggregateFailed(RoundFailed):
+    """The aggregate of a non-private round is unusable (the rule raised, or a value non-finite).
+
+    Retried like :class:`RoundFailed`; once the retries are spent the server records the round
+    as failed, keeps the global model and goes on (:func:`speechbrain_fl.fl.server.run_server`).
+    """
 
 
 def partition_id_of(metrics: Any) -> int | None:
@@ -145,6 +153,8 @@ class RoundReport:
     component_budgets: dict[str, float] = field(default_factory=dict)
     connected: int | None = None
     ignored: list[str] = field(default_factory=list)
+    num_dropped: int = 0
+    round_failed: str | None = None
 
 
 def _mean(values: list[float]) -> float | None:
@@ -164,6 +174,12 @@ class DPFedAvg(FedAvg):
         Nodes to wait for before sampling.
     population_size : int, optional
         The number of partitions, the default of ``config.population_size`` (the declared K).
+    partition_sizes : sequence of int, optional
+        Examples per partition when the server knows them (simulation): bounds a reply's
+        ``num-examples`` (:mod:`.reply_checks`).
+    depth_names : mapping of int to collection of str, optional
+        For a model with exits: exit -> the tensors a client of that depth trains; a partial
+        (layer-wise) reply must declare one of these exits and carry only tensors at or below it.
 
     Example
     -------
@@ -182,6 +198,8 @@ class DPFedAvg(FedAvg):
         layout: Layout,
         min_available_nodes: int = 1,
         population_size: int | None = None,
+        partition_sizes: Sequence[int] | None = None,
+        depth_names: Mapping[int, Collection[str]] | None = None,
     ) -> None:
         super().__init__(
             fraction_train=config.sampling_rate,
@@ -257,6 +275,17 @@ class DPFedAvg(FedAvg):
                     "ema_signal='raw': the EMA budgets use raw client norms, which is "
                     "OUTSIDE the differential-privacy guarantee (paper reproduction only)",
                 )
+        self.partition_sizes = (
+            None if partition_sizes is None else [int(n) for n in partition_sizes]
+        )
+        partial = bool(getattr(self.rule, "accepts_partial", False))
+        self.depth_names = (
+            {int(e): frozenset(names) for e, names in depth_names.items()}
+            if depth_names and partial
+            else None
+        )
+        self.require_depth = getattr(self.rule, "weighting", None) == "depth_aware"
+        self.refused_nodes: dict[int, str] = {}
         self.current_arrays: ArrayRecord | None = None
         self.cohort: list[int] = []
         self.population = 0
@@ -411,16 +440,24 @@ class DPFedAvg(FedAvg):
         """Ask nodes not seen before for their ``partition-id`` (a ``query`` message).
 
         The answers order the nodes for Poisson sampling (see :mod:`.sampling`); a node that
-        does not answer is ordered by its node id.
+        does not answer is ordered by its node id. A partition id already claimed by another
+        node is refused: the later node (the higher node id among answers of one query) is
+        never sampled and its replies are dropped, each time with a log line, so one data
+        owner counts once in the population, the cohort and the accountant (docs/fl_engine.md
+        "Identity in deployment").
         """
-        unknown = [n for n in self._connected_nodes(grid) if n not in self.node_order]
+        unknown = [
+            n
+            for n in self._connected_nodes(grid)
+            if n not in self.node_order and n not in self.refused_nodes
+        ]
         if not unknown:
             return
         messages = [
             Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n)
             for n in unknown
         ]
-        asked = set(unknown)
+        asked, answers = set(unknown), {}
         for reply in grid.send_and_receive(messages, timeout=timeout):
             node = reply.metadata.src_node_id
             if node not in asked or reply.has_error() or not reply.content.metric_records:
@@ -430,7 +467,33 @@ class DPFedAvg(FedAvg):
             if partition is None:
                 log(WARNING, "node %d: query reply without an integer partition-id", node)
             else:
-                self.node_order[node] = partition
+                answers[node] = partition
+        owner = {p: n for n, p in self.node_order.items()}
+        binding = self.config.node_partitions
+        for node in sorted(answers):
+            partition = answers[node]
+            reason = None
+            if binding is not None and node not in binding:
+                reason = "its node id is not in node_partitions (not an enrolled SuperNode)"
+            elif binding is not None and binding[node] != partition:
+                reason = (
+                    f"it answered partition-id={partition}, but node_partitions binds it to "
+                    f"partition {binding[node]}"
+                )
+            elif partition in owner:
+                reason = f"partition-id={partition} is already claimed by node {owner[partition]}"
+            if reason is not None:
+                self.refused_nodes[node] = reason
+                log(
+                    WARNING,
+                    "node %d: refused, %s; its replies are dropped (check the SuperNodes' "
+                    "--node-config)",
+                    node,
+                    self.refused_nodes[node],
+                )
+                continue
+            owner[partition] = node
+            self.node_order[node] = partition
 
     # ------------------------------------------------------------------ Flower hooks
     def configure_train(
@@ -438,7 +501,9 @@ class DPFedAvg(FedAvg):
     ) -> Iterable[Message]:
         """Poisson-sample the cohort and send it the global arrays and this round's budgets."""
         self.current_arrays = arrays
-        node_ids = self._connected_nodes(grid)
+        node_ids = [n for n in self._connected_nodes(grid) if n not in self.refused_nodes]
+        if self.config.node_partitions is not None:  # only enrolled nodes are ever sampled
+            node_ids = [n for n in node_ids if n in self.config.node_partitions]
         self.population = len(node_ids)
         self.check_population(self.population)
         draw = self._next_draw(server_round)
@@ -466,20 +531,61 @@ class DPFedAvg(FedAvg):
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, self.cohort, MessageType.TRAIN)
 
+    def reply_limits(self, global_params: Mapping[str, torch.Tensor]) -> ReplyLimits:
+        """What a reply's claims are checked against this round (:mod:`.reply_checks`)."""
+        return ReplyLimits(
+            depth_names=self.depth_names,
+            require_depth=self.require_depth,
+            partition_sizes=self.partition_sizes,
+            max_num_examples=self.config.max_num_examples,
+            max_update_norm=self.config.max_update_norm,
+            dtypes={k: v.dtype for k, v in global_params.items()},
+        )
+
+    def _parse(self, message: Message, shapes, limits: ReplyLimits) -> ClientUpdate:
+        """One reply -> a checked update (format, claims, partition), or :class:`ReplyRejected`."""
+        node = message.metadata.src_node_id
+        update = parse_train_reply(
+            message,
+            expected_shapes=shapes,
+            allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
+            limits=limits,
+        )
+        claimed = update.metrics.get("partition-id")
+        known = self.node_order.get(node)
+        if known is not None and claimed is not None and int(claimed) != known:
+            raise ReplyRejected(
+                f"node {node}: partition-id={claimed:g} differs from the partition-id={known} "
+                "it answered to the server's query"
+            )
+        return update
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate, re-clip, aggregate, add noise once, and return the new global arrays."""
+        """Validate, re-clip, aggregate, add noise once, and return the new global arrays.
+
+        Every per-reply check (format, claims, re-clipping) runs inside one guard: a bad reply
+        is dropped with one log line naming the node and the reason, counted in
+        ``RoundReport.num_dropped``, and the round goes on. In a non-private run an unusable
+        aggregate (the rule raised, a non-finite value) raises :class:`AggregateFailed`.
+        """
         if self.current_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
         global_params = self.current_arrays.to_torch_state_dict()
         shapes = {k: tuple(v.shape) for k, v in global_params.items()}
+        limits = self.reply_limits(global_params)
+        budgets = self.budgets()
         updates: list[ClientUpdate] = []
         failures: list[str] = []
         ignored: list[str] = []
         sampled, replied = set(self.cohort), set()
+        dropped = 0
         for message in replies:
             node = message.metadata.src_node_id
+            if node in self.refused_nodes:
+                ignored.append(f"node {node}: refused ({self.refused_nodes[node]}), reply dropped")
+                continue
             if node not in sampled:
                 ignored.append(f"node {node}: not sampled this round, reply ignored")
                 continue
@@ -488,17 +594,18 @@ class DPFedAvg(FedAvg):
                 continue
             replied.add(node)
             try:
-                updates.append(
-                    parse_train_reply(
-                        message,
-                        expected_shapes=shapes,
-                        allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
+                update = self._parse(message, shapes, limits)
+                if budgets is not None:  # server-side enforcement of the budgets (contract 3)
+                    update.delta, _ = clip_update(
+                        update.delta, budgets, layout=self.layout, inplace=True
                     )
-                )
+                updates.append(update)
             except ReplyRejected as err:
                 failures.append(str(err))
+                dropped += 1
             except Exception as err:  # defence in depth: no reply may crash the round
                 failures.append(f"node {node}: unreadable reply ({type(err).__name__}: {err})")
+                dropped += 1
         for node in sorted(sampled - replied):
             failures.append(f"node {node}: no reply within {self.config.round_timeout:g} s")
         for reason in failures + ignored:
@@ -506,20 +613,6 @@ class DPFedAvg(FedAvg):
         # a fixed summation order makes the float sum independent of reply arrival order
         updates.sort(key=lambda u: (u.metrics.get("partition-id", u.node_id), u.node_id))
         private = self.config.private
-        if len(updates) < self.config.min_clients:
-            summary = (
-                f"round {server_round}: {len(updates)} valid replies from a cohort of "
-                f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
-                f"{self.config.min_clients}"
-            )
-            if not private:
-                raise RoundFailed(summary)
-            log(
-                WARNING,
-                "%s; released anyway (noise and an accountant step): a private run releases "
-                "every Poisson draw",
-                summary,
-            )
         report = RoundReport(
             round=server_round,
             cohort_size=len(self.cohort),
@@ -532,20 +625,40 @@ class DPFedAvg(FedAvg):
             ),
             connected=self.population,
             ignored=ignored,
+            num_dropped=dropped,
         )
-        budgets = self.budgets()
+        if len(updates) < self.config.min_clients:
+            summary = (
+                f"round {server_round}: {len(updates)} valid replies from a cohort of "
+                f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
+                f"{self.config.min_clients}"
+            )
+            if not private:
+                report.round_failed = summary
+                self.last_report = report
+                raise RoundFailed(summary)
+            log(
+                WARNING,
+                "%s; released anyway (noise and an accountant step): a private run releases "
+                "every Poisson draw",
+                summary,
+            )
+        self.last_report = report
         if budgets is None and self.config.record_norms:
             self._client_statistics(updates, None, report)  # norms only: nothing to clip
         if budgets is not None:
             # the round's budgets are recorded even when nobody replied (a private round is
             # released all the same): the privacy report's per-pool sigma_eff reads them
             self._client_statistics(updates, budgets, report)
-            for update in updates:  # server-side enforcement of the budgets (contract 3)
-                update.delta, _ = clip_update(
-                    update.delta, budgets, layout=self.layout, inplace=True
-                )
         n = self.expected_cohort_size() if private else float(len(updates))
-        aggregate = self.rule(updates, expected_cohort_size=n) if updates else {}
+        try:
+            aggregate = self.rule(updates, expected_cohort_size=n) if updates else {}
+        except Exception as err:
+            if private:
+                raise
+            raise self._failed(
+                report, f"the aggregation rule raised {type(err).__name__}: {err}"
+            ) from err
         if self.noise is not None:
             # every parameter is released with noise, also one no reply (or the rule) left out
             for name, value in global_params.items():
@@ -561,14 +674,16 @@ class DPFedAvg(FedAvg):
                     value.dtype
                 )
             if not bool(torch.isfinite(value).all()):
-                raise FloatingPointError(
-                    f"round {server_round}: the update made parameter {name!r} non-finite; "
-                    "the global model was not changed"
+                reason = (
+                    f"the update made parameter {name!r} non-finite; the global model was not "
+                    "changed"
                 )
+                if private:
+                    raise FloatingPointError(f"round {server_round}: {reason}")
+                raise self._failed(report, reason)
             new_params[name] = value
         if self.ema is not None:
             self._update_ema(updates, aggregate, report)
-        self.last_report = report
         metrics = MetricRecord({"num-replied": len(updates), "cohort-size": len(self.cohort)})
         self.current_arrays = None  # one release per configured draw
         if report.train_loss is not None:
@@ -576,6 +691,11 @@ class DPFedAvg(FedAvg):
         if self.accountant is not None:
             metrics["epsilon"] = float(self.accountant.epsilon())
         return ArrayRecord(new_params), metrics
+
+    def _failed(self, report: RoundReport, reason: str) -> AggregateFailed:
+        """Record ``reason`` in ``report`` and return the :class:`AggregateFailed` to raise."""
+        report.round_failed = reason
+        return AggregateFailed(f"round {report.round}: {reason}")
 
     # ------------------------------------------------------------------ helpers
     def _client_statistics(

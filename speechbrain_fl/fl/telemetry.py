@@ -1,10 +1,12 @@
 """Per-round telemetry: ``rounds.csv``, ``group_norms.csv`` and the progress line.
 
 Columns follow docs/api.md "Run outputs": ``rounds.csv`` has ``round, cohort_size, num_replied,
-num_failed, epsilon, joint_norm_mean, clip_rate, mean_clip_ratio, noise_std, train_loss``, the
+num_failed, dropped_replies, epsilon, joint_norm_mean, clip_rate, mean_clip_ratio, noise_std, train_loss``, the
 evaluation metric columns, then ``norm_<L>, clip_rate_<L>, budget_<L>`` per component label L;
 ``group_norms.csv`` has one row per (round, group). Round 0 is the starting model (evaluation
-only). Empty cells where a value does not apply.
+only). Empty cells where a value does not apply. ``num_failed`` counts the sampled nodes whose
+reply did not count (dropped or missing), ``dropped_replies`` the replies that arrived and were
+dropped by a check (:mod:`.reply_checks`, one log line each).
 
 Norms, clip rates and the train loss are means of the *pre-clip* values the clients report (the
 paper's Fig. 3 and 5 quantities), and the cohort columns reveal who took part: diagnostics for
@@ -17,24 +19,74 @@ them with the operator.
 from __future__ import annotations
 
 import csv
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.atomic import atomic_open
 from speechbrain_fl.privacy import Layout
 from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, GROUP_COLUMNS, ROUND_COLUMNS
+from speechbrain_fl.utils.atomic import atomic_open
 
 from .strategy import RoundReport
 
-__all__ = ["RoundsTelemetry", "progress_line"]
+__all__ = ["RoundsTelemetry", "progress_line", "train_log_rounds", "truncate_train_log"]
 
 BASE_COLUMNS = [*ROUND_COLUMNS, "train_loss"]
 
 
 def _cell(value: Any) -> Any:
     return "" if value is None else value
+
+
+#: A line the engine writes into ``train_log.txt`` (``write_outputs`` in :mod:`.server`):
+#: ``round: k`` then optionally ``, epsilon: e`` and ``, round_failed: yes``, then `` - `` or
+#: the end. A recipe's own lines (``round: 0, stage: test - ...``) do not match.
+ENGINE_LOG_LINE = re.compile(r"^round: (\d+)(, epsilon: [^,\s]+)?(, round_failed: yes)?( - |\s*$)")
+
+
+def _log_round(line: str) -> int | None:
+    """The round of a ``train_log.txt`` line written by the engine, else ``None``."""
+    match = ENGINE_LOG_LINE.match(line)
+    return int(match.group(1)) if match else None
+
+
+def train_log_rounds(path: str | Path) -> set[int]:
+    """Rounds that have a line in the engine's ``train_log.txt``."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    with open(path, encoding="utf-8") as handle:
+        return {r for r in map(_log_round, handle) if r is not None}
+
+
+def truncate_train_log(path: str | Path, last_round: int) -> None:
+    """Drop the engine's lines of rounds after ``last_round`` from ``train_log.txt``.
+
+    Other lines (a recipe's own, even ``round: 0, stage: test ...``) are kept. Used on resume (lines of rounds that were never
+    committed, from a version that wrote them first) and at a fresh start (``last_round=-1``:
+    the lines of a run whose server state was removed, as ``rounds.csv`` is).
+
+    Example
+    -------
+    >>> tmp = getfixture("tmp_path") / "train_log.txt"
+    >>> _ = tmp.write_text("round: 0 - valid loss: 1\\nround: 1, epsilon: 2\\n"
+    ...                    "round: 1, stage: test - test WER: 0.5\\n")
+    >>> truncate_train_log(tmp, 0)
+    >>> tmp.read_text().splitlines()
+    ['round: 0 - valid loss: 1', 'round: 1, stage: test - test WER: 0.5']
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.readlines()
+    rounds = [_log_round(line) for line in lines]
+    kept = [line for line, r in zip(lines, rounds, strict=True) if r is None or r <= last_round]
+    if len(kept) != len(lines):
+        with atomic_open(path, "w") as handle:
+            handle.writelines(kept)
 
 
 def _rewrite_upto(path: Path, last_round: int) -> None:
@@ -88,6 +140,12 @@ class RoundsTelemetry:
                 with open(path, "w", newline="", encoding="utf-8") as handle:
                     csv.writer(handle).writerow(header)
 
+    def last_round(self) -> int:
+        """The last round with a row in ``rounds.csv`` (-1 when none)."""
+        with open(self.rounds_path, newline="", encoding="utf-8") as handle:
+            rows = [r for r in csv.reader(handle)][1:]
+        return max((int(r[0]) for r in rows if r), default=-1)
+
     def truncate(self, last_round: int) -> None:
         """Drop rows after ``last_round`` (rows written before a kill but not checkpointed)."""
         _rewrite_upto(self.rounds_path, last_round)
@@ -108,6 +166,7 @@ class RoundsTelemetry:
                 cohort_size=report.cohort_size,
                 num_replied=report.num_replied,
                 num_failed=report.num_failed,
+                dropped_replies=report.num_dropped,
                 joint_norm_mean=_cell(report.joint_norm_mean),
                 clip_rate=_cell(report.clip_rate),
                 mean_clip_ratio=_cell(report.mean_clip_ratio),

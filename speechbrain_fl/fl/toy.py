@@ -126,6 +126,8 @@ def toy_server(context: Context, settings: dict[str, Any] | None = None) -> Serv
         valid_loader_kwargs={"batch_size": 64, "collate_fn": PaddedBatch},
         min_available_nodes=int(settings["num_partitions"]),
         num_partitions=int(settings["num_partitions"]),
+        # the server knows each partition's size: a reply's num-examples is bounded by it
+        partition_sizes=[int(settings["examples_per_client"])] * int(settings["num_partitions"]),
     )
 
 

@@ -34,3 +34,40 @@ def make_reply(node, delta=None, metrics=None, error=None):
 def ones():
     """A delta of ones on every global tensor."""
     return {k: torch.ones_like(v) for k, v in GLOBAL.items()}
+
+
+class ScriptedGrid:
+    """A Grid whose nodes answer with scripted replies (hostile clients, chosen deltas).
+
+    ``reply(node, partition, round, global_arrays) -> (delta, metrics)`` gives each sampled
+    node's training reply; query messages are answered with ``partition-id`` (node ``100 + i``
+    has partition ``i`` unless ``partitions`` says otherwise).
+    """
+
+    def __init__(self, reply, num_nodes=3, partitions=None):
+        self.reply = reply
+        self.partitions = partitions or {100 + i: i for i in range(num_nodes)}
+        self.rounds = 0
+
+    def get_node_ids(self):
+        return list(self.partitions)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        out = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            if message.metadata.message_type == MessageType.QUERY:
+                content = RecordDict(
+                    {"metrics": MetricRecord({"partition-id": self.partitions[node]})}
+                )
+                out.append(Message(content, reply_to=message))
+                continue
+            config = message.content["config"]
+            arrays = message.content["arrays"].to_torch_state_dict()
+            delta, metrics = self.reply(
+                node, self.partitions[node], int(config["server-round"]), arrays
+            )
+            metrics = {"partition-id": self.partitions[node], **metrics}
+            content = RecordDict({"arrays": ArrayRecord(delta), "metrics": MetricRecord(metrics)})
+            out.append(Message(content, reply_to=message))
+        return out

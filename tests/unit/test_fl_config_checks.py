@@ -1,0 +1,86 @@
+"""FLConfig refuses every bad value with a message naming the key and the value (issue 21, 7).
+
+Before: ``delta`` was never checked (``delta: 1.5`` or ``0`` reached the accountant), and MLS
+``max_epsilon: -1`` ran 0 rounds and exited 0.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from speechbrain_fl.fl import FLConfig
+
+BASE = {"output_folder": "out"}
+PRIVATE = {"noise_multiplier": 1.0, "clip": 1.0}
+
+# (field, bad value, extra fields, expected message)
+CASES = [
+    ("delta", 0.0, PRIVATE, "delta=0.0 must be in \\(0, 1\\)"),
+    ("delta", 1.5, PRIVATE, "delta=1.5 must be in \\(0, 1\\)"),
+    ("delta", "1e-5", PRIVATE, "delta='1e-5' must be in \\(0, 1\\) \\(a string: YAML reads"),
+    ("max_epsilon", -1, PRIVATE, "max_epsilon=-1 must be a number > 0"),
+    ("max_epsilon", 0, PRIVATE, "max_epsilon=0 must be a number > 0"),
+    ("num_rounds", 0, {}, "num_rounds=0 must be an integer >= 1"),
+    ("num_rounds", 2.5, {}, "num_rounds=2.5 must be an integer >= 1"),
+    ("num_rounds", True, {}, "num_rounds=True must be an integer >= 1"),
+    ("sampling_rate", 0.0, {}, "sampling_rate=0.0 must be in \\(0, 1\\]"),
+    ("sampling_rate", 1.2, {}, "sampling_rate=1.2 must be in \\(0, 1\\]"),
+    ("min_clients", 0, {}, "min_clients=0 must be an integer >= 1"),
+    ("local_epochs", 0, {}, "local_epochs=0 must be an integer >= 1"),
+    ("noise_multiplier", -1.0, {"clip": 1.0}, "noise_multiplier=-1.0 must be >= 0"),
+    ("noise_multiplier", float("nan"), {"clip": 1.0}, "noise_multiplier=nan must be >= 0"),
+    ("clip", -2.0, {}, "clip=-2.0 must be > 0"),
+    ("clip", float("inf"), {}, "clip=inf must be > 0"),
+    ("clip_method", "pfl_foo", {}, "clip_method='pfl_foo' must be one of"),
+    ("alpha", 1.5, {}, "alpha=1.5 must be in \\(0, 1\\)"),
+    ("alpha", None, {"clip": 1.0, "clip_method": "alpha_split"}, "alpha=None is required"),
+    ("ema_beta", 0.0, {}, "ema_beta=0.0 must be in \\(0, 1\\]"),
+    ("ema_gamma", -1.0, {}, "ema_gamma=-1.0 must be a finite number >= 0"),
+    ("ema_warmup_rounds", -1, {}, "ema_warmup_rounds=-1 must be an integer >= 0"),
+    ("ema_signal", "loud", {}, "ema_signal='loud' must be 'noisy' or 'raw'"),
+    ("accountant", "gdp", {}, "accountant='gdp' must be one of \\['rdp', 'prv'\\]"),
+    ("aggregation", 3, {}, "aggregation=3 must be a rule name or a callable"),
+    ("eval_every", -1, {}, "eval_every=-1 must be an integer >= 0"),
+    ("round_timeout", 0, {}, "round_timeout=0 must be > 0"),
+    ("max_retries", -1, {}, "max_retries=-1 must be an integer >= 0"),
+    ("seed", 1.5, {}, "seed=1.5 must be an integer or null"),
+    ("noise_seed", "x", {}, "noise_seed='x' must be an integer or null"),
+    ("sampler_seed", 0.5, {}, "sampler_seed=0.5 must be an integer or null"),
+    ("population_size", 0, {}, "population_size=0 must be an integer >= 1"),
+    ("backend", "mpi", {}, "backend='mpi' must be one of \\['local', 'ray'\\]"),
+    ("record_norms", "yes", {}, "record_norms='yes' must be true or false"),
+    ("max_num_examples", 0, {}, "max_num_examples=0 must be an integer >= 1"),
+    ("max_update_norm", -1.0, {}, "max_update_norm=-1.0 must be > 0"),
+    ("output_folder", "", {}, "output_folder='' must be a non-empty path"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "extra", "message"), CASES, ids=[c[0] for c in CASES])
+def test_every_bad_value_is_refused_naming_key_and_value(key, value, extra, message):
+    with pytest.raises(ValueError, match=f"^federated config: {message}"):
+        FLConfig(**{**BASE, **extra, key: value})
+
+
+def test_every_field_has_a_bad_value_case():
+    import dataclasses
+
+    checked = {c[0] for c in CASES}
+    assert {f.name for f in dataclasses.fields(FLConfig)} - checked <= {"node_partitions"}
+
+
+def test_mls_max_epsilon_minus_one_is_refused_by_from_hparams():
+    hparams = {"output_folder": "o", "method": "flat", "clip": 1.0, "noise_multiplier": 1.0}
+    with pytest.raises(ValueError, match="max_epsilon=-1 must be a number > 0"):
+        FLConfig.from_hparams({**hparams, "max_epsilon": -1})
+
+
+def test_delta_at_least_one_over_the_population_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        FLConfig(**BASE, **PRIVATE, delta=0.1, population_size=20)
+    assert "delta=0.1 >= 1/K = 1/20" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        FLConfig(**BASE, **PRIVATE, delta=1e-5, population_size=20)
+    assert "1/K" not in caplog.text
