@@ -41,7 +41,10 @@ from tqdm.auto import tqdm
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 
-import gender_lib as lib  # noqa: E402
+from gender_data import load_set  # noqa: E402
+from gender_model import build_model, predict_logits  # noqa: E402
+from gender_plots import plot_confusion  # noqa: E402
+from gender_report import eps_str, results_table, write_json  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
@@ -87,9 +90,14 @@ def train_student(
             idx = order[i : i + bs]
             optimizer.zero_grad(set_to_none=True)
             logits = model(feats[idx], lengths[idx])
-            loss = kd_loss(logits, teacher_probs[idx], labels[idx],
-                           temperature=hparams["temperature"], alpha=hparams["alpha"],
-                           class_weight=class_weight)  # fmt: skip
+            loss = kd_loss(
+                logits,
+                teacher_probs[idx],
+                labels[idx],
+                temperature=hparams["temperature"],
+                alpha=hparams["alpha"],
+                class_weight=class_weight,
+            )
             loss.backward()
             optimizer.step()
             total += float(loss.detach()) * idx.numel()
@@ -116,10 +124,12 @@ def main(argv):
     out = root / "student"
     teacher_results = root / "teacher" / "results.json"
     if not teacher_results.is_file():
-        raise FileNotFoundError(f"{teacher_results} not found: run train_teacher.py with "
-                                f"--output_folder {root} first")  # fmt: skip
-    sb.create_experiment_directory(experiment_directory=str(out), hyperparams_to_save=str(hparams_path),
-                                   overrides=overrides)  # fmt: skip
+        raise FileNotFoundError(
+            f"{teacher_results} not found: run train_teacher.py with --output_folder {root} first"
+        )
+    sb.create_experiment_directory(
+        experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
+    )
     debug = run_opts.get("debug", False)
     max_steps = run_opts.get("debug_batches", 2) if debug else None
     epochs = run_opts.get("debug_epochs", 2) if debug else hparams["epochs"]
@@ -135,15 +145,10 @@ def main(argv):
         )
     majority = classes.index(teacher_run["data"]["majority_class"])
     data_folder, manifests = teacher_run["data"]["data_folder"], teacher_run["data"]["manifests"]
-    index = {c: i for i, c in enumerate(classes)}
     sets = {}
     start = time.time()
     for name in ("aux", "test"):
-        rows = lib.read_manifest(Path(manifests) / f"{name}.csv", data_folder)
-        feats = lib.load_features(rows, n_mels=hparams["n_mels"], max_frames=hparams["max_frames"],
-                                  cache_folder=hparams["cache_folder"], desc=f"D_{name} features")  # fmt: skip
-        sets[name] = {"ids": [r["ID"] for r in rows], "speakers": [r["spk_id"] for r in rows],
-                      "labels": torch.tensor([index[r["label"]] for r in rows]), **feats}  # fmt: skip
+        sets[name] = load_set(name, manifests, data_folder, hparams, classes)
     aux, test = sets["aux"], sets["test"]
     if hparams["aux_subset"] is not None and hparams["aux_subset"] < len(aux["ids"]):
         if hparams["aux_subset"] < 1:
@@ -160,20 +165,38 @@ def main(argv):
     timings = {"data": time.time() - start}
 
     start = time.time()
-    torch.manual_seed(hparams["seed"])
-    student = lib.build_model(hparams, num_classes=len(classes), privileged=False)
-    student, info = train_student(student, feats=aux["feats"], lengths=aux["lengths"], labels=aux["labels"],
-                                  teacher_probs=teacher_probs, hparams=hparams, epochs=epochs,
-                                  max_steps=max_steps, train_logger=hparams["train_logger"])  # fmt: skip
+    student = build_model(
+        hparams, num_classes=len(classes), privileged=False, init_seed=hparams["seed"]
+    )
+    student, info = train_student(
+        student,
+        feats=aux["feats"],
+        lengths=aux["lengths"],
+        labels=aux["labels"],
+        teacher_probs=teacher_probs,
+        hparams=hparams,
+        epochs=epochs,
+        max_steps=max_steps,
+        train_logger=hparams["train_logger"],
+    )
     timings["student"] = time.time() - start
-    logits = lib.predict_logits(student, test["feats"], test["lengths"])
-    report = collapse_report(speakers=test["speakers"], labels=test["labels"].tolist(),
-                             predictions=logits.argmax(1).tolist(), classes=classes,
-                             majority_class=majority, num_resamples=hparams["bootstrap_resamples"])  # fmt: skip
+    logits = predict_logits(student, test["feats"], test["lengths"])
+    report = collapse_report(
+        speakers=test["speakers"],
+        labels=test["labels"].tolist(),
+        predictions=logits.argmax(1).tolist(),
+        classes=classes,
+        majority_class=majority,
+        num_resamples=hparams["bootstrap_resamples"],
+    )
     with atomic_open(out / "student.ckpt", "wb") as handle:
         torch.save(student.state_dict(), handle)
-    lib.plot_confusion(report["confusion"], classes, out / "plots" / "confusion_student.png",
-                       title=f"student (KD, ε = {lib.eps_str(teacher_run['privacy']['epsilon'])})")  # fmt: skip
+    plot_confusion(
+        report["confusion"],
+        classes,
+        out / "plots" / "confusion_student.png",
+        title=f"student (KD, ε = {eps_str(teacher_run['privacy']['epsilon'])})",
+    )
 
     privacy = {
         "epsilon": teacher_run["privacy"]["epsilon"],
@@ -188,23 +211,33 @@ def main(argv):
         "test": report,
         "dp_direct": teacher_run["dp_direct"],
         "teacher_outputs": str(hparams["teacher_outputs"]),
-        "kd": {"temperature": hparams["temperature"], "alpha": hparams["alpha"], "dsaf": hparams["dsaf"],
-               "ce_class_weight": hparams.get("ce_class_weight", "none"),
-               "epochs": epochs, "steps": info["steps"], "losses": info["losses"],
-               "aux_records": len(aux["ids"])},
+        "kd": {
+            "temperature": hparams["temperature"],
+            "alpha": hparams["alpha"],
+            "dsaf": hparams["dsaf"],
+            "ce_class_weight": hparams.get("ce_class_weight", "none"),
+            "epochs": epochs,
+            "steps": info["steps"],
+            "losses": info["losses"],
+            "aux_records": len(aux["ids"]),
+        },
         "method": teacher_run["method"],
         "majority_class": classes[majority],
         "debug": bool(debug),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
-    }  # fmt: skip
-    lib.write_json(out / "results.json", results)
-    hparams["train_logger"].log_stats(stats_meta={"stage": "test"},
-                                      test_stats={"balanced_accuracy": report["balanced_accuracy"]["value"],
-                                                  "majpred": report["majpred"]["value"]})  # fmt: skip
-    eps = lib.eps_str(privacy["epsilon"])
+    }
+    write_json(out / "results.json", results)
+    hparams["train_logger"].log_stats(
+        stats_meta={"stage": "test"},
+        test_stats={
+            "balanced_accuracy": report["balanced_accuracy"]["value"],
+            "majpred": report["majpred"]["value"],
+        },
+    )
+    eps = eps_str(privacy["epsilon"])
     print(
         "\n"
-        + lib.results_table(
+        + results_table(
             [("DP-direct", results["dp_direct"], eps), ("student (KD)", report, eps)], classes
         )
     )

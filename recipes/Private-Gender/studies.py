@@ -79,13 +79,26 @@ def _table(header, rows):
 
 
 def _row(name, res):
-    return [name, _eps(res["privacy"]["epsilon"]), _v(res["dp_direct"], "balanced_accuracy"),
-            _v(res["dp_direct"], "majpred"), _v(res["test"], "balanced_accuracy"),
-            _v(res["test"], "macro_f1"), _v(res["test"], "majpred")]  # fmt: skip
+    return [
+        name,
+        _eps(res["privacy"]["epsilon"]),
+        _v(res["dp_direct"], "balanced_accuracy"),
+        _v(res["dp_direct"], "majpred"),
+        _v(res["test"], "balanced_accuracy"),
+        _v(res["test"], "macro_f1"),
+        _v(res["test"], "majpred"),
+    ]
 
 
-HEADER = ["Run", "ε", "DP-direct bal. acc.", "DP-direct MajPred", "Student bal. acc.",
-          "Student macro-F1", "Student MajPred"]  # fmt: skip
+HEADER = [
+    "Run",
+    "ε",
+    "DP-direct bal. acc.",
+    "DP-direct MajPred",
+    "Student bal. acc.",
+    "Student macro-F1",
+    "Student MajPred",
+]
 
 
 def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
@@ -159,12 +172,27 @@ def run_study(name: str, root: Path, extra: list[str], rows=None) -> dict:
 def tables(results: dict) -> dict[str, str]:
     """Markdown tables of the studies present in ``results``."""
     titles = {
-        "epsilon": ("Epsilon sweep (δ = 1e-5, all components)", lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}"),
-        "ablation": ("Ablation at ε = 1 (DP-direct and student use the row's components)", lambda k, r: k),
-        "binary": ("Binary variant (male / female, ε computed for this configuration)", lambda k, r: "binary, target ε = 1"),
-        "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}"),
-        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.5, 0.7, 1 (KD only), and α = 0 with class-balanced CE", lambda k, r: f"α = {k}"),
-    }  # fmt: skip
+        "epsilon": (
+            "Epsilon sweep (δ = 1e-5, all components)",
+            lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}",
+        ),
+        "ablation": (
+            "Ablation at ε = 1 (DP-direct and student use the row's components)",
+            lambda k, r: k,
+        ),
+        "binary": (
+            "Binary variant (male / female, ε computed for this configuration)",
+            lambda k, r: "binary, target ε = 1",
+        ),
+        "aux": (
+            "|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)",
+            lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}",
+        ),
+        "alpha": (
+            "What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.5, 0.7, 1 (KD only), and α = 0 with class-balanced CE",
+            lambda k, r: f"α = {k}",
+        ),
+    }
     out = {}
     for key, (title, label) in titles.items():
         if key in results and "privacy" in results[key]:  # one run stored unwrapped
@@ -181,8 +209,12 @@ def main(argv=None):
         "--only", nargs="*", default=["epsilon", "ablation", "binary", "aux", "alpha"]
     )
     parser.add_argument("--extra", default="", help="overrides passed to both scripts")
-    parser.add_argument("--rows", nargs="*", help="rows of the epsilon/ablation studies to run "
-                        "(e.g. 0.5 None, or base +DSAF); the others keep their stored results")  # fmt: skip
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        help="rows of the epsilon/ablation studies to run "
+        "(e.g. 0.5 None, or base +DSAF); the others keep their stored results",
+    )
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
