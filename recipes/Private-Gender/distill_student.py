@@ -4,7 +4,10 @@
 Stage 2 of "Private Speech Classification without Collapse". The student reads the teacher's
 logits on D_aux from ``<output_folder>/teacher/aux_logits.npz`` (written once by
 ``train_teacher.py``; the temperature is applied on reading) and never loads the teacher's
-weights. It is trained without DP on the public D_aux with the paper's objective
+weights. It first checks that the file is the one the teacher's results.json describes (its
+SHA-256, run id and privacy settings; ``TeacherOutputMismatchError`` otherwise), so the
+epsilon it reports belongs to the logits it learns from. It is trained without DP on the
+public D_aux with the paper's objective
 
     alpha * tau^2 * KL(p_t^tau || p_s^tau) + (1 - alpha) * CE(y, p_s),
 
@@ -44,12 +47,15 @@ sys.path.insert(0, str(RECIPE_DIR))
 from gender_data import load_set  # noqa: E402
 from gender_model import build_model, predict_logits  # noqa: E402
 from gender_plots import plot_confusion  # noqa: E402
-from gender_report import eps_str, results_table, write_json  # noqa: E402
+from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
 from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
-from speechbrain_fl.distill.store import read_teacher_outputs  # noqa: E402
+from speechbrain_fl.distill.store import (  # noqa: E402
+    read_teacher_outputs,
+    verify_teacher_outputs,
+)
 from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -138,6 +144,12 @@ def main(argv):
     # bookkeeping (privacy figures, DP-direct metrics, class names, D_aux/test manifests).
     teacher_run = json.loads(teacher_results.read_text(encoding="utf-8"))
     outputs = read_teacher_outputs(hparams["teacher_outputs"], temperature=hparams["temperature"])
+    verify_teacher_outputs(
+        hparams["teacher_outputs"],
+        outputs,
+        teacher_results=teacher_run,
+        results_path=teacher_results,
+    )
     classes = teacher_run["data"]["classes"]
     if outputs.classes != classes:
         raise ValueError(
@@ -204,10 +216,17 @@ def main(argv):
         "accountant": teacher_run["privacy"]["accountant"],
         "guarantee": "inherited by post-processing",
         "scope": "example-level (epsilon, delta)-DP with respect to D_priv; no claim for D_aux",
+        "covers": "the student alone (a function of the teacher's logits only)",
+        "unit": teacher_run["privacy"].get("unit"),
+        "speaker_level": teacher_run["privacy"].get("speaker_level"),
     }
+    # The run released more from D_priv than the student (DP-direct, trained on it too): the
+    # guarantee of everything released together is the teacher run's joint figure.
+    privacy_joint = teacher_run.get("privacy_joint")
     timings["total"] = time.time() - start_all
     results = {
         "privacy": privacy,
+        "privacy_joint": privacy_joint,
         "test": report,
         "dp_direct": teacher_run["dp_direct"],
         "teacher_outputs": str(hparams["teacher_outputs"]),
@@ -223,6 +242,8 @@ def main(argv):
         },
         "method": teacher_run["method"],
         "majority_class": classes[majority],
+        "majority_class_note": "from D_priv's label counts (teacher run): a raw D_priv "
+        "statistic, outside the DP guarantee",
         "debug": bool(debug),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
@@ -234,13 +255,14 @@ def main(argv):
             "majpred": report["majpred"]["value"],
         },
     )
-    eps = eps_str(privacy["epsilon"])
-    print(
-        "\n"
-        + results_table(
-            [("DP-direct", results["dp_direct"], eps), ("student (KD)", report, eps)], classes
-        )
-    )
+    direct_eps = (teacher_run.get("dp_direct_privacy") or {}).get("epsilon")
+    rows = [
+        ("DP-direct", results["dp_direct"], eps_str(direct_eps)),
+        ("student (KD)", report, eps_str(privacy["epsilon"])),
+    ]
+    if privacy_joint is not None:
+        rows.append(joint_row(privacy_joint))
+    print("\n" + results_table(rows, classes))
     dpd = (results["dp_direct"] or {}).get("balanced_accuracy", {}).get("value", np.nan)
     print(
         f"Student balanced accuracy {report['balanced_accuracy']['value']:.3f} vs DP-direct {dpd:.3f}; "

@@ -21,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import soundfile as sf
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "FORBIDDEN_FIELDS",
     "PRIVILEGED_FIELDS",
+    "cap_clips_per_speaker",
     "check_privileged_fields",
     "load_features",
     "load_set",
@@ -102,9 +104,46 @@ def read_manifest(path: str | os.PathLike, data_folder: str) -> list[dict[str, s
     return rows
 
 
-def load_set(name: str, manifests, data_folder, hparams: dict, classes) -> dict:
-    """One set (``priv``, ``aux`` or ``test``): rows, ids, speakers, labels and features."""
+def cap_clips_per_speaker(rows: list[dict], *, max_clips: int, seed: int) -> list[dict]:
+    """At most ``max_clips`` rows per speaker (``spk_id``), a random subset, manifest order kept.
+
+    The subset is drawn from ``seed`` before training (which clips a speaker keeps is not a
+    function of the clips' content), so that one speaker is at most ``max_clips`` records of
+    D_priv and the clip-level guarantee extends to speakers by group privacy
+    (``gender_privacy.speaker_level``).
+
+    Example
+    -------
+    >>> rows = [{"spk_id": s} for s in "aaab"]
+    >>> [r["spk_id"] for r in cap_clips_per_speaker(rows, max_clips=1, seed=0)]
+    ['a', 'b']
+    """
+    rng = np.random.default_rng([int(seed), 91])
+    by_speaker: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_speaker.setdefault(row["spk_id"], []).append(i)
+    keep = set()
+    for indices in by_speaker.values():
+        if len(indices) > max_clips:
+            indices = rng.choice(indices, max_clips, replace=False).tolist()
+        keep.update(indices)
+    return [row for i, row in enumerate(rows) if i in keep]
+
+
+def load_set(
+    name: str, manifests, data_folder, hparams: dict, classes, *, max_clips_per_speaker=None
+) -> dict:
+    """One set (``priv``, ``aux`` or ``test``): rows, ids, speakers, labels and features.
+
+    ``max_clips_per_speaker`` (D_priv): :func:`cap_clips_per_speaker` before the features;
+    the result then holds ``"capped_clips"``, the number of rows dropped.
+    """
     rows = read_manifest(os.path.join(manifests, f"{name}.csv"), data_folder)
+    capped = None
+    if max_clips_per_speaker is not None:
+        before = len(rows)
+        rows = cap_clips_per_speaker(rows, max_clips=max_clips_per_speaker, seed=hparams["seed"])
+        capped = before - len(rows)
     feats = load_features(
         rows,
         n_mels=hparams["n_mels"],
@@ -119,6 +158,7 @@ def load_set(name: str, manifests, data_folder, hparams: dict, classes) -> dict:
         "speakers": [r["spk_id"] for r in rows],
         "labels": torch.tensor([index[r["label"]] for r in rows], dtype=torch.long),
         **feats,
+        **({} if capped is None else {"capped_clips": capped}),
     }
 
 

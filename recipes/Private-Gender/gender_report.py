@@ -20,7 +20,7 @@ import json
 
 from speechbrain_fl.atomic import atomic_open
 
-__all__ = ["eps_str", "results_table", "write_json"]
+__all__ = ["eps_str", "joint_row", "results_table", "write_json"]
 
 METRIC_COLUMNS = (
     ("accuracy", "Accuracy"),
@@ -66,6 +66,18 @@ def results_table(rows: list[tuple[str, dict | None, str]], classes) -> str:
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in lines
     )
+
+
+def joint_row(privacy_joint: dict) -> tuple[str, None, str]:
+    """The table row of the joint epsilon of every release from D_priv (no metrics).
+
+    Example
+    -------
+    >>> joint_row({"epsilon": 1.43, "releases": [{"name": "teacher"}, {"name": "DP-direct"}]})
+    ('all releases from D_priv, joint (teacher + DP-direct)', None, '1.430')
+    """
+    names = " + ".join(r["name"] for r in privacy_joint["releases"])
+    return (f"all releases from D_priv, joint ({names})", None, eps_str(privacy_joint["epsilon"]))
 
 
 def write_json(path, content) -> None:

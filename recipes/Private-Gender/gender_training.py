@@ -28,7 +28,12 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_delta", "sigma_for", "train_model"]
+__all__ = ["RAW_LOSS_KEY", "check_delta", "sigma_for", "train_model"]
+
+#: The per-epoch training loss is the mean cross-entropy over D_priv's batches, computed from
+#: the raw records before any noise: it leaves the mechanism, so every output that shows it
+#: (train_log.txt, the log, results.json) labels it so.
+RAW_LOSS_KEY = "loss (raw D_priv statistic, outside the DP guarantee)"
 
 
 @functools.lru_cache(maxsize=32)
@@ -190,7 +195,7 @@ def train_model(
             if max_steps is not None and steps_done >= max_steps:
                 break
         losses.append(total / max(count, 1))
-        stats = {"loss": losses[-1]}
+        stats = {RAW_LOSS_KEY: losses[-1]}
         if engine is not None:  # the same RDP arithmetic, per-step RDP cached (accounting.py)
             stats["epsilon"] = compute_epsilon(
                 sampling_rate=info["sampling_rate"],
@@ -218,6 +223,8 @@ def train_model(
         if not math.isclose(check, info["epsilon"], rel_tol=1e-6):
             raise RuntimeError(f"accountant mismatch: {info['epsilon']} vs {check}")
         info["fixed_seed"] = dp.get("seed")
+        # (sigma, q, steps) as the accountant recorded them: the input of the joint report
+        info["accountant_history"] = [list(h) for h in engine.accountant.history]
         model = model._module
     else:
         info["epsilon"] = None

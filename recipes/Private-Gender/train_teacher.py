@@ -19,8 +19,10 @@ To run this recipe (from the repository root or from recipes/Private-Gender/):
     > python recipes/Private-Gender/train_teacher.py hparams/teacher.yaml \\
           --data_folder /data/cv-corpus-17.0/en --output_folder results/cv17
 
-Outputs (``<output_folder>/teacher``): results.json, train_log.txt, hyperparams.yaml,
-aux_logits.npz, teacher.ckpt and dp_direct.ckpt (never released), manifests/, plots/.
+Outputs (``<output_folder>/teacher``): results.json (written last: it records the SHA-256,
+run id and privacy settings of aux_logits.npz, which the student verifies), train_log.txt,
+hyperparams.yaml, aux_logits.npz, teacher.ckpt and dp_direct.ckpt (never released),
+manifests/, plots/.
 
 Authors
  * speechbrain-fl contributors
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -43,12 +46,16 @@ sys.path.insert(0, str(RECIPE_DIR))
 from gender_data import load_set, prepare_data, privileged_tokens  # noqa: E402
 from gender_model import build_model, per_sample_grad_norms, predict_logits  # noqa: E402
 from gender_plots import plot_confusion, plot_grad_norms  # noqa: E402
-from gender_report import eps_str, results_table, write_json  # noqa: E402
-from gender_training import train_model  # noqa: E402
+from gender_privacy import UNIT_OF_PRIVACY, joint_privacy, speaker_level  # noqa: E402
+from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
+from gender_training import RAW_LOSS_KEY, train_model  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
-from speechbrain_fl.distill.store import write_teacher_outputs  # noqa: E402
+from speechbrain_fl.distill.store import (  # noqa: E402
+    teacher_outputs_record,
+    write_teacher_outputs,
+)
 from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -159,7 +166,14 @@ def main(argv):
 
     start = time.time()
     data_folder, manifests, prep = prepare_data(hparams)
-    priv = load_set("priv", manifests, data_folder, hparams, classes)
+    priv = load_set(
+        "priv",
+        manifests,
+        data_folder,
+        hparams,
+        classes,
+        max_clips_per_speaker=hparams["max_clips_per_speaker"],
+    )
     aux = load_set("aux", manifests, data_folder, hparams, classes)
     test = load_set("test", manifests, data_folder, hparams, classes)
     timings["data"] = time.time() - start
@@ -235,14 +249,13 @@ def main(argv):
             k: teacher_info.get(k)
             for k in ("noise_multiplier", "sampling_rate", "clip", "steps", "aw_batch_adaptive")
         },
+        "unit": UNIT_OF_PRIVACY,
+        "speaker_level": speaker_level(
+            epsilon=teacher_info["epsilon"],
+            delta=hparams["delta"] if dp else None,
+            max_clips=hparams["max_clips_per_speaker"],
+        ),
     }
-    write_teacher_outputs(
-        out / "aux_logits.npz",
-        ids=aux["ids"],
-        logits=aux_logits.numpy(),
-        classes=classes,
-        meta={**privacy, "teacher_modality": hparams["teacher_modality"]},
-    )
     teacher_aux = collapse_report(
         speakers=aux["speakers"],
         labels=aux["labels"].tolist(),
@@ -306,9 +319,20 @@ def main(argv):
         title=f"teacher ({hparams['teacher_modality']}, not released)",
     )
 
+    # Everything this run releases from D_priv: the teacher (its logits) and DP-direct.
+    privacy_joint = None
+    if dp:
+        releases = [{"name": "teacher", "history": teacher_info["accountant_history"]}]
+        if dp_direct_info is not None and dp_direct_info is not teacher_info:
+            releases.append({"name": "DP-direct", "history": dp_direct_info["accountant_history"]})
+        privacy_joint = joint_privacy(
+            releases, delta=hparams["delta"], accountant=hparams["accountant"]
+        )
+        logger.info("Joint privacy of the run's releases from D_priv: %s", privacy_joint)
     timings["total"] = time.time() - start_all
     results = {
         "privacy": privacy,
+        "privacy_joint": privacy_joint,
         "dp_direct": dp_direct_block,
         "dp_direct_privacy": None
         if dp_direct_info is None
@@ -326,6 +350,7 @@ def main(argv):
             "test": teacher_test,
             "aux_agreement": teacher_aux,
             "losses": teacher_info["losses"],
+            "losses_note": RAW_LOSS_KEY,
             "note": "not released; its test metrics use the test set's privileged inputs",
         },
         "method": {
@@ -349,10 +374,25 @@ def main(argv):
             "aux_counts": aux_counts,
             "majority_class": classes[majority],
             "majority_class_note": "D_priv label counts: evaluation-only statistic, outside the DP guarantee",
+            "capped_clips": priv.get("capped_clips"),
+            "outside_guarantee": "raw D_priv statistics, released without noise and outside the "
+            "DP guarantee: counts.priv, excluded.priv, speakers.priv, priv_counts, "
+            "majority_class, capped_clips (and teacher.losses)",
         },
         "debug": bool(debug),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
+    # The teacher's outputs are one unit: the logits first, then results.json (the manifest,
+    # with the logits' SHA-256, run id and privacy settings), which the student verifies.
+    run_id = uuid.uuid4().hex
+    write_teacher_outputs(
+        out / "aux_logits.npz",
+        ids=aux["ids"],
+        logits=aux_logits.numpy(),
+        classes=classes,
+        meta={**privacy, "teacher_modality": hparams["teacher_modality"], "run_id": run_id},
+    )
+    results["teacher_outputs"] = teacher_outputs_record(out / "aux_logits.npz")
     write_json(out / "results.json", results)
     hparams["train_logger"].log_stats(
         stats_meta={"stage": "test"},
@@ -364,13 +404,15 @@ def main(argv):
         },
     )
     rows = [
-        ("DP-direct", dp_direct_block, eps_str(privacy["epsilon"])),
+        ("DP-direct", dp_direct_block, eps_str((dp_direct_info or {}).get("epsilon"))),
         (
             f"teacher ({hparams['teacher_modality']}, not released)",
             teacher_test,
             eps_str(privacy["epsilon"]),
         ),
     ]
+    if privacy_joint is not None:
+        rows.append(joint_row(privacy_joint))
     print("\n" + results_table(rows, classes))
     print(
         f"DSAF diagnostic (per-sample grad-norm CV at init, D_aux): with {diagnostic['with DSAF']['cv']:.3f}, "

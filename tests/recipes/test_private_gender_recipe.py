@@ -65,6 +65,15 @@ def test_teacher_then_student(tmp_path, cache):
     assert student["privacy"]["guarantee"] == "inherited by post-processing"
     assert student["privacy"]["epsilon"] == teacher["privacy"]["epsilon"]
     assert student["privacy"]["delta"] == teacher["privacy"]["delta"]
+    # Two DP-SGD releases from D_priv (teacher and DP-direct): the joint figure composes both.
+    joint = teacher["privacy_joint"]
+    assert [r["name"] for r in joint["releases"]] == ["teacher", "DP-direct"]
+    assert joint["epsilon"] > teacher["privacy"]["epsilon"]
+    assert student["privacy_joint"] == joint
+    assert "all releases from D_priv, joint (teacher + DP-direct)" in proc.stdout
+    assert teacher["privacy"]["unit"].startswith("clip")
+    assert "outside the DP guarantee" in (out / "teacher" / "train_log.txt").read_text()
+    assert "outside the DP guarantee" in student["majority_class_note"]
     for block in ("test", "dp_direct"):
         for key in ("accuracy", "balanced_accuracy", "macro_f1", "majpred"):
             assert 0.0 <= student[block][key]["value"] <= 1.0
@@ -145,3 +154,24 @@ def test_batch_adaptive_aw_dp_records_its_sensitivity(tmp_path, cache):
     assert adaptive["sensitivity"] == pytest.approx(1.0 * max(adaptive["coefficients"]) * 2 / 3)
     assert teacher["method"]["aw_dp"]["mode"] == "batch_adaptive"
     assert 0 < teacher["privacy"]["epsilon"] <= 1.0 + 1e-6
+
+
+def test_student_refuses_logits_the_teacher_results_do_not_describe(tmp_path, cache):
+    """A teacher killed between its two writes (new non-private logits, old private results)."""
+    import numpy as np
+
+    from speechbrain_fl.distill.store import read_teacher_outputs, write_teacher_outputs
+
+    out = tmp_path / "out"
+    run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out),
+        "--cache_folder", str(cache), *TINY)  # fmt: skip
+    logits = out / "teacher" / "aux_logits.npz"
+    old = read_teacher_outputs(logits, temperature=1.0)
+    write_teacher_outputs(logits, ids=old.ids, logits=np.zeros_like(old.logits),
+                          classes=old.classes, meta={**old.meta, "epsilon": None})  # fmt: skip
+    proc = run("distill_student.py", "hparams/student.yaml", "--output_folder", str(out),
+               "--cache_folder", str(cache), "--bootstrap_resamples", "50", check=False)  # fmt: skip
+    assert proc.returncode != 0
+    message = proc.stdout + proc.stderr
+    assert "TeacherOutputMismatchError" in message and "SHA-256" in message
+    assert not (out / "student" / "results.json").exists()

@@ -90,3 +90,49 @@ def test_collapse_report_bad_input():
         collapse_report(
             speakers=["a"], labels=[0], predictions=[3], classes=["a", "b"], majority_class=0
         )
+
+
+def _teacher_unit(folder, *, epsilon, run_id):
+    """A teacher's two outputs as train_teacher.py writes them: logits, then results.json."""
+    from speechbrain_fl.distill.store import teacher_outputs_record
+
+    path = folder / "aux_logits.npz"
+    privacy = {"epsilon": epsilon, "delta": 1e-5 if epsilon else None, "steps": 40}
+    write_teacher_outputs(
+        path, ids=["x", "y"], logits=np.eye(2), classes=["m", "f"], meta={**privacy, "run_id": run_id}
+    )
+    return path, {"privacy": privacy, "teacher_outputs": teacher_outputs_record(path)}
+
+
+def test_student_refuses_logits_of_another_teacher_run(tmp_path):
+    """A teacher killed between its two writes: new (non-private) logits, old private results."""
+    from speechbrain_fl.distill.store import TeacherOutputMismatchError, verify_teacher_outputs
+
+    path, private_results = _teacher_unit(tmp_path, epsilon=0.995, run_id="a")
+    out = read_teacher_outputs(path, temperature=1.0)
+    verify_teacher_outputs(path, out, teacher_results=private_results, results_path="r.json")
+    assert private_results["teacher_outputs"]["privacy"]["epsilon"] == 0.995
+
+    _teacher_unit(tmp_path, epsilon=None, run_id="b")  # the next run's logits only
+    out = read_teacher_outputs(path, temperature=1.0)
+    with pytest.raises(TeacherOutputMismatchError, match="SHA-256"):
+        verify_teacher_outputs(path, out, teacher_results=private_results, results_path="r.json")
+    # Results without the record (an older teacher run) are refused too.
+    with pytest.raises(TeacherOutputMismatchError, match="no fingerprint"):
+        verify_teacher_outputs(
+            path, out, teacher_results={"privacy": private_results["privacy"]}, results_path="r"
+        )
+
+
+def test_student_refuses_privacy_settings_that_differ(tmp_path):
+    """Same file and record, but a privacy block that says something else: refused by key."""
+    from speechbrain_fl.distill.store import TeacherOutputMismatchError, verify_teacher_outputs
+
+    path, results = _teacher_unit(tmp_path, epsilon=0.5, run_id="a")
+    out = read_teacher_outputs(path, temperature=1.0)
+    edited = {**results, "privacy": {**results["privacy"], "steps": 80}}
+    with pytest.raises(TeacherOutputMismatchError, match="'steps' differs: 40"):
+        verify_teacher_outputs(path, out, teacher_results=edited, results_path="r.json")
+    other_run = {**results, "teacher_outputs": {**results["teacher_outputs"], "run_id": "b"}}
+    with pytest.raises(TeacherOutputMismatchError, match="teacher run 'a'"):
+        verify_teacher_outputs(path, out, teacher_results=other_run, results_path="r.json")
