@@ -64,6 +64,20 @@ from ``os.urandom`` (not from the recipe seed: DESIGN.md privacy invariant 1), n
 disk. A fixed ``noise_seed`` is for tests only and warns. (Opacus's ``secure_mode`` would use a
 CSPRNG from ``torchcsprng``, which is not installed here.)
 
+**Opacus internals.** The weighted optimizers re-implement Opacus's ``clip_and_accumulate``
+and ``add_noise`` with Opacus's own private helpers (``_check_processed_flag``,
+``_mark_as_processed``, ``_generate_noise``, ``DPOptimizer._get_flat_grad_sample``), and
+:class:`DPSGDPrivacyEngine` overrides ``PrivacyEngine._prepare_optimizer`` and sets its
+``secure_rng`` (the Poisson sampler's generator); the recipe's gradient diagnostic calls
+``GradSampleModule._close``. Opacus's public API has no hook for per-sample weights, so these
+are pinned instead: :data:`OPACUS_PRIVATE_API` records each helper with the parameters used,
+:func:`check_opacus_private_api` (run when an engine is built, and by the unit tests) raises
+naming the helper if one disappears or changes its parameters, and
+:meth:`DPSGDPrivacyEngine.make_private` checks that the optimizer and the Poisson sampler it
+returns are the ones built here (else a renamed internal would silently give an unweighted
+optimizer, or a sampler on the global, seed-derived generator). Tested with
+:data:`OPACUS_TESTED`.
+
 Example
 -------
 >>> class_weights_from_counts([700, 250, 50], gamma=1.0)
@@ -72,6 +86,8 @@ tensor([0.0714, 0.2000, 1.0000])
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 import os
 import warnings
@@ -83,16 +99,79 @@ from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 __all__ = [
+    "OPACUS_PRIVATE_API",
+    "OPACUS_TESTED",
     "BatchAdaptiveDPOptimizer",
     "DPSGDPrivacyEngine",
     "WeightedDPOptimizer",
     "batch_adaptive_factors",
     "batch_adaptive_sensitivity",
+    "check_opacus_private_api",
     "class_weights_from_counts",
     "os_seeded_generator",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The Opacus versions this module's use of Opacus internals was tested with.
+OPACUS_TESTED = ">=1.5,<1.7 (1.6.0)"
+#: Private Opacus helpers used here (and by the Private-Gender recipe), each with the leading
+#: parameters this code relies on, in order.
+OPACUS_PRIVATE_API = {
+    "opacus.optimizers.optimizer:_check_processed_flag": ("obj",),
+    "opacus.optimizers.optimizer:_mark_as_processed": ("obj",),
+    "opacus.optimizers.optimizer:_generate_noise": ("std", "reference", "generator", "secure_mode"),
+    "opacus.optimizers.optimizer:DPOptimizer._get_flat_grad_sample": ("self", "p"),
+    "opacus.privacy_engine:PrivacyEngine._prepare_optimizer": (
+        "self",
+        "optimizer",
+        "noise_multiplier",
+        "max_grad_norm",
+        "expected_batch_size",
+        "loss_reduction",
+        "distributed",
+        "clipping",
+        "noise_generator",
+        "grad_sample_mode",
+    ),
+    "opacus.grad_sample.grad_sample_module:GradSampleModule._close": ("self",),
+}
+
+
+def check_opacus_private_api(api: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Raise ``RuntimeError`` naming every helper of ``api`` that is missing or changed.
+
+    Arguments
+    ---------
+    api : dict, optional
+        ``{"module:attribute.path": (parameter names, in order)}``; default
+        :data:`OPACUS_PRIVATE_API`.
+
+    Example
+    -------
+    >>> check_opacus_private_api()  # the installed Opacus has every helper this module uses
+    """
+    import opacus
+
+    problems = []
+    for where, expected in (OPACUS_PRIVATE_API if api is None else api).items():
+        module_name, attribute = where.split(":")
+        try:
+            obj = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            problems.append(f"{where} is gone")
+            continue
+        names = tuple(inspect.signature(obj).parameters)[: len(expected)]
+        if names != expected:
+            problems.append(f"{where} takes {names}, this code passes {expected}")
+    if problems:
+        raise RuntimeError(
+            f"opacus {opacus.__version__}: private helpers used by "
+            f"speechbrain_fl.privacy.weighted_dpsgd changed ({'; '.join(problems)}); it was "
+            f"tested with opacus{OPACUS_TESTED}: install that version or update this module"
+        )
 
 
 def class_weights_from_counts(counts: Sequence[float], *, gamma: float = 1.0) -> torch.Tensor:
@@ -309,14 +388,48 @@ class DPSGDPrivacyEngine(PrivacyEngine):
 
     def __init__(self, *, accountant: str = "rdp", class_weights=None,
                  batch_adaptive: dict | None = None, seed: int | None = None):  # fmt: skip
+        check_opacus_private_api()
         super().__init__(accountant=accountant, secure_mode=False)
         if class_weights is not None and batch_adaptive is not None:
             raise ValueError("class_weights and batch_adaptive are exclusive AW-DP forms")
         self.class_weights = class_weights
         self.batch_adaptive = batch_adaptive
-        self.secure_rng = os_seeded_generator(seed, what="Poisson sampling")
+        # Opacus draws the Poisson batches from ``secure_rng``; ``sampling_rng`` keeps our
+        # generator to check that it did (make_private).
+        self.sampling_rng = os_seeded_generator(seed, what="Poisson sampling")
+        self.secure_rng = self.sampling_rng
         self.noise_rng = os_seeded_generator(None if seed is None else seed + 1, what="DP noise")
         self.fixed_seed = seed
+
+    def make_private(self, **kwargs):
+        """Opacus's ``make_private``, then a check that its internals used what was set here.
+
+        Raises ``RuntimeError`` if the Poisson sampler does not draw from this engine's
+        OS-seeded generator, or the optimizer is not the AW-DP one asked for.
+        """
+        module, optimizer, loader = super().make_private(**kwargs)
+        sampler = getattr(loader, "batch_sampler", None)
+        if kwargs.get("poisson_sampling", True) and (
+            getattr(sampler, "generator", None) is not self.sampling_rng
+        ):
+            raise RuntimeError(
+                "opacus's Poisson sampler does not use the engine's OS-seeded generator (an Opacus "
+                f"internal changed; tested with opacus{OPACUS_TESTED}): refusing to train on a "
+                "generator that may derive from the recipe seed"
+            )
+        wanted = (
+            BatchAdaptiveDPOptimizer
+            if self.batch_adaptive is not None
+            else WeightedDPOptimizer
+            if self.class_weights is not None
+            else DPOptimizer
+        )
+        if not isinstance(optimizer, wanted):
+            raise RuntimeError(
+                f"opacus built a {type(optimizer).__name__}, not the {wanted.__name__} asked for "
+                f"(PrivacyEngine._prepare_optimizer changed; tested with opacus{OPACUS_TESTED})"
+            )
+        return module, optimizer, loader
 
     def _prepare_optimizer(self, *, optimizer, grad_sample_mode="hooks", clipping="flat",
                            distributed=False, noise_generator=None, **kwargs):  # fmt: skip

@@ -221,3 +221,30 @@ def test_batch_adaptive_noise_scale_and_checks():
         DPSGDPrivacyEngine(
             class_weights=torch.ones(3), batch_adaptive={"coefficients": a, "floor": 1}
         )
+
+
+def test_opacus_private_helpers_are_the_ones_this_code_was_written_for():
+    """Fails loudly (naming the helper) when Opacus renames or changes a private helper."""
+    from speechbrain_fl.privacy.weighted_dpsgd import OPACUS_PRIVATE_API, check_opacus_private_api
+
+    check_opacus_private_api()
+    assert len(OPACUS_PRIVATE_API) == 6
+    changed = {**OPACUS_PRIVATE_API, "opacus.optimizers.optimizer:_generate_noise": ("sd",)}
+    with pytest.raises(RuntimeError, match="_generate_noise takes"):
+        check_opacus_private_api(changed)
+    gone = {"opacus.optimizers.optimizer:_no_such_helper": ("x",)}
+    with pytest.raises(RuntimeError, match="_no_such_helper is gone.*tested with opacus"):
+        check_opacus_private_api(gone)
+
+
+def test_make_private_refuses_a_sampler_off_the_os_seeded_generator():
+    """If Opacus stopped reading ``secure_rng``, the sampler would use the global generator."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    engine = DPSGDPrivacyEngine(accountant="rdp")
+    engine.secure_rng = None  # what a renamed Opacus attribute would leave in effect
+    model = torch.nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.zeros(8).long()), batch_size=4)
+    with pytest.raises(RuntimeError, match="Poisson sampler does not use"):
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
