@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 
+from gender_checks import check_student_hparams  # noqa: E402
 from gender_data import load_set  # noqa: E402
 from gender_model import build_model, predict_logits  # noqa: E402
 from gender_plots import plot_confusion  # noqa: E402
@@ -57,6 +58,7 @@ from speechbrain_fl.distill.store import (  # noqa: E402
     verify_teacher_outputs,
 )
 from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
+from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +128,23 @@ def main(argv):
     hparams, hparams_path, overrides = load_layered_hparams(
         hparams_file, overrides, recipe_dir=RECIPE_DIR
     )
+    check_student_hparams(hparams, hparams_path, overrides)  # before any work
     root = Path(hparams["output_folder"])
-    out = root / "student"
     teacher_results = root / "teacher" / "results.json"
     if not teacher_results.is_file():
         raise FileNotFoundError(
             f"{teacher_results} not found: run train_teacher.py with --output_folder {root} first"
         )
+    # One run per output folder: the student's, and the teacher's while its outputs are read
+    # (a teacher run on the same folder would rewrite them underneath).
+    with hold_run_lock(root / "teacher"), hold_run_lock(root / "student"):
+        return run_student(hparams, hparams_path, overrides, run_opts, root, start_all)
+
+
+def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_all: float):
+    """The student run proper (``main`` checks the hparams and holds the run locks)."""
+    out = root / "student"
+    teacher_results = root / "teacher" / "results.json"
     sb.create_experiment_directory(
         experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
     )

@@ -43,6 +43,7 @@ import torch
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 
+from gender_checks import check_teacher_hparams  # noqa: E402
 from gender_data import load_set, prepare_data, privileged_tokens  # noqa: E402
 from gender_model import build_model, per_sample_grad_norms, predict_logits  # noqa: E402
 from gender_plots import plot_confusion, plot_grad_norms  # noqa: E402
@@ -57,6 +58,7 @@ from speechbrain_fl.distill.store import (  # noqa: E402
     write_teacher_outputs,
 )
 from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
+from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +156,14 @@ def main(argv):
     hparams, hparams_path, overrides = load_layered_hparams(
         hparams_file, overrides, recipe_dir=RECIPE_DIR
     )
+    check_teacher_hparams(hparams, hparams_path, overrides)  # before any work
     out = Path(hparams["output_folder"]) / "teacher"
+    with hold_run_lock(out):  # one run per output folder, for the whole run
+        return run_teacher(hparams, hparams_path, overrides, run_opts, out, start_all)
+
+
+def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all: float) -> dict:
+    """The teacher run proper (``main`` checks the hparams and holds the run lock)."""
     sb.create_experiment_directory(
         experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
     )

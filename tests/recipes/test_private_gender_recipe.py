@@ -175,3 +175,51 @@ def test_student_refuses_logits_the_teacher_results_do_not_describe(tmp_path, ca
     message = proc.stdout + proc.stderr
     assert "TeacherOutputMismatchError" in message and "SHA-256" in message
     assert not (out / "student" / "results.json").exists()
+
+
+BAD_INPUTS = Path(__file__).with_name("bad_inputs_private_gender.csv")
+
+
+def _bad_input_rows():
+    import csv
+
+    with BAD_INPUTS.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert rows and list(rows[0]) == ["recipe", "script", "hparams", "flags", "expected"]
+    return rows
+
+
+@pytest.mark.parametrize(
+    "row", _bad_input_rows(), ids=lambda r: f"{Path(r['script']).stem}:{r['flags'].split()[0]}"
+)
+def test_bad_input_refused_before_any_work(row, tmp_path):
+    """Each row of bad_inputs_private_gender.csv: one named error, nothing synthesised or written.
+
+    Run in this process through the scripts' ``main`` (as studies.py does), so the 29 rows
+    cost imports once; ``test_bad_input_named_nothing_written`` runs the command line itself.
+    """
+    import importlib
+    import shlex
+
+    sys.path.insert(0, str(RECIPE))
+    script = importlib.import_module(Path(row["script"]).stem)
+    output, cache = tmp_path / "out", tmp_path / "cache"
+    flags = shlex.split(row["flags"].format(output=output, cache=cache))
+    with pytest.raises((ValueError, OSError)) as error:
+        script.main([str(ROOT / row["hparams"]), "--debug", *flags])
+    assert row["expected"] in str(error.value)
+    assert not cache.exists() and not output.exists()  # no corpus, feature or output folder
+
+
+def test_second_run_on_the_same_output_folder_stops_at_once(tmp_path, cache):
+    """While a run holds <output_folder>/teacher, another teacher run is refused naming it."""
+    from speechbrain_fl.utils.run_lock import hold_run_lock
+
+    out = tmp_path / "out"
+    with hold_run_lock(out / "teacher"):
+        proc = run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out),
+                   "--cache_folder", str(cache), *TINY, check=False)  # fmt: skip
+    message = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "RunLockedError" in message
+    assert str((out / "teacher").resolve()) in message and f"pid {os.getpid()}" in message
+    assert not (out / "teacher" / "results.json").exists()
