@@ -89,14 +89,33 @@ SPLITS = ("train", "dev", "test", "validated_only")
 
 #: Columns of the 2024+ releases (Common Voice 17.0 and later).
 COLUMNS = (
-    "client_id", "path", "sentence_id", "sentence", "sentence_domain", "up_votes",
-    "down_votes", "age", "gender", "accents", "variant", "locale", "segment",
-)  # fmt: skip
+    "client_id",
+    "path",
+    "sentence_id",
+    "sentence",
+    "sentence_domain",
+    "up_votes",
+    "down_votes",
+    "age",
+    "gender",
+    "accents",
+    "variant",
+    "locale",
+    "segment",
+)
 #: Columns of the older releases (before the 2024 gender options).
 LEGACY_COLUMNS = (
-    "client_id", "path", "sentence", "up_votes", "down_votes", "age", "gender", "accent",
-    "locale", "segment",
-)  # fmt: skip
+    "client_id",
+    "path",
+    "sentence",
+    "up_votes",
+    "down_votes",
+    "age",
+    "gender",
+    "accent",
+    "locale",
+    "segment",
+)
 
 #: Gender values written per class; 2024+ "other" speakers pick one of three values.
 _GENDER_VALUES = {
@@ -373,9 +392,13 @@ def generate_common_voice_corpus(
             members = [r for s in SPLITS for r in rows[s]] if split == "validated" else rows[split]
             with open(tmp / f"{split}.tsv", "w", encoding="utf-8", newline="") as handle:
                 writer = csv.DictWriter(
-                    handle, fieldnames=columns, delimiter="\t", quoting=csv.QUOTE_NONE,
-                    escapechar="\\", lineterminator="\n",
-                )  # fmt: skip
+                    handle,
+                    fieldnames=columns,
+                    delimiter="\t",
+                    quoting=csv.QUOTE_NONE,
+                    escapechar="\\",
+                    lineterminator="\n",
+                )
                 writer.writeheader()
                 writer.writerows(members)
         result = {

@@ -199,8 +199,10 @@ def class_weights_from_counts(counts: Sequence[float], *, gamma: float = 1.0) ->
         raise ValueError(f"counts must be a non-empty 1-D sequence, got {counts.tolist()}")
     zero = torch.nonzero(~(counts > 0)).flatten().tolist()
     if zero:
-        raise ValueError(f"class index(es) {zero} have count <= 0: no AW-DP weight (counts "
-                         f"{counts.tolist()}); the weight source must contain every class")  # fmt: skip
+        raise ValueError(
+            f"class index(es) {zero} have count <= 0: no AW-DP weight (counts "
+            f"{counts.tolist()}); the weight source must contain every class"
+        )
     if not gamma >= 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
     return ((counts.min() / counts) ** float(gamma)).to(torch.float32)
@@ -249,8 +251,9 @@ class WeightedDPOptimizer(DPOptimizer):
         """Labels of the current (Poisson-sampled) batch, in batch order."""
         labels = torch.as_tensor(labels).long().flatten()
         if labels.numel() and (labels.min() < 0 or labels.max() >= self.class_weights.numel()):
-            raise ValueError(f"labels outside [0, {self.class_weights.numel()}): "
-                             f"{sorted(set(labels.tolist()))}")  # fmt: skip
+            raise ValueError(
+                f"labels outside [0, {self.class_weights.numel()}): {sorted(set(labels.tolist()))}"
+            )
         self._labels = labels
 
     def per_sample_weights(self, batch_size: int) -> torch.Tensor:
@@ -342,13 +345,15 @@ class BatchAdaptiveDPOptimizer(WeightedDPOptimizer):
         super().__init__(optimizer, class_weights=torch.ones_like(a), **kwargs)
         self.coefficients = a
         self.floor = int(floor)
-        self.sensitivity = batch_adaptive_sensitivity(clip=self.max_grad_norm, coefficients=a,
-                                                      floor=self.floor)  # fmt: skip
+        self.sensitivity = batch_adaptive_sensitivity(
+            clip=self.max_grad_norm, coefficients=a, floor=self.floor
+        )
 
     def per_sample_weights(self, batch_size: int) -> torch.Tensor:
         super().per_sample_weights(batch_size)  # checks that the labels were set
-        return batch_adaptive_factors(self._labels, coefficients=self.coefficients,
-                                      floor=self.floor)  # fmt: skip
+        return batch_adaptive_factors(
+            self._labels, coefficients=self.coefficients, floor=self.floor
+        )
 
     def add_noise(self):
         """``p.grad = S + N(0, (sigma * Delta)^2)`` (Opacus's noise source, its std replaced)."""
@@ -356,9 +361,12 @@ class BatchAdaptiveDPOptimizer(WeightedDPOptimizer):
 
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            noise = _generate_noise(std=self.noise_multiplier * self.sensitivity,
-                                    reference=p.summed_grad, generator=self.generator,
-                                    secure_mode=self.secure_mode)  # fmt: skip
+            noise = _generate_noise(
+                std=self.noise_multiplier * self.sensitivity,
+                reference=p.summed_grad,
+                generator=self.generator,
+                secure_mode=self.secure_mode,
+            )
             p.grad = (p.summed_grad + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
 
@@ -386,8 +394,14 @@ class DPSGDPrivacyEngine(PrivacyEngine):
     'rdp'
     """
 
-    def __init__(self, *, accountant: str = "rdp", class_weights=None,
-                 batch_adaptive: dict | None = None, seed: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        accountant: str = "rdp",
+        class_weights=None,
+        batch_adaptive: dict | None = None,
+        seed: int | None = None,
+    ):
         check_opacus_private_api()
         super().__init__(accountant=accountant, secure_mode=False)
         if class_weights is not None and batch_adaptive is not None:
@@ -431,23 +445,38 @@ class DPSGDPrivacyEngine(PrivacyEngine):
             )
         return module, optimizer, loader
 
-    def _prepare_optimizer(self, *, optimizer, grad_sample_mode="hooks", clipping="flat",
-                           distributed=False, noise_generator=None, **kwargs):  # fmt: skip
+    def _prepare_optimizer(
+        self,
+        *,
+        optimizer,
+        grad_sample_mode="hooks",
+        clipping="flat",
+        distributed=False,
+        noise_generator=None,
+        **kwargs,
+    ):
         if self.class_weights is None and self.batch_adaptive is None:
             return super()._prepare_optimizer(
-                optimizer=optimizer, grad_sample_mode=grad_sample_mode, clipping=clipping,
-                distributed=distributed, noise_generator=noise_generator or self.noise_rng,
+                optimizer=optimizer,
+                grad_sample_mode=grad_sample_mode,
+                clipping=clipping,
+                distributed=distributed,
+                noise_generator=noise_generator or self.noise_rng,
                 **kwargs,
-            )  # fmt: skip
+            )
         if grad_sample_mode != "hooks" or clipping != "flat" or distributed:
-            raise ValueError("AW-DP weights need grad_sample_mode='hooks', flat clipping and a "
-                             f"single process (got {grad_sample_mode!r}, {clipping!r})")  # fmt: skip
+            raise ValueError(
+                "AW-DP weights need grad_sample_mode='hooks', flat clipping and a "
+                f"single process (got {grad_sample_mode!r}, {clipping!r})"
+            )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
         common = {"generator": noise_generator or self.noise_rng, "secure_mode": False, **kwargs}
         if self.batch_adaptive is not None:
             return BatchAdaptiveDPOptimizer(
-                optimizer, coefficients=self.batch_adaptive["coefficients"],
-                floor=self.batch_adaptive["floor"], **common,
-            )  # fmt: skip
+                optimizer,
+                coefficients=self.batch_adaptive["coefficients"],
+                floor=self.batch_adaptive["floor"],
+                **common,
+            )
         return WeightedDPOptimizer(optimizer, class_weights=self.class_weights, **common)
