@@ -68,8 +68,9 @@ CSPRNG from ``torchcsprng``, which is not installed here.)
 and ``add_noise`` with Opacus's own private helpers (``_check_processed_flag``,
 ``_mark_as_processed``, ``_generate_noise``, ``DPOptimizer._get_flat_grad_sample``), and
 :class:`DPSGDPrivacyEngine` overrides ``PrivacyEngine._prepare_optimizer`` and sets its
-``secure_rng`` (the Poisson sampler's generator); the recipe's gradient diagnostic calls
-``GradSampleModule._close``. Opacus's public API has no hook for per-sample weights, so these
+``secure_rng`` (the Poisson sampler's generator); the Private-Gender recipe calls
+``GradSampleModule._close`` and reads ``GradSampleModule._module``. Opacus's own optimizers
+(``DPPerLayerOptimizer``) subclass ``DPOptimizer`` with the same helpers. Opacus's public API has no hook for per-sample weights, so these
 are pinned instead: :data:`OPACUS_PRIVATE_API` records each helper with the parameters used,
 :func:`check_opacus_private_api` (run when an engine is built, and by the unit tests) raises
 naming the helper if one disappears or changes its parameters, and
