@@ -89,33 +89,14 @@ SPLITS = ("train", "dev", "test", "validated_only")
 
 #: Columns of the 2024+ releases (Common Voice 17.0 and later).
 COLUMNS = (
-    "client_id",
-    "path",
-    "sentence_id",
-    "sentence",
-    "sentence_domain",
-    "up_votes",
-    "down_votes",
-    "age",
-    "gender",
-    "accents",
-    "variant",
-    "locale",
-    "segment",
-)
+    "client_id", "path", "sentence_id", "sentence", "sentence_domain", "up_votes",
+    "down_votes", "age", "gender", "accents", "variant", "locale", "segment",
+)  # fmt: skip
 #: Columns of the older releases (before the 2024 gender options).
 LEGACY_COLUMNS = (
-    "client_id",
-    "path",
-    "sentence",
-    "up_votes",
-    "down_votes",
-    "age",
-    "gender",
-    "accent",
-    "locale",
-    "segment",
-)
+    "client_id", "path", "sentence", "up_votes", "down_votes", "age", "gender", "accent",
+    "locale", "segment",
+)  # fmt: skip
 
 #: Gender values written per class; 2024+ "other" speakers pick one of three values.
 _GENDER_VALUES = {
@@ -392,13 +373,9 @@ def generate_common_voice_corpus(
             members = [r for s in SPLITS for r in rows[s]] if split == "validated" else rows[split]
             with open(tmp / f"{split}.tsv", "w", encoding="utf-8", newline="") as handle:
                 writer = csv.DictWriter(
-                    handle,
-                    fieldnames=columns,
-                    delimiter="\t",
-                    quoting=csv.QUOTE_NONE,
-                    escapechar="\\",
-                    lineterminator="\n",
-                )
+                    handle, fieldnames=columns, delimiter="\t", quoting=csv.QUOTE_NONE,
+                    escapechar="\\", lineterminator="\n",
+                )  # fmt: skip
                 writer.writeheader()
                 writer.writerows(members)
         result = {

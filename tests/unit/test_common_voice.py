@@ -27,9 +27,8 @@ TINY = {"train": 10, "dev": 5, "test": 5, "validated_only": 2}
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("cv") / "cv"
-    generate_common_voice_corpus(
-        out, speakers=TINY, clips_per_speaker=2, unlabeled_share=0.2, progress=False, seed=3
-    )
+    generate_common_voice_corpus(out, speakers=TINY, clips_per_speaker=2, unlabeled_share=0.2,
+                                 progress=False, seed=3)  # fmt: skip
     return out
 
 
@@ -46,9 +45,8 @@ def _rewrite(path: Path, edit):
         fields, rows = reader.fieldnames, list(reader)
     rows = edit(rows)
     with open(path, "w", encoding="utf-8", newline="") as handle:
-        writer = csv.DictWriter(
-            handle, fieldnames=fields, delimiter="\t", quoting=csv.QUOTE_NONE, lineterminator="\n"
-        )
+        writer = csv.DictWriter(handle, fieldnames=fields, delimiter="\t", quoting=csv.QUOTE_NONE,
+                                lineterminator="\n")  # fmt: skip
         writer.writeheader()
         writer.writerows(rows)
 
@@ -67,45 +65,25 @@ def test_layout_columns_and_audio(corpus):
     clip = corpus / "clips" / read_tsv(corpus / "train.tsv")[0]["path"]
     assert clip.suffix == ".mp3" and sf.info(str(clip)).samplerate == 16000
     values = {r["gender"] for r in read_tsv(corpus / "validated.tsv")}
-    assert values <= {
-        "male_masculine",
-        "female_feminine",
-        "non-binary",
-        "transgender",
-        "intersex",
-        "",
-        "do_not_wish_to_say",
-    }
+    assert values <= {"male_masculine", "female_feminine", "non-binary", "transgender",
+                      "intersex", "", "do_not_wish_to_say"}  # fmt: skip
 
 
 def test_generation_is_cached_and_deterministic(corpus, tmp_path):
-    again = generate_common_voice_corpus(
-        corpus, speakers=TINY, clips_per_speaker=2, unlabeled_share=0.2, progress=False, seed=3
-    )
+    again = generate_common_voice_corpus(corpus, speakers=TINY, clips_per_speaker=2,
+                                         unlabeled_share=0.2, progress=False, seed=3)  # fmt: skip
     assert again["cached"]
-    other = generate_common_voice_corpus(
-        tmp_path / "b",
-        speakers=TINY,
-        clips_per_speaker=2,
-        unlabeled_share=0.2,
-        progress=False,
-        seed=3,
-    )
+    other = generate_common_voice_corpus(tmp_path / "b", speakers=TINY, clips_per_speaker=2,
+                                         unlabeled_share=0.2, progress=False, seed=3)  # fmt: skip
     assert (tmp_path / "b" / "train.tsv").read_text() == (corpus / "train.tsv").read_text()
     assert other["summary"] == again["summary"]
 
 
 def test_legacy_wav_release(tmp_path):
     out = tmp_path / "legacy"
-    generate_common_voice_corpus(
-        out,
-        speakers={"train": 6, "dev": 3, "test": 3},
-        clips_per_speaker=1,
-        release_style="legacy",
-        audio_format="wav",
-        unlabeled_share=0.0,
-        progress=False,
-    )
+    generate_common_voice_corpus(out, speakers={"train": 6, "dev": 3, "test": 3}, clips_per_speaker=1,
+                                 release_style="legacy", audio_format="wav", unlabeled_share=0.0,
+                                 progress=False)  # fmt: skip
     rows = read_tsv(out / "train.tsv")
     assert list(rows[0])[:-1] == list(LEGACY_COLUMNS)
     assert {r["gender"] for r in rows} == {"male", "female", "other"}
@@ -123,13 +101,8 @@ def test_prepare_maps_and_counts_unlabeled(corpus, tmp_path):
     assert report["excluded"]["priv"].get("unlabeled", 0) == unlabeled
     with open(tmp_path / "m" / "priv.csv", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
-    mapping = {
-        "male_masculine": "male",
-        "female_feminine": "female",
-        "non-binary": "other",
-        "transgender": "other",
-        "intersex": "other",
-    }
+    mapping = {"male_masculine": "male", "female_feminine": "female", "non-binary": "other",
+               "transgender": "other", "intersex": "other"}  # fmt: skip
     assert all(mapping[r["gender_raw"]] == r["label"] for r in rows)
     assert all(float(r["duration"]) > 0.3 for r in rows)
     # Unchanged options: skipped; a changed option re-prepares.
@@ -140,9 +113,8 @@ def test_prepare_maps_and_counts_unlabeled(corpus, tmp_path):
 
 
 def test_validated_rest_and_aux_subsample(corpus, tmp_path):
-    report = prepare_common_voice(
-        corpus, tmp_path / "m", aux_split="validated_rest", disjoint_by="speaker"
-    )
+    report = prepare_common_voice(corpus, tmp_path / "m", aux_split="validated_rest",
+                                  disjoint_by="speaker")  # fmt: skip
     assert sum(report["counts"]["aux"].values()) > 0
     report = prepare_common_voice(corpus, tmp_path / "m2", max_aux=3)
     assert sum(report["counts"]["aux"].values()) == 3
