@@ -70,8 +70,17 @@ DEFAULT_GENDER_MAP = {
 UNLABELED_VALUES = ("", "do_not_wish_to_say")
 SET_NAMES = ("priv", "aux", "test")
 TSV_SPLITS = ("train", "dev", "test", "validated")
-MANIFEST_COLUMNS = ("ID", "duration", "wav", "spk_id", "label", "gender_raw", "age", "accent",
-                    "sentence")  # fmt: skip
+MANIFEST_COLUMNS = (
+    "ID",
+    "duration",
+    "wav",
+    "spk_id",
+    "label",
+    "gender_raw",
+    "age",
+    "accent",
+    "sentence",
+)
 OPTIONS_FILE = "prepare_options.json"
 
 
@@ -86,8 +95,11 @@ def read_tsv(path: str | os.PathLike) -> list[dict[str, str]]:
         raise OSError(f"Common Voice file {path} not found (expected the release layout)")
     with open(path, encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
-        missing = [c for c in ("client_id", "path", "sentence", "gender")
-                   if c not in (reader.fieldnames or [])]  # fmt: skip
+        missing = [
+            c
+            for c in ("client_id", "path", "sentence", "gender")
+            if c not in (reader.fieldnames or [])
+        ]
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing}; header {reader.fieldnames}")
         rows = []
@@ -223,8 +235,11 @@ def prepare_common_voice(
         return {**report, "skipped": True}
     if not (data_folder / "clips").is_dir():
         raise OSError(f"{data_folder} is not a Common Voice folder: no clips/ subfolder")
-    logger.info("Gender mapping (release value -> class): %s; unlabeled values: %s",
-                gender_map, list(unlabeled_values))  # fmt: skip
+    logger.info(
+        "Gender mapping (release value -> class): %s; unlabeled values: %s",
+        gender_map,
+        list(unlabeled_values),
+    )
     needed = {s for s in (priv_split, aux_split, test_split) if s in TSV_SPLITS}
     if "validated_rest" in (priv_split, aux_split, test_split):
         needed |= set(TSV_SPLITS)
@@ -240,8 +255,12 @@ def prepare_common_voice(
         rows, kept = sets[name], []
         excl = Counter()
         for row in rows:
-            label = _label(row, source=data_folder / sources[name].split(" ")[0],
-                           gender_map=gender_map, unlabeled_values=unlabeled_values)  # fmt: skip
+            label = _label(
+                row,
+                source=data_folder / sources[name].split(" ")[0],
+                gender_map=gender_map,
+                unlabeled_values=unlabeled_values,
+            )
             if label is None:
                 excl["unlabeled"] += 1
             elif label not in classes:
@@ -254,47 +273,68 @@ def prepare_common_voice(
         counts[name] = {c: sum(1 for _, lab in kept if lab == c) for c in classes}
         excluded[name] = dict(excl)
         speakers[name] = len({r["client_id"] for r, _ in kept})
-        logger.info("D_%s from %s: %d labelled clips %s, %d speakers; excluded %s", name,
-                    sources[name], len(kept), counts[name], speakers[name], dict(excl))  # fmt: skip
+        logger.info(
+            "D_%s from %s: %d labelled clips %s, %d speakers; excluded %s",
+            name,
+            sources[name],
+            len(kept),
+            counts[name],
+            speakers[name],
+            dict(excl),
+        )
         out = []
         for row, label in kept:
             clip = data_folder / "clips" / row["path"]
             try:
                 duration = sf.info(str(clip)).duration
             except Exception as err:  # libsndfile raises RuntimeError / LibsndfileError
-                raise ValueError(f"clip {clip} (D_{name}, {sources[name]} line {row['line']}) "
-                                 f"cannot be read: {err}") from err  # fmt: skip
+                raise ValueError(
+                    f"clip {clip} (D_{name}, {sources[name]} line {row['line']}) "
+                    f"cannot be read: {err}"
+                ) from err
             if not duration > 0:
                 raise ValueError(f"clip {clip} (D_{name}) is empty")
-            out.append({
-                "ID": Path(row["path"]).stem,
-                "duration": f"{duration:.3f}",
-                "wav": f"$data_root/clips/{row['path']}",
-                "spk_id": row["client_id"],
-                "label": label,
-                "gender_raw": row["gender"],
-                "age": row.get("age", ""),
-                "accent": row.get("accents", row.get("accent", "")),
-                "sentence": row["sentence"],
-            })  # fmt: skip
+            out.append(
+                {
+                    "ID": Path(row["path"]).stem,
+                    "duration": f"{duration:.3f}",
+                    "wav": f"$data_root/clips/{row['path']}",
+                    "spk_id": row["client_id"],
+                    "label": label,
+                    "gender_raw": row["gender"],
+                    "age": row.get("age", ""),
+                    "accent": row.get("accents", row.get("accent", "")),
+                    "sentence": row["sentence"],
+                }
+            )
         manifests[name] = out
     if not manifests["aux"]:
-        raise ValueError(f"D_aux ({sources['aux']}) has no labelled clip of classes {classes}: "
-                         "the teacher cannot be queried and the student cannot be trained")  # fmt: skip
+        raise ValueError(
+            f"D_aux ({sources['aux']}) has no labelled clip of classes {classes}: "
+            "the teacher cannot be queried and the student cannot be trained"
+        )
     missing = [c for c in classes if counts["priv"][c] == 0]
     if missing:
-        raise ValueError(f"class(es) {missing} have no clip in D_priv ({sources['priv']}): the "
-                         "teacher cannot learn them; change classes or the split")  # fmt: skip
+        raise ValueError(
+            f"class(es) {missing} have no clip in D_priv ({sources['priv']}): the "
+            "teacher cannot learn them; change classes or the split"
+        )
     if not manifests["test"]:
         raise ValueError(f"the test set ({sources['test']}) has no labelled clip")
-    report = {"counts": counts, "excluded": excluded, "speakers": speakers,
-              "gender_map": gender_map, "sources": sources}  # fmt: skip
+    report = {
+        "counts": counts,
+        "excluded": excluded,
+        "speakers": speakers,
+        "gender_map": gender_map,
+        "sources": sources,
+    }
     with atomic_folder(save_folder) as tmp:
         for name in SET_NAMES:
             with open(tmp / f"{name}.csv", "w", encoding="utf-8", newline="") as handle:
                 writer = csv.DictWriter(handle, fieldnames=MANIFEST_COLUMNS)
                 writer.writeheader()
                 writer.writerows(manifests[name])
-        (tmp / OPTIONS_FILE).write_text(json.dumps({"options": options, "report": report},
-                                                   indent=2), encoding="utf-8")  # fmt: skip
+        (tmp / OPTIONS_FILE).write_text(
+            json.dumps({"options": options, "report": report}, indent=2), encoding="utf-8"
+        )
     return {**report, "skipped": False}

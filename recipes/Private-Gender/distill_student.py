@@ -4,7 +4,10 @@
 Stage 2 of "Private Speech Classification without Collapse". The student reads the teacher's
 logits on D_aux from ``<output_folder>/teacher/aux_logits.npz`` (written once by
 ``train_teacher.py``; the temperature is applied on reading) and never loads the teacher's
-weights. It is trained without DP on the public D_aux with the paper's objective
+weights. It first checks that the file is the one the teacher's results.json describes (its
+SHA-256, run id and privacy settings; ``TeacherOutputMismatchError`` otherwise), so the
+epsilon it reports belongs to the logits it learns from. It is trained without DP on the
+public D_aux with the paper's objective
 
     alpha * tau^2 * KL(p_t^tau || p_s^tau) + (1 - alpha) * CE(y, p_s),
 
@@ -41,13 +44,21 @@ from tqdm.auto import tqdm
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 
-import gender_lib as lib  # noqa: E402
+from gender_checks import check_student_hparams  # noqa: E402
+from gender_data import load_set  # noqa: E402
+from gender_model import build_model, predict_logits  # noqa: E402
+from gender_plots import plot_confusion  # noqa: E402
+from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
 from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
-from speechbrain_fl.distill.store import read_teacher_outputs  # noqa: E402
+from speechbrain_fl.distill.store import (  # noqa: E402
+    read_teacher_outputs,
+    verify_teacher_outputs,
+)
 from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
+from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +98,14 @@ def train_student(
             idx = order[i : i + bs]
             optimizer.zero_grad(set_to_none=True)
             logits = model(feats[idx], lengths[idx])
-            loss = kd_loss(logits, teacher_probs[idx], labels[idx],
-                           temperature=hparams["temperature"], alpha=hparams["alpha"],
-                           class_weight=class_weight)  # fmt: skip
+            loss = kd_loss(
+                logits,
+                teacher_probs[idx],
+                labels[idx],
+                temperature=hparams["temperature"],
+                alpha=hparams["alpha"],
+                class_weight=class_weight,
+            )
             loss.backward()
             optimizer.step()
             total += float(loss.detach()) * idx.numel()
@@ -112,14 +128,26 @@ def main(argv):
     hparams, hparams_path, overrides = load_layered_hparams(
         hparams_file, overrides, recipe_dir=RECIPE_DIR
     )
+    check_student_hparams(hparams, hparams_path, overrides)  # before any work
     root = Path(hparams["output_folder"])
-    out = root / "student"
     teacher_results = root / "teacher" / "results.json"
     if not teacher_results.is_file():
-        raise FileNotFoundError(f"{teacher_results} not found: run train_teacher.py with "
-                                f"--output_folder {root} first")  # fmt: skip
-    sb.create_experiment_directory(experiment_directory=str(out), hyperparams_to_save=str(hparams_path),
-                                   overrides=overrides)  # fmt: skip
+        raise FileNotFoundError(
+            f"{teacher_results} not found: run train_teacher.py with --output_folder {root} first"
+        )
+    # One run per output folder: the student's, and the teacher's while its outputs are read
+    # (a teacher run on the same folder would rewrite them underneath).
+    with hold_run_lock(root / "teacher"), hold_run_lock(root / "student"):
+        return run_student(hparams, hparams_path, overrides, run_opts, root, start_all)
+
+
+def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_all: float):
+    """The student run proper (``main`` checks the hparams and holds the run locks)."""
+    out = root / "student"
+    teacher_results = root / "teacher" / "results.json"
+    sb.create_experiment_directory(
+        experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
+    )
     debug = run_opts.get("debug", False)
     max_steps = run_opts.get("debug_batches", 2) if debug else None
     epochs = run_opts.get("debug_epochs", 2) if debug else hparams["epochs"]
@@ -128,6 +156,12 @@ def main(argv):
     # bookkeeping (privacy figures, DP-direct metrics, class names, D_aux/test manifests).
     teacher_run = json.loads(teacher_results.read_text(encoding="utf-8"))
     outputs = read_teacher_outputs(hparams["teacher_outputs"], temperature=hparams["temperature"])
+    verify_teacher_outputs(
+        hparams["teacher_outputs"],
+        outputs,
+        teacher_results=teacher_run,
+        results_path=teacher_results,
+    )
     classes = teacher_run["data"]["classes"]
     if outputs.classes != classes:
         raise ValueError(
@@ -135,15 +169,10 @@ def main(argv):
         )
     majority = classes.index(teacher_run["data"]["majority_class"])
     data_folder, manifests = teacher_run["data"]["data_folder"], teacher_run["data"]["manifests"]
-    index = {c: i for i, c in enumerate(classes)}
     sets = {}
     start = time.time()
     for name in ("aux", "test"):
-        rows = lib.read_manifest(Path(manifests) / f"{name}.csv", data_folder)
-        feats = lib.load_features(rows, n_mels=hparams["n_mels"], max_frames=hparams["max_frames"],
-                                  cache_folder=hparams["cache_folder"], desc=f"D_{name} features")  # fmt: skip
-        sets[name] = {"ids": [r["ID"] for r in rows], "speakers": [r["spk_id"] for r in rows],
-                      "labels": torch.tensor([index[r["label"]] for r in rows]), **feats}  # fmt: skip
+        sets[name] = load_set(name, manifests, data_folder, hparams, classes)
     aux, test = sets["aux"], sets["test"]
     if hparams["aux_subset"] is not None and hparams["aux_subset"] < len(aux["ids"]):
         if hparams["aux_subset"] < 1:
@@ -160,20 +189,38 @@ def main(argv):
     timings = {"data": time.time() - start}
 
     start = time.time()
-    torch.manual_seed(hparams["seed"])
-    student = lib.build_model(hparams, num_classes=len(classes), privileged=False)
-    student, info = train_student(student, feats=aux["feats"], lengths=aux["lengths"], labels=aux["labels"],
-                                  teacher_probs=teacher_probs, hparams=hparams, epochs=epochs,
-                                  max_steps=max_steps, train_logger=hparams["train_logger"])  # fmt: skip
+    student = build_model(
+        hparams, num_classes=len(classes), privileged=False, init_seed=hparams["seed"]
+    )
+    student, info = train_student(
+        student,
+        feats=aux["feats"],
+        lengths=aux["lengths"],
+        labels=aux["labels"],
+        teacher_probs=teacher_probs,
+        hparams=hparams,
+        epochs=epochs,
+        max_steps=max_steps,
+        train_logger=hparams["train_logger"],
+    )
     timings["student"] = time.time() - start
-    logits = lib.predict_logits(student, test["feats"], test["lengths"])
-    report = collapse_report(speakers=test["speakers"], labels=test["labels"].tolist(),
-                             predictions=logits.argmax(1).tolist(), classes=classes,
-                             majority_class=majority, num_resamples=hparams["bootstrap_resamples"])  # fmt: skip
+    logits = predict_logits(student, test["feats"], test["lengths"])
+    report = collapse_report(
+        speakers=test["speakers"],
+        labels=test["labels"].tolist(),
+        predictions=logits.argmax(1).tolist(),
+        classes=classes,
+        majority_class=majority,
+        num_resamples=hparams["bootstrap_resamples"],
+    )
     with atomic_open(out / "student.ckpt", "wb") as handle:
         torch.save(student.state_dict(), handle)
-    lib.plot_confusion(report["confusion"], classes, out / "plots" / "confusion_student.png",
-                       title=f"student (KD, ε = {lib.eps_str(teacher_run['privacy']['epsilon'])})")  # fmt: skip
+    plot_confusion(
+        report["confusion"],
+        classes,
+        out / "plots" / "confusion_student.png",
+        title=f"student (KD, ε = {eps_str(teacher_run['privacy']['epsilon'])})",
+    )
 
     privacy = {
         "epsilon": teacher_run["privacy"]["epsilon"],
@@ -181,33 +228,53 @@ def main(argv):
         "accountant": teacher_run["privacy"]["accountant"],
         "guarantee": "inherited by post-processing",
         "scope": "example-level (epsilon, delta)-DP with respect to D_priv; no claim for D_aux",
+        "covers": "the student alone (a function of the teacher's logits only)",
+        "unit": teacher_run["privacy"].get("unit"),
+        "speaker_level": teacher_run["privacy"].get("speaker_level"),
     }
+    # The run released more from D_priv than the student (DP-direct, trained on it too): the
+    # guarantee of everything released together is the teacher run's joint figure.
+    privacy_joint = teacher_run.get("privacy_joint")
     timings["total"] = time.time() - start_all
     results = {
         "privacy": privacy,
+        "privacy_joint": privacy_joint,
         "test": report,
         "dp_direct": teacher_run["dp_direct"],
         "teacher_outputs": str(hparams["teacher_outputs"]),
-        "kd": {"temperature": hparams["temperature"], "alpha": hparams["alpha"], "dsaf": hparams["dsaf"],
-               "ce_class_weight": hparams.get("ce_class_weight", "none"),
-               "epochs": epochs, "steps": info["steps"], "losses": info["losses"],
-               "aux_records": len(aux["ids"])},
+        "kd": {
+            "temperature": hparams["temperature"],
+            "alpha": hparams["alpha"],
+            "dsaf": hparams["dsaf"],
+            "ce_class_weight": hparams.get("ce_class_weight", "none"),
+            "epochs": epochs,
+            "steps": info["steps"],
+            "losses": info["losses"],
+            "aux_records": len(aux["ids"]),
+        },
         "method": teacher_run["method"],
         "majority_class": classes[majority],
+        "majority_class_note": "from D_priv's label counts (teacher run): a raw D_priv "
+        "statistic, outside the DP guarantee",
         "debug": bool(debug),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
-    }  # fmt: skip
-    lib.write_json(out / "results.json", results)
-    hparams["train_logger"].log_stats(stats_meta={"stage": "test"},
-                                      test_stats={"balanced_accuracy": report["balanced_accuracy"]["value"],
-                                                  "majpred": report["majpred"]["value"]})  # fmt: skip
-    eps = lib.eps_str(privacy["epsilon"])
-    print(
-        "\n"
-        + lib.results_table(
-            [("DP-direct", results["dp_direct"], eps), ("student (KD)", report, eps)], classes
-        )
+    }
+    write_json(out / "results.json", results)
+    hparams["train_logger"].log_stats(
+        stats_meta={"stage": "test"},
+        test_stats={
+            "balanced_accuracy": report["balanced_accuracy"]["value"],
+            "majpred": report["majpred"]["value"],
+        },
     )
+    direct_eps = (teacher_run.get("dp_direct_privacy") or {}).get("epsilon")
+    rows = [
+        ("DP-direct", results["dp_direct"], eps_str(direct_eps)),
+        ("student (KD)", report, eps_str(privacy["epsilon"])),
+    ]
+    if privacy_joint is not None:
+        rows.append(joint_row(privacy_joint))
+    print("\n" + results_table(rows, classes))
     dpd = (results["dp_direct"] or {}).get("balanced_accuracy", {}).get("value", np.nan)
     print(
         f"Student balanced accuracy {report['balanced_accuracy']['value']:.3f} vs DP-direct {dpd:.3f}; "

@@ -21,6 +21,12 @@ noise and the Poisson sampling come from the OS, so a rerun gives other figures)
     > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
     > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
 
+**Tuning on a real D_priv is not accounted.** Every row trains new DP models on the same
+D_priv, and each row's epsilon covers that row alone. Comparing rows and keeping the best
+setting is itself a function of D_priv: on a real private set that choice spends privacy that
+nothing here composes or reports (:data:`TUNING_WARNING`, printed at every start). Tune on the
+embedded corpus or on public data, then train the chosen setting once on D_priv.
+
 Authors
  * speechbrain-fl contributors
 """
@@ -33,6 +39,7 @@ import logging
 import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 
 RECIPE_DIR = Path(__file__).resolve().parent
@@ -53,6 +60,11 @@ ABLATION = {
     "all": ["--dsaf", "True", "--aw_dp", "True", "--modality_dropout", "0.5"],
 }
 AUX_SIZES = (25, 50, 100, 200, None)
+TUNING_WARNING = (
+    "studies.py: each row is a separate DP training on the same D_priv and its epsilon covers "
+    "that row alone; choosing settings by comparing rows on a real D_priv spends privacy that "
+    "nothing here accounts. Tune on the embedded corpus or public data, then train once."
+)
 
 
 def pipeline(folder: Path, teacher_args, student_args=(), *, extra=()):
@@ -73,19 +85,42 @@ def _eps(value):
     return "∞ (no DP)" if value is None else f"{value:.2f}"
 
 
+def _joint_eps(res):
+    """The joint epsilon of the run's releases from D_priv ("-" for results written before
+    the joint figure existed)."""
+    if "privacy_joint" not in res:
+        return "-"
+    return _eps((res["privacy_joint"] or {}).get("epsilon"))
+
+
 def _table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
 def _row(name, res):
-    return [name, _eps(res["privacy"]["epsilon"]), _v(res["dp_direct"], "balanced_accuracy"),
-            _v(res["dp_direct"], "majpred"), _v(res["test"], "balanced_accuracy"),
-            _v(res["test"], "macro_f1"), _v(res["test"], "majpred")]  # fmt: skip
+    return [
+        name,
+        _eps(res["privacy"]["epsilon"]),
+        _joint_eps(res),
+        _v(res["dp_direct"], "balanced_accuracy"),
+        _v(res["dp_direct"], "majpred"),
+        _v(res["test"], "balanced_accuracy"),
+        _v(res["test"], "macro_f1"),
+        _v(res["test"], "majpred"),
+    ]
 
 
-HEADER = ["Run", "ε", "DP-direct bal. acc.", "DP-direct MajPred", "Student bal. acc.",
-          "Student macro-F1", "Student MajPred"]  # fmt: skip
+HEADER = [
+    "Run",
+    "ε (student)",
+    "ε joint (all releases)",
+    "DP-direct bal. acc.",
+    "DP-direct MajPred",
+    "Student bal. acc.",
+    "Student macro-F1",
+    "Student MajPred",
+]
 
 
 def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
@@ -159,12 +194,27 @@ def run_study(name: str, root: Path, extra: list[str], rows=None) -> dict:
 def tables(results: dict) -> dict[str, str]:
     """Markdown tables of the studies present in ``results``."""
     titles = {
-        "epsilon": ("Epsilon sweep (δ = 1e-5, all components)", lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}"),
-        "ablation": ("Ablation at ε = 1 (DP-direct and student use the row's components)", lambda k, r: k),
-        "binary": ("Binary variant (male / female, ε computed for this configuration)", lambda k, r: "binary, target ε = 1"),
-        "aux": ("|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)", lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}"),
-        "alpha": ("What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.5, 0.7, 1 (KD only), and α = 0 with class-balanced CE", lambda k, r: f"α = {k}"),
-    }  # fmt: skip
+        "epsilon": (
+            "Epsilon sweep (δ = 1e-5, all components)",
+            lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}",
+        ),
+        "ablation": (
+            "Ablation at ε = 1 (DP-direct and student use the row's components)",
+            lambda k, r: k,
+        ),
+        "binary": (
+            "Binary variant (male / female, ε computed for this configuration)",
+            lambda k, r: "binary, target ε = 1",
+        ),
+        "aux": (
+            "|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)",
+            lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}",
+        ),
+        "alpha": (
+            "What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.5, 0.7, 1 (KD only), and α = 0 with class-balanced CE",
+            lambda k, r: f"α = {k}",
+        ),
+    }
     out = {}
     for key, (title, label) in titles.items():
         if key in results and "privacy" in results[key]:  # one run stored unwrapped
@@ -181,12 +231,20 @@ def main(argv=None):
         "--only", nargs="*", default=["epsilon", "ablation", "binary", "aux", "alpha"]
     )
     parser.add_argument("--extra", default="", help="overrides passed to both scripts")
-    parser.add_argument("--rows", nargs="*", help="rows of the epsilon/ablation studies to run "
-                        "(e.g. 0.5 None, or base +DSAF); the others keep their stored results")  # fmt: skip
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        help="rows of the epsilon/ablation studies to run "
+        "(e.g. 0.5 None, or base +DSAF); the others keep their stored results",
+    )
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
     root, extra = Path(args.root), shlex.split(args.extra)
+    real = any(arg.startswith("--data_folder") for arg in extra)
+    message = TUNING_WARNING + (" This run passes --data_folder: a real D_priv?" if real else "")
+    logging.getLogger(__name__).warning(message)
+    warnings.warn(message, UserWarning, stacklevel=2)
     logging.getLogger().setLevel(logging.WARNING)
     store = root / "studies.json"
     results = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else {}

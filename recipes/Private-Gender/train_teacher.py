@@ -19,8 +19,10 @@ To run this recipe (from the repository root or from recipes/Private-Gender/):
     > python recipes/Private-Gender/train_teacher.py hparams/teacher.yaml \\
           --data_folder /data/cv-corpus-17.0/en --output_folder results/cv17
 
-Outputs (``<output_folder>/teacher``): results.json, train_log.txt, hyperparams.yaml,
-aux_logits.npz, teacher.ckpt and dp_direct.ckpt (never released), manifests/, plots/.
+Outputs (``<output_folder>/teacher``): results.json (written last: it records the SHA-256,
+run id and privacy settings of aux_logits.npz, which the student verifies), train_log.txt,
+hyperparams.yaml, aux_logits.npz, teacher.ckpt and dp_direct.ckpt (never released),
+manifests/, plots/.
 
 Authors
  * speechbrain-fl contributors
@@ -29,9 +31,9 @@ Authors
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -41,18 +43,32 @@ import torch
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 
-import gender_lib as lib  # noqa: E402
+from gender_checks import check_teacher_hparams  # noqa: E402
+from gender_data import load_set, prepare_data, privileged_tokens  # noqa: E402
+from gender_model import build_model, per_sample_grad_norms, predict_logits  # noqa: E402
+from gender_plots import plot_confusion, plot_grad_norms  # noqa: E402
+from gender_privacy import UNIT_OF_PRIVACY, joint_privacy, speaker_level  # noqa: E402
+from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
+from gender_training import RAW_LOSS_KEY, train_model  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
-from speechbrain_fl.distill.store import write_teacher_outputs  # noqa: E402
+from speechbrain_fl.distill.store import (  # noqa: E402
+    teacher_outputs_record,
+    write_teacher_outputs,
+)
 from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
+from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
 def aw_weights(hparams, aux_counts, classes):
-    """AW-DP class weights from a privacy-free source (D_aux label counts or a prior)."""
+    """AW-DP class weights from a privacy-free source (D_aux label counts or a prior).
+
+    The keys were checked before any work (``gender_checks``); only the data-dependent
+    condition (every class present in D_aux) is checked here.
+    """
     from speechbrain_fl.privacy.weighted_dpsgd import class_weights_from_counts
 
     if not hparams["aw_dp"]:
@@ -61,31 +77,42 @@ def aw_weights(hparams, aux_counts, classes):
         source = [aux_counts[c] for c in classes]
         missing = [c for c in classes if aux_counts[c] == 0]
         if missing:
-            raise ValueError(f"aw_source: aux_counts, but D_aux has no clip of class(es) {missing}; "
-                             "use aw_source: prior")  # fmt: skip
-    elif hparams["aw_source"] == "prior":
+            raise ValueError(
+                f"aw_source: aux_counts, but D_aux has no clip of class(es) {missing}; "
+                "use aw_source: prior"
+            )
+    else:  # prior
         source = list(hparams["aw_prior"])
-        if len(source) != len(classes):
-            raise ValueError(f"aw_prior has {len(source)} values for classes {classes}")
-    else:
-        raise ValueError(f"aw_source must be aux_counts or prior, got {hparams['aw_source']!r}")
     weights = class_weights_from_counts(source, gamma=hparams["aw_gamma"])
-    mode = hparams.get("aw_mode", "fixed")
-    if mode not in ("fixed", "batch_adaptive"):
-        raise ValueError(f"aw_mode must be fixed or batch_adaptive, got {mode!r}")
-    logger.info("AW-DP (%s) weights from %s %s: %s", mode, hparams["aw_source"], source,
-                dict(zip(classes, weights.tolist(), strict=True)))  # fmt: skip
-    return weights, {"mode": mode, "source": hparams["aw_source"], "counts": source,
-                     "gamma": hparams["aw_gamma"], "weights": weights.tolist(),
-                     "floor": hparams.get("aw_floor") if mode == "batch_adaptive" else None}  # fmt: skip
+    mode = hparams["aw_mode"]
+    logger.info(
+        "AW-DP (%s) weights from %s %s: %s",
+        mode,
+        hparams["aw_source"],
+        source,
+        dict(zip(classes, weights.tolist(), strict=True)),
+    )
+    return weights, {
+        "mode": mode,
+        "source": hparams["aw_source"],
+        "counts": source,
+        "gamma": hparams["aw_gamma"],
+        "weights": weights.tolist(),
+        "floor": hparams.get("aw_floor") if mode == "batch_adaptive" else None,
+    }
 
 
 def dp_settings(hparams):
     if not hparams["dp"]:
         return None
-    return {"target_epsilon": hparams["target_epsilon"], "noise_multiplier": hparams["noise_multiplier"],
-            "delta": hparams["delta"], "clip": hparams["clip"], "accountant": hparams["accountant"],
-            "seed": hparams["dp_seed"]}  # fmt: skip
+    return {
+        "target_epsilon": hparams["target_epsilon"],
+        "noise_multiplier": hparams["noise_multiplier"],
+        "delta": hparams["delta"],
+        "clip": hparams["clip"],
+        "accountant": hparams["accountant"],
+        "seed": hparams["dp_seed"],
+    }
 
 
 def dsaf_diagnostic(hparams, aux, num_classes, plots):
@@ -93,28 +120,32 @@ def dsaf_diagnostic(hparams, aux, num_classes, plots):
     n = min(hparams["grad_norm_records"], aux["labels"].numel())
     norms = {}
     for name, flag in (("with DSAF", True), ("without DSAF", False)):
-        torch.manual_seed(hparams["seed"])
-        model = lib.build_model(
-            {**hparams, "dsaf": flag}, num_classes=num_classes, privileged=False
+        model = build_model(
+            {**hparams, "dsaf": flag},
+            num_classes=num_classes,
+            privileged=False,
+            init_seed=hparams["seed"],
         )
-        norms[name] = lib.per_sample_grad_norms(model, aux["feats"][:n], aux["lengths"][:n],
-                                                aux["labels"][:n])  # fmt: skip
-    stats = {name: {"cv": float(v.std() / v.mean()), "mean": float(v.mean()),
-                    "std": float(v.std()), "clipped_share": float((v > hparams["clip"]).mean())}
-             for name, v in norms.items()}  # fmt: skip
-    lib.plot_grad_norms(norms, plots / "grad_norms_dsaf.png", clip=hparams["clip"])
-    logger.info("Per-sample gradient-norm CV: with DSAF %.3f, without %.3f (%d D_aux records)",
-                stats["with DSAF"]["cv"], stats["without DSAF"]["cv"], n)  # fmt: skip
+        norms[name] = per_sample_grad_norms(
+            model, aux["feats"][:n], aux["lengths"][:n], aux["labels"][:n]
+        )
+    stats = {
+        name: {
+            "cv": float(v.std() / v.mean()),
+            "mean": float(v.mean()),
+            "std": float(v.std()),
+            "clipped_share": float((v > hparams["clip"]).mean()),
+        }
+        for name, v in norms.items()
+    }
+    plot_grad_norms(norms, plots / "grad_norms_dsaf.png", clip=hparams["clip"])
+    logger.info(
+        "Per-sample gradient-norm CV: with DSAF %.3f, without %.3f (%d D_aux records)",
+        stats["with DSAF"]["cv"],
+        stats["without DSAF"]["cv"],
+        n,
+    )
     return {"records": int(n), "set": "D_aux (public)", "at": "initialisation", **stats}
-
-
-def load_set(name, manifests, data_folder, hparams, classes):
-    rows = lib.read_manifest(os.path.join(manifests, f"{name}.csv"), data_folder)
-    feats = lib.load_features(rows, n_mels=hparams["n_mels"], max_frames=hparams["max_frames"],
-                              cache_folder=hparams["cache_folder"], desc=f"D_{name} features")  # fmt: skip
-    index = {c: i for i, c in enumerate(classes)}
-    return {"rows": rows, "ids": [r["ID"] for r in rows], "speakers": [r["spk_id"] for r in rows],
-            "labels": torch.tensor([index[r["label"]] for r in rows], dtype=torch.long), **feats}  # fmt: skip
 
 
 def main(argv):
@@ -123,9 +154,17 @@ def main(argv):
     hparams, hparams_path, overrides = load_layered_hparams(
         hparams_file, overrides, recipe_dir=RECIPE_DIR
     )
+    check_teacher_hparams(hparams, hparams_path, overrides)  # before any work
     out = Path(hparams["output_folder"]) / "teacher"
-    sb.create_experiment_directory(experiment_directory=str(out), hyperparams_to_save=str(hparams_path),
-                                   overrides=overrides)  # fmt: skip
+    with hold_run_lock(out):  # one run per output folder, for the whole run
+        return run_teacher(hparams, hparams_path, overrides, run_opts, out, start_all)
+
+
+def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all: float) -> dict:
+    """The teacher run proper (``main`` checks the hparams and holds the run lock)."""
+    sb.create_experiment_directory(
+        experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
+    )
     debug = run_opts.get("debug", False)
     max_steps = run_opts.get("debug_batches", 2) if debug else None
     epochs = run_opts.get("debug_epochs", 2) if debug else hparams["epochs"]
@@ -133,16 +172,29 @@ def main(argv):
     timings = {}
 
     start = time.time()
-    data_folder, manifests, prep = lib.prepare_data(hparams)
-    priv = load_set("priv", manifests, data_folder, hparams, classes)
+    data_folder, manifests, prep = prepare_data(hparams)
+    priv = load_set(
+        "priv",
+        manifests,
+        data_folder,
+        hparams,
+        classes,
+        max_clips_per_speaker=hparams["max_clips_per_speaker"],
+    )
     aux = load_set("aux", manifests, data_folder, hparams, classes)
     test = load_set("test", manifests, data_folder, hparams, classes)
     timings["data"] = time.time() - start
     priv_counts = {c: int((priv["labels"] == i).sum()) for i, c in enumerate(classes)}
     aux_counts = {c: int((aux["labels"] == i).sum()) for i, c in enumerate(classes)}
     majority = int(np.argmax([priv_counts[c] for c in classes]))
-    logger.info("|D_priv| = %d %s, |D_aux| = %d %s, |test| = %d", len(priv["ids"]), priv_counts,
-                len(aux["ids"]), aux_counts, len(test["ids"]))  # fmt: skip
+    logger.info(
+        "|D_priv| = %d %s, |D_aux| = %d %s, |test| = %d",
+        len(priv["ids"]),
+        priv_counts,
+        len(aux["ids"]),
+        aux_counts,
+        len(test["ids"]),
+    )
 
     plots = out / "plots"
     start = time.time()
@@ -152,43 +204,78 @@ def main(argv):
     dp = dp_settings(hparams)
 
     multimodal = hparams["teacher_modality"] == "multimodal"
-    if hparams["teacher_modality"] not in ("multimodal", "audio"):
-        raise ValueError(
-            f"teacher_modality must be multimodal or audio, got {hparams['teacher_modality']!r}"
-        )
 
     def tokens(split):
         if not multimodal:
             return None
-        return lib.privileged_tokens(split["rows"], fields=hparams["privileged_fields"],
-                                     buckets=hparams["priv_buckets"], max_tokens=hparams["max_tokens"])  # fmt: skip
+        return privileged_tokens(
+            split["rows"],
+            fields=hparams["privileged_fields"],
+            buckets=hparams["priv_buckets"],
+            max_tokens=hparams["max_tokens"],
+        )
 
-    common = {"epochs": epochs, "batch_size": hparams["batch_size"], "lr": hparams["lr"], "dp": dp,
-              "class_weights": weights, "max_steps": max_steps, "train_logger": hparams["train_logger"],
-              "batch_adaptive": {"shares": aw_info["counts"], "floor": aw_info["floor"]}
-              if aw_info and aw_info["mode"] == "batch_adaptive" else None}  # fmt: skip
+    common = {
+        "epochs": epochs,
+        "batch_size": hparams["batch_size"],
+        "lr": hparams["lr"],
+        "dp": dp,
+        "class_weights": weights,
+        "max_steps": max_steps,
+        "train_logger": hparams["train_logger"],
+        "batch_adaptive": {"shares": aw_info["counts"], "floor": aw_info["floor"]}
+        if aw_info and aw_info["mode"] == "batch_adaptive"
+        else None,
+    }
     start = time.time()
-    torch.manual_seed(hparams["seed"])
-    teacher = lib.build_model(hparams, num_classes=len(classes), privileged=multimodal)
-    teacher, teacher_info = lib.train_model(teacher, feats=priv["feats"], lengths=priv["lengths"],
-                                            tokens=tokens(priv), labels=priv["labels"],
-                                            desc="teacher", **common)  # fmt: skip
+    teacher = build_model(
+        hparams, num_classes=len(classes), privileged=multimodal, init_seed=hparams["seed"]
+    )
+    teacher, teacher_info = train_model(
+        teacher,
+        feats=priv["feats"],
+        lengths=priv["lengths"],
+        tokens=tokens(priv),
+        labels=priv["labels"],
+        desc="teacher",
+        **common,
+    )
     timings["teacher"] = time.time() - start
 
     # The single query of the teacher on D_aux (with D_aux's own privileged inputs).
-    aux_logits = lib.predict_logits(teacher, aux["feats"], aux["lengths"], tokens(aux))
-    privacy = {"epsilon": teacher_info["epsilon"], "delta": hparams["delta"] if dp else None,
-               "accountant": hparams["accountant"] if dp else None,
-               **{k: teacher_info.get(k) for k in ("noise_multiplier", "sampling_rate", "clip", "steps", "aw_batch_adaptive")}}  # fmt: skip
-    write_teacher_outputs(out / "aux_logits.npz", ids=aux["ids"], logits=aux_logits.numpy(),
-                          classes=classes, meta={**privacy, "teacher_modality": hparams["teacher_modality"]})  # fmt: skip
-    teacher_aux = collapse_report(speakers=aux["speakers"], labels=aux["labels"].tolist(),
-                                  predictions=aux_logits.argmax(1).tolist(), classes=classes,
-                                  majority_class=majority, num_resamples=hparams["bootstrap_resamples"])  # fmt: skip
-    teacher_test_logits = lib.predict_logits(teacher, test["feats"], test["lengths"], tokens(test))
-    teacher_test = collapse_report(speakers=test["speakers"], labels=test["labels"].tolist(),
-                                   predictions=teacher_test_logits.argmax(1).tolist(), classes=classes,
-                                   majority_class=majority, num_resamples=hparams["bootstrap_resamples"])  # fmt: skip
+    aux_logits = predict_logits(teacher, aux["feats"], aux["lengths"], tokens(aux))
+    privacy = {
+        "epsilon": teacher_info["epsilon"],
+        "delta": hparams["delta"] if dp else None,
+        "accountant": hparams["accountant"] if dp else None,
+        **{
+            k: teacher_info.get(k)
+            for k in ("noise_multiplier", "sampling_rate", "clip", "steps", "aw_batch_adaptive")
+        },
+        "unit": UNIT_OF_PRIVACY,
+        "speaker_level": speaker_level(
+            epsilon=teacher_info["epsilon"],
+            delta=hparams["delta"] if dp else None,
+            max_clips=hparams["max_clips_per_speaker"],
+        ),
+    }
+    teacher_aux = collapse_report(
+        speakers=aux["speakers"],
+        labels=aux["labels"].tolist(),
+        predictions=aux_logits.argmax(1).tolist(),
+        classes=classes,
+        majority_class=majority,
+        num_resamples=hparams["bootstrap_resamples"],
+    )
+    teacher_test_logits = predict_logits(teacher, test["feats"], test["lengths"], tokens(test))
+    teacher_test = collapse_report(
+        speakers=test["speakers"],
+        labels=test["labels"].tolist(),
+        predictions=teacher_test_logits.argmax(1).tolist(),
+        classes=classes,
+        majority_class=majority,
+        num_resamples=hparams["bootstrap_resamples"],
+    )
     with atomic_open(out / "teacher.ckpt", "wb") as handle:
         torch.save(teacher.state_dict(), handle)
 
@@ -196,62 +283,144 @@ def main(argv):
     if hparams["train_dp_direct"]:
         start = time.time()
         if multimodal:
-            torch.manual_seed(hparams["seed"] + 1)
-            direct = lib.build_model(hparams, num_classes=len(classes), privileged=False)
-            direct, dp_direct_info = lib.train_model(direct, feats=priv["feats"], lengths=priv["lengths"],
-                                                     tokens=None, labels=priv["labels"],
-                                                     desc="DP-direct", **common)  # fmt: skip
+            direct = build_model(
+                hparams, num_classes=len(classes), privileged=False, init_seed=hparams["seed"] + 1
+            )
+            direct, dp_direct_info = train_model(
+                direct,
+                feats=priv["feats"],
+                lengths=priv["lengths"],
+                tokens=None,
+                labels=priv["labels"],
+                desc="DP-direct",
+                **common,
+            )
         else:  # an audio-only teacher *is* the DP-direct model
             direct, dp_direct_info = teacher, teacher_info
         timings["dp_direct"] = time.time() - start
-        direct_logits = lib.predict_logits(direct, test["feats"], test["lengths"])
-        dp_direct_block = collapse_report(speakers=test["speakers"], labels=test["labels"].tolist(),
-                                          predictions=direct_logits.argmax(1).tolist(), classes=classes,
-                                          majority_class=majority, num_resamples=hparams["bootstrap_resamples"])  # fmt: skip
-        lib.plot_confusion(dp_direct_block["confusion"], classes, plots / "confusion_dp_direct.png",
-                           title=f"DP-direct (ε = {lib.eps_str(dp_direct_info['epsilon'])})")  # fmt: skip
+        direct_logits = predict_logits(direct, test["feats"], test["lengths"])
+        dp_direct_block = collapse_report(
+            speakers=test["speakers"],
+            labels=test["labels"].tolist(),
+            predictions=direct_logits.argmax(1).tolist(),
+            classes=classes,
+            majority_class=majority,
+            num_resamples=hparams["bootstrap_resamples"],
+        )
+        plot_confusion(
+            dp_direct_block["confusion"],
+            classes,
+            plots / "confusion_dp_direct.png",
+            title=f"DP-direct (ε = {eps_str(dp_direct_info['epsilon'])})",
+        )
         with atomic_open(out / "dp_direct.ckpt", "wb") as handle:
             torch.save(direct.state_dict(), handle)
-    lib.plot_confusion(teacher_test["confusion"], classes, plots / "confusion_teacher.png",
-                       title=f"teacher ({hparams['teacher_modality']}, not released)")  # fmt: skip
+    plot_confusion(
+        teacher_test["confusion"],
+        classes,
+        plots / "confusion_teacher.png",
+        title=f"teacher ({hparams['teacher_modality']}, not released)",
+    )
 
+    # Everything this run releases from D_priv: the teacher (its logits) and DP-direct.
+    privacy_joint = None
+    if dp:
+        releases = [{"name": "teacher", "history": teacher_info["accountant_history"]}]
+        if dp_direct_info is not None and dp_direct_info is not teacher_info:
+            releases.append({"name": "DP-direct", "history": dp_direct_info["accountant_history"]})
+        privacy_joint = joint_privacy(
+            releases, delta=hparams["delta"], accountant=hparams["accountant"]
+        )
+        logger.info("Joint privacy of the run's releases from D_priv: %s", privacy_joint)
     timings["total"] = time.time() - start_all
     results = {
         "privacy": privacy,
+        "privacy_joint": privacy_joint,
         "dp_direct": dp_direct_block,
-        "dp_direct_privacy": None if dp_direct_info is None else {
-            "epsilon": dp_direct_info["epsilon"], "delta": hparams["delta"] if dp else None,
-            "noise_multiplier": dp_direct_info.get("noise_multiplier"), "steps": dp_direct_info["steps"],
-            "note": "a separate release at the same budget (alternative to the teacher-student pipeline)"},
-        "teacher": {"modality": hparams["teacher_modality"], "privileged_fields":
-                    hparams["privileged_fields"] if multimodal else [],
-                    "modality_dropout": hparams["modality_dropout"] if multimodal else None,
-                    "test": teacher_test, "aux_agreement": teacher_aux, "losses": teacher_info["losses"],
-                    "note": "not released; its test metrics use the test set's privileged inputs"},
-        "method": {"dsaf": hparams["dsaf"], "aw_dp": aw_info, "dp": hparams["dp"],
-                   "target_epsilon": hparams["target_epsilon"] if dp else None},
+        "dp_direct_privacy": None
+        if dp_direct_info is None
+        else {
+            "epsilon": dp_direct_info["epsilon"],
+            "delta": hparams["delta"] if dp else None,
+            "noise_multiplier": dp_direct_info.get("noise_multiplier"),
+            "steps": dp_direct_info["steps"],
+            "note": "a separate release at the same budget (alternative to the teacher-student pipeline)",
+        },
+        "teacher": {
+            "modality": hparams["teacher_modality"],
+            "privileged_fields": hparams["privileged_fields"] if multimodal else [],
+            "modality_dropout": hparams["modality_dropout"] if multimodal else None,
+            "test": teacher_test,
+            "aux_agreement": teacher_aux,
+            "losses": teacher_info["losses"],
+            "losses_note": RAW_LOSS_KEY,
+            "note": "not released; its test metrics use the test set's privileged inputs",
+        },
+        "method": {
+            "dsaf": hparams["dsaf"],
+            "aw_dp": aw_info,
+            "dp": hparams["dp"],
+            "target_epsilon": hparams["target_epsilon"] if dp else None,
+        },
         "dsaf_diagnostic": diagnostic,
-        "data": {"data_folder": str(data_folder), "embedded_corpus": hparams["data_folder"] is None,
-                 "manifests": str(manifests), "classes": classes, "counts": prep.get("counts"),
-                 "excluded": prep.get("excluded"), "speakers": prep.get("speakers"),
-                 "gender_map": prep.get("gender_map"), "sources": prep.get("sources"),
-                 "priv_counts": priv_counts, "aux_counts": aux_counts,
-                 "majority_class": classes[majority],
-                 "majority_class_note": "D_priv label counts: evaluation-only statistic, outside the DP guarantee"},
+        "data": {
+            "data_folder": str(data_folder),
+            "embedded_corpus": hparams["data_folder"] is None,
+            "manifests": str(manifests),
+            "classes": classes,
+            "counts": prep.get("counts"),
+            "excluded": prep.get("excluded"),
+            "speakers": prep.get("speakers"),
+            "gender_map": prep.get("gender_map"),
+            "sources": prep.get("sources"),
+            "priv_counts": priv_counts,
+            "aux_counts": aux_counts,
+            "majority_class": classes[majority],
+            "majority_class_note": "D_priv label counts: evaluation-only statistic, outside the DP guarantee",
+            "capped_clips": priv.get("capped_clips"),
+            "outside_guarantee": "raw D_priv statistics, released without noise and outside the "
+            "DP guarantee: counts.priv, excluded.priv, speakers.priv, priv_counts, "
+            "majority_class, capped_clips (and teacher.losses)",
+        },
         "debug": bool(debug),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
-    }  # fmt: skip
-    lib.write_json(out / "results.json", results)
+    }
+    # The teacher's outputs are one unit: the logits first, then results.json (the manifest,
+    # with the logits' SHA-256, run id and privacy settings), which the student verifies.
+    run_id = uuid.uuid4().hex
+    write_teacher_outputs(
+        out / "aux_logits.npz",
+        ids=aux["ids"],
+        logits=aux_logits.numpy(),
+        classes=classes,
+        meta={**privacy, "teacher_modality": hparams["teacher_modality"], "run_id": run_id},
+    )
+    results["teacher_outputs"] = teacher_outputs_record(out / "aux_logits.npz")
+    write_json(out / "results.json", results)
     hparams["train_logger"].log_stats(
         stats_meta={"stage": "test"},
-        test_stats={"dp_direct_balanced_accuracy": (dp_direct_block or {}).get("balanced_accuracy", {}).get("value"),
-                    "epsilon": privacy["epsilon"]},
-    )  # fmt: skip
-    rows = [("DP-direct", dp_direct_block, lib.eps_str(privacy["epsilon"])),
-            (f"teacher ({hparams['teacher_modality']}, not released)", teacher_test, lib.eps_str(privacy["epsilon"]))]  # fmt: skip
-    print("\n" + lib.results_table(rows, classes))
-    print(f"DSAF diagnostic (per-sample grad-norm CV at init, D_aux): with {diagnostic['with DSAF']['cv']:.3f}, "
-          f"without {diagnostic['without DSAF']['cv']:.3f}")  # fmt: skip
+        test_stats={
+            "dp_direct_balanced_accuracy": (dp_direct_block or {})
+            .get("balanced_accuracy", {})
+            .get("value"),
+            "epsilon": privacy["epsilon"],
+        },
+    )
+    rows = [
+        ("DP-direct", dp_direct_block, eps_str((dp_direct_info or {}).get("epsilon"))),
+        (
+            f"teacher ({hparams['teacher_modality']}, not released)",
+            teacher_test,
+            eps_str(privacy["epsilon"]),
+        ),
+    ]
+    if privacy_joint is not None:
+        rows.append(joint_row(privacy_joint))
+    print("\n" + results_table(rows, classes))
+    print(
+        f"DSAF diagnostic (per-sample grad-norm CV at init, D_aux): with {diagnostic['with DSAF']['cv']:.3f}, "
+        f"without {diagnostic['without DSAF']['cv']:.3f}"
+    )
     print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
     print(f"Results: {out / 'results.json'}; teacher outputs: {out / 'aux_logits.npz'}")
     return results

@@ -38,8 +38,9 @@ METRICS = ("accuracy", "balanced_accuracy", "macro_f1", "majpred", "top_share")
 def confusion_matrix(labels, predictions, num_classes: int) -> np.ndarray:
     """(K, K) counts, rows = true class."""
     labels, predictions = np.asarray(labels, int), np.asarray(predictions, int)
-    return np.bincount(labels * num_classes + predictions,
-                       minlength=num_classes**2).reshape(num_classes, num_classes)  # fmt: skip
+    return np.bincount(labels * num_classes + predictions, minlength=num_classes**2).reshape(
+        num_classes, num_classes
+    )
 
 
 def _metrics(confusion: np.ndarray, majority: int) -> dict[str, np.ndarray]:
@@ -97,8 +98,10 @@ def collapse_report(
     if n == 0:
         raise ValueError("no test records: cannot compute metrics")
     if len(speakers) != n or len(predictions) != n:
-        raise ValueError(f"speakers, labels, predictions differ in length: "
-                         f"{len(speakers)}, {n}, {len(predictions)}")  # fmt: skip
+        raise ValueError(
+            f"speakers, labels, predictions differ in length: "
+            f"{len(speakers)}, {n}, {len(predictions)}"
+        )
     if not 0 <= majority_class < k:
         raise ValueError(f"majority_class {majority_class} outside [0, {k})")
     true, pred = np.asarray(labels, int), np.asarray(predictions, int)

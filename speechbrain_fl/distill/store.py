@@ -6,6 +6,18 @@ temperature is applied when reading (``softmax(z / tau)``), so tau can change wi
 query. The file is an uncompressed NumPy ``.npz`` (``ids``, ``logits``, ``classes``, ``meta``
 as a JSON string) written atomically.
 
+**The teacher's outputs are one unit.** The logits file and the teacher run's
+``results.json`` are two files, each written atomically, so a run killed between the two writes
+(or a file copied from another run) could pair one run's logits with another run's privacy
+figures: a student would then claim, say, epsilon 0.995 for a non-private teacher's logits. The
+teacher therefore writes the logits first, with its privacy settings and a random ``run_id`` in
+``meta``, and then ``results.json``, last, holding :func:`teacher_outputs_record` of the file
+(its SHA-256, the run id and the same privacy settings): ``results.json`` is the manifest,
+and it exists only once the logits it describes are complete. :func:`verify_teacher_outputs`
+(the student, before it reads a single logit) recomputes the file's SHA-256 and compares the
+privacy settings and run id in the file with those of the results; any difference, or a
+results file without the record, raises :class:`TeacherOutputMismatchError` naming the key.
+
 Example
 -------
 >>> import numpy as np
@@ -15,10 +27,13 @@ Example
 >>> out = read_teacher_outputs(path, temperature=2.0)
 >>> out.ids, out.probs.round(3).tolist(), out.meta["epsilon"]
 (['a', 'b'], [[0.731, 0.269], [0.5, 0.5]], 1.0)
+>>> results = {"privacy": {"epsilon": 1.0}, "teacher_outputs": teacher_outputs_record(path)}
+>>> verify_teacher_outputs(path, out, teacher_results=results, results_path="results.json")
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -28,7 +43,33 @@ import numpy as np
 
 from speechbrain_fl.atomic import atomic_open
 
-__all__ = ["TeacherOutputs", "read_teacher_outputs", "write_teacher_outputs"]
+__all__ = [
+    "PRIVACY_KEYS",
+    "TeacherOutputMismatchError",
+    "TeacherOutputs",
+    "file_sha256",
+    "read_teacher_outputs",
+    "teacher_outputs_record",
+    "verify_teacher_outputs",
+    "write_teacher_outputs",
+]
+
+#: Privacy settings recorded in the logits file's ``meta`` and in the teacher's results
+#: (``results["privacy"]``); :func:`verify_teacher_outputs` requires them to agree.
+PRIVACY_KEYS = (
+    "epsilon",
+    "delta",
+    "accountant",
+    "noise_multiplier",
+    "sampling_rate",
+    "clip",
+    "steps",
+    "aw_batch_adaptive",
+)
+
+
+class TeacherOutputMismatchError(ValueError):
+    """The teacher-output file is not the one the teacher results describe."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +109,13 @@ def write_teacher_outputs(
     if len(set(ids)) != len(ids):
         raise ValueError("teacher output ids are not unique")
     with atomic_open(path, "wb") as handle:
-        np.savez(handle, ids=np.asarray(list(ids), dtype=str), logits=logits,
-                 classes=np.asarray(list(classes), dtype=str),
-                 meta=np.asarray(json.dumps(meta or {})))  # fmt: skip
+        np.savez(
+            handle,
+            ids=np.asarray(list(ids), dtype=str),
+            logits=logits,
+            classes=np.asarray(list(classes), dtype=str),
+            meta=np.asarray(json.dumps(meta or {})),
+        )
 
 
 def read_teacher_outputs(path: str | os.PathLike, *, temperature: float) -> TeacherOutputs:
@@ -78,8 +123,10 @@ def read_teacher_outputs(path: str | os.PathLike, *, temperature: float) -> Teac
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"teacher outputs {path} not found: run train_teacher.py with "
-                                "the same output_folder first")  # fmt: skip
+        raise FileNotFoundError(
+            f"teacher outputs {path} not found: run train_teacher.py with "
+            "the same output_folder first"
+        )
     with np.load(path, allow_pickle=False) as data:
         missing = {"ids", "logits", "classes", "meta"} - set(data.files)
         if missing:
@@ -91,3 +138,85 @@ def read_teacher_outputs(path: str | os.PathLike, *, temperature: float) -> Teac
     probs = np.exp(z)
     probs /= probs.sum(axis=1, keepdims=True)
     return TeacherOutputs(ids, logits, probs, classes, float(temperature), meta)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of the file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def teacher_outputs_record(path: str | os.PathLike) -> dict:
+    """What the teacher's results record of its logits file: name, SHA-256, run id, privacy.
+
+    Read from the file just written (so the record describes the bytes on disk); the teacher
+    puts it in ``results.json``, which it writes last.
+    """
+    with np.load(path, allow_pickle=False) as data:
+        meta = json.loads(str(data["meta"]))
+    return {
+        "file": os.path.basename(path),
+        "sha256": file_sha256(path),
+        "run_id": meta.get("run_id"),
+        "privacy": {k: meta[k] for k in PRIVACY_KEYS if k in meta},
+    }
+
+
+def verify_teacher_outputs(
+    path: str | os.PathLike,
+    outputs: TeacherOutputs,
+    *,
+    teacher_results: dict,
+    results_path: str | os.PathLike,
+) -> None:
+    """Refuse logits that are not the ones the teacher results describe (module docstring).
+
+    Arguments
+    ---------
+    path : str or os.PathLike
+        The logits file ``outputs`` was read from.
+    outputs : TeacherOutputs
+        As read by :func:`read_teacher_outputs`.
+    teacher_results : dict
+        The teacher run's ``results.json`` (its ``privacy`` block and its
+        ``teacher_outputs`` record).
+    results_path : str or os.PathLike
+        Where ``teacher_results`` was read (for the messages).
+
+    Raises
+    ------
+    TeacherOutputMismatchError
+        No record, another SHA-256 or run id, or privacy settings that differ, naming the key
+        and both values.
+    """
+    record = teacher_results.get("teacher_outputs")
+    if not isinstance(record, dict) or "sha256" not in record:
+        raise TeacherOutputMismatchError(
+            f"{results_path} records no fingerprint of the teacher outputs (written by an older "
+            f"or interrupted teacher run): cannot tell whether {path} is its logits; rerun "
+            "train_teacher.py"
+        )
+    digest = file_sha256(path)
+    if digest != record["sha256"]:
+        raise TeacherOutputMismatchError(
+            f"{path} has SHA-256 {digest[:16]}..., but {results_path} describes a file with "
+            f"{record['sha256'][:16]}...: the logits come from another teacher run (or the run "
+            "was interrupted between its two writes); rerun train_teacher.py"
+        )
+    if outputs.meta.get("run_id") != record.get("run_id"):
+        raise TeacherOutputMismatchError(
+            f"{path} is from teacher run {outputs.meta.get('run_id')!r}, {results_path} from "
+            f"{record.get('run_id')!r}"
+        )
+    privacy = teacher_results.get("privacy") or {}
+    for key in PRIVACY_KEYS:
+        in_file, in_record = outputs.meta.get(key), record["privacy"].get(key)
+        in_results = privacy.get(key)
+        if not in_file == in_record == in_results:
+            raise TeacherOutputMismatchError(
+                f"privacy setting {key!r} differs: {in_file!r} in {path}, {in_record!r} in the "
+                f"record and {in_results!r} in the privacy block of {results_path}"
+            )

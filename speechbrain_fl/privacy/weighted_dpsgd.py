@@ -64,6 +64,21 @@ from ``os.urandom`` (not from the recipe seed: DESIGN.md privacy invariant 1), n
 disk. A fixed ``noise_seed`` is for tests only and warns. (Opacus's ``secure_mode`` would use a
 CSPRNG from ``torchcsprng``, which is not installed here.)
 
+**Opacus internals.** The weighted optimizers re-implement Opacus's ``clip_and_accumulate``
+and ``add_noise`` with Opacus's own private helpers (``_check_processed_flag``,
+``_mark_as_processed``, ``_generate_noise``, ``DPOptimizer._get_flat_grad_sample``), and
+:class:`DPSGDPrivacyEngine` overrides ``PrivacyEngine._prepare_optimizer`` and sets its
+``secure_rng`` (the Poisson sampler's generator); the Private-Gender recipe calls
+``GradSampleModule._close`` and reads ``GradSampleModule._module``. Opacus's own optimizers
+(``DPPerLayerOptimizer``) subclass ``DPOptimizer`` with the same helpers. Opacus's public API has no hook for per-sample weights, so these
+are pinned instead: :data:`OPACUS_PRIVATE_API` records each helper with the parameters used,
+:func:`check_opacus_private_api` (run when an engine is built, and by the unit tests) raises
+naming the helper if one disappears or changes its parameters, and
+:meth:`DPSGDPrivacyEngine.make_private` checks that the optimizer and the Poisson sampler it
+returns are the ones built here (else a renamed internal would silently give an unweighted
+optimizer, or a sampler on the global, seed-derived generator). Tested with
+:data:`OPACUS_TESTED`.
+
 Example
 -------
 >>> class_weights_from_counts([700, 250, 50], gamma=1.0)
@@ -72,6 +87,8 @@ tensor([0.0714, 0.2000, 1.0000])
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 import os
 import warnings
@@ -83,16 +100,79 @@ from opacus.optimizers import DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 __all__ = [
+    "OPACUS_PRIVATE_API",
+    "OPACUS_TESTED",
     "BatchAdaptiveDPOptimizer",
     "DPSGDPrivacyEngine",
     "WeightedDPOptimizer",
     "batch_adaptive_factors",
     "batch_adaptive_sensitivity",
+    "check_opacus_private_api",
     "class_weights_from_counts",
     "os_seeded_generator",
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The Opacus versions this module's use of Opacus internals was tested with.
+OPACUS_TESTED = ">=1.5,<1.7 (1.6.0)"
+#: Private Opacus helpers used here (and by the Private-Gender recipe), each with the leading
+#: parameters this code relies on, in order.
+OPACUS_PRIVATE_API = {
+    "opacus.optimizers.optimizer:_check_processed_flag": ("obj",),
+    "opacus.optimizers.optimizer:_mark_as_processed": ("obj",),
+    "opacus.optimizers.optimizer:_generate_noise": ("std", "reference", "generator", "secure_mode"),
+    "opacus.optimizers.optimizer:DPOptimizer._get_flat_grad_sample": ("self", "p"),
+    "opacus.privacy_engine:PrivacyEngine._prepare_optimizer": (
+        "self",
+        "optimizer",
+        "noise_multiplier",
+        "max_grad_norm",
+        "expected_batch_size",
+        "loss_reduction",
+        "distributed",
+        "clipping",
+        "noise_generator",
+        "grad_sample_mode",
+    ),
+    "opacus.grad_sample.grad_sample_module:GradSampleModule._close": ("self",),
+}
+
+
+def check_opacus_private_api(api: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Raise ``RuntimeError`` naming every helper of ``api`` that is missing or changed.
+
+    Arguments
+    ---------
+    api : dict, optional
+        ``{"module:attribute.path": (parameter names, in order)}``; default
+        :data:`OPACUS_PRIVATE_API`.
+
+    Example
+    -------
+    >>> check_opacus_private_api()  # the installed Opacus has every helper this module uses
+    """
+    import opacus
+
+    problems = []
+    for where, expected in (OPACUS_PRIVATE_API if api is None else api).items():
+        module_name, attribute = where.split(":")
+        try:
+            obj = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            problems.append(f"{where} is gone")
+            continue
+        names = tuple(inspect.signature(obj).parameters)[: len(expected)]
+        if names != expected:
+            problems.append(f"{where} takes {names}, this code passes {expected}")
+    if problems:
+        raise RuntimeError(
+            f"opacus {opacus.__version__}: private helpers used by "
+            f"speechbrain_fl.privacy.weighted_dpsgd changed ({'; '.join(problems)}); it was "
+            f"tested with opacus{OPACUS_TESTED}: install that version or update this module"
+        )
 
 
 def class_weights_from_counts(counts: Sequence[float], *, gamma: float = 1.0) -> torch.Tensor:
@@ -120,8 +200,10 @@ def class_weights_from_counts(counts: Sequence[float], *, gamma: float = 1.0) ->
         raise ValueError(f"counts must be a non-empty 1-D sequence, got {counts.tolist()}")
     zero = torch.nonzero(~(counts > 0)).flatten().tolist()
     if zero:
-        raise ValueError(f"class index(es) {zero} have count <= 0: no AW-DP weight (counts "
-                         f"{counts.tolist()}); the weight source must contain every class")  # fmt: skip
+        raise ValueError(
+            f"class index(es) {zero} have count <= 0: no AW-DP weight (counts "
+            f"{counts.tolist()}); the weight source must contain every class"
+        )
     if not gamma >= 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
     return ((counts.min() / counts) ** float(gamma)).to(torch.float32)
@@ -170,8 +252,9 @@ class WeightedDPOptimizer(DPOptimizer):
         """Labels of the current (Poisson-sampled) batch, in batch order."""
         labels = torch.as_tensor(labels).long().flatten()
         if labels.numel() and (labels.min() < 0 or labels.max() >= self.class_weights.numel()):
-            raise ValueError(f"labels outside [0, {self.class_weights.numel()}): "
-                             f"{sorted(set(labels.tolist()))}")  # fmt: skip
+            raise ValueError(
+                f"labels outside [0, {self.class_weights.numel()}): {sorted(set(labels.tolist()))}"
+            )
         self._labels = labels
 
     def per_sample_weights(self, batch_size: int) -> torch.Tensor:
@@ -263,13 +346,15 @@ class BatchAdaptiveDPOptimizer(WeightedDPOptimizer):
         super().__init__(optimizer, class_weights=torch.ones_like(a), **kwargs)
         self.coefficients = a
         self.floor = int(floor)
-        self.sensitivity = batch_adaptive_sensitivity(clip=self.max_grad_norm, coefficients=a,
-                                                      floor=self.floor)  # fmt: skip
+        self.sensitivity = batch_adaptive_sensitivity(
+            clip=self.max_grad_norm, coefficients=a, floor=self.floor
+        )
 
     def per_sample_weights(self, batch_size: int) -> torch.Tensor:
         super().per_sample_weights(batch_size)  # checks that the labels were set
-        return batch_adaptive_factors(self._labels, coefficients=self.coefficients,
-                                      floor=self.floor)  # fmt: skip
+        return batch_adaptive_factors(
+            self._labels, coefficients=self.coefficients, floor=self.floor
+        )
 
     def add_noise(self):
         """``p.grad = S + N(0, (sigma * Delta)^2)`` (Opacus's noise source, its std replaced)."""
@@ -277,9 +362,12 @@ class BatchAdaptiveDPOptimizer(WeightedDPOptimizer):
 
         for p in self.params:
             _check_processed_flag(p.summed_grad)
-            noise = _generate_noise(std=self.noise_multiplier * self.sensitivity,
-                                    reference=p.summed_grad, generator=self.generator,
-                                    secure_mode=self.secure_mode)  # fmt: skip
+            noise = _generate_noise(
+                std=self.noise_multiplier * self.sensitivity,
+                reference=p.summed_grad,
+                generator=self.generator,
+                secure_mode=self.secure_mode,
+            )
             p.grad = (p.summed_grad + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
 
@@ -307,34 +395,89 @@ class DPSGDPrivacyEngine(PrivacyEngine):
     'rdp'
     """
 
-    def __init__(self, *, accountant: str = "rdp", class_weights=None,
-                 batch_adaptive: dict | None = None, seed: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        accountant: str = "rdp",
+        class_weights=None,
+        batch_adaptive: dict | None = None,
+        seed: int | None = None,
+    ):
+        check_opacus_private_api()
         super().__init__(accountant=accountant, secure_mode=False)
         if class_weights is not None and batch_adaptive is not None:
             raise ValueError("class_weights and batch_adaptive are exclusive AW-DP forms")
         self.class_weights = class_weights
         self.batch_adaptive = batch_adaptive
-        self.secure_rng = os_seeded_generator(seed, what="Poisson sampling")
+        # Opacus draws the Poisson batches from ``secure_rng``; ``sampling_rng`` keeps our
+        # generator to check that it did (make_private).
+        self.sampling_rng = os_seeded_generator(seed, what="Poisson sampling")
+        self.secure_rng = self.sampling_rng
         self.noise_rng = os_seeded_generator(None if seed is None else seed + 1, what="DP noise")
         self.fixed_seed = seed
 
-    def _prepare_optimizer(self, *, optimizer, grad_sample_mode="hooks", clipping="flat",
-                           distributed=False, noise_generator=None, **kwargs):  # fmt: skip
+    def make_private(self, **kwargs):
+        """Opacus's ``make_private``, then a check that its internals used what was set here.
+
+        Raises ``RuntimeError`` if the Poisson sampler does not draw from this engine's
+        OS-seeded generator, or the optimizer is not the AW-DP one asked for.
+        """
+        module, optimizer, loader = super().make_private(**kwargs)
+        sampler = getattr(loader, "batch_sampler", None)
+        if kwargs.get("poisson_sampling", True) and (
+            getattr(sampler, "generator", None) is not self.sampling_rng
+        ):
+            raise RuntimeError(
+                "opacus's Poisson sampler does not use the engine's OS-seeded generator (an Opacus "
+                f"internal changed; tested with opacus{OPACUS_TESTED}): refusing to train on a "
+                "generator that may derive from the recipe seed"
+            )
+        wanted = (
+            BatchAdaptiveDPOptimizer
+            if self.batch_adaptive is not None
+            else WeightedDPOptimizer
+            if self.class_weights is not None
+            else DPOptimizer
+        )
+        if not isinstance(optimizer, wanted):
+            raise RuntimeError(
+                f"opacus built a {type(optimizer).__name__}, not the {wanted.__name__} asked for "
+                f"(PrivacyEngine._prepare_optimizer changed; tested with opacus{OPACUS_TESTED})"
+            )
+        return module, optimizer, loader
+
+    def _prepare_optimizer(
+        self,
+        *,
+        optimizer,
+        grad_sample_mode="hooks",
+        clipping="flat",
+        distributed=False,
+        noise_generator=None,
+        **kwargs,
+    ):
         if self.class_weights is None and self.batch_adaptive is None:
             return super()._prepare_optimizer(
-                optimizer=optimizer, grad_sample_mode=grad_sample_mode, clipping=clipping,
-                distributed=distributed, noise_generator=noise_generator or self.noise_rng,
+                optimizer=optimizer,
+                grad_sample_mode=grad_sample_mode,
+                clipping=clipping,
+                distributed=distributed,
+                noise_generator=noise_generator or self.noise_rng,
                 **kwargs,
-            )  # fmt: skip
+            )
         if grad_sample_mode != "hooks" or clipping != "flat" or distributed:
-            raise ValueError("AW-DP weights need grad_sample_mode='hooks', flat clipping and a "
-                             f"single process (got {grad_sample_mode!r}, {clipping!r})")  # fmt: skip
+            raise ValueError(
+                "AW-DP weights need grad_sample_mode='hooks', flat clipping and a "
+                f"single process (got {grad_sample_mode!r}, {clipping!r})"
+            )
         if isinstance(optimizer, DPOptimizer):
             optimizer = optimizer.original_optimizer
         common = {"generator": noise_generator or self.noise_rng, "secure_mode": False, **kwargs}
         if self.batch_adaptive is not None:
             return BatchAdaptiveDPOptimizer(
-                optimizer, coefficients=self.batch_adaptive["coefficients"],
-                floor=self.batch_adaptive["floor"], **common,
-            )  # fmt: skip
+                optimizer,
+                coefficients=self.batch_adaptive["coefficients"],
+                floor=self.batch_adaptive["floor"],
+                **common,
+            )
         return WeightedDPOptimizer(optimizer, class_weights=self.class_weights, **common)

@@ -177,3 +177,35 @@ def test_corrupt_clip_named(copy, tmp_path):
 def test_not_a_common_voice_folder(tmp_path):
     with pytest.raises(OSError, match="no clips/"):
         prepare_common_voice(tmp_path, tmp_path / "m")
+
+
+def test_sigterm_during_synthesis_leaves_no_temporary_folder(tmp_path):
+    """A kill (SIGTERM) while clips are written removes the ``.cv_synth.*.tmp`` folder."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "cv_synth"
+    code = (
+        "from speechbrain_fl.data.common_voice_synth import generate_common_voice_corpus\n"
+        f"generate_common_voice_corpus({str(out)!r}, speakers={{'train': 400}}, "
+        "clips_per_speaker=4, audio_format='wav', progress=False)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            clips = [p for t in tmp_path.glob(".cv_synth.*.tmp") for p in t.glob("clips/*.wav")]
+            if len(clips) >= 3:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "generation ended before it could be interrupted"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not list(tmp_path.glob(".cv_synth.*.tmp")) and not out.exists()

@@ -15,8 +15,13 @@ from speechbrain_fl.distill.store import read_teacher_outputs, write_teacher_out
 def test_store_round_trip_and_temperature_on_read(tmp_path):
     logits = np.array([[3.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
     path = tmp_path / "aux_logits.npz"
-    write_teacher_outputs(path, ids=["x", "y"], logits=logits, classes=["m", "f", "o"],
-                          meta={"epsilon": 0.9, "delta": 1e-5})  # fmt: skip
+    write_teacher_outputs(
+        path,
+        ids=["x", "y"],
+        logits=logits,
+        classes=["m", "f", "o"],
+        meta={"epsilon": 0.9, "delta": 1e-5},
+    )
     for tau in (1.0, 4.0):
         out = read_teacher_outputs(path, temperature=tau)
         expected = torch.softmax(torch.tensor(logits) / tau, dim=1).numpy()
@@ -62,15 +67,27 @@ def test_kd_loss_matches_formula():
 def test_collapse_report_values_and_intervals():
     speakers = [f"s{i // 2}" for i in range(20)]
     labels = [0] * 14 + [1] * 5 + [2]
-    collapsed = collapse_report(speakers=speakers, labels=labels, predictions=[0] * 20,
-                                classes=["m", "f", "o"], majority_class=0, num_resamples=300)  # fmt: skip
+    collapsed = collapse_report(
+        speakers=speakers,
+        labels=labels,
+        predictions=[0] * 20,
+        classes=["m", "f", "o"],
+        majority_class=0,
+        num_resamples=300,
+    )
     assert collapsed["majpred"]["value"] == 1.0 and collapsed["top_share"]["value"] == 1.0
     assert collapsed["accuracy"]["value"] == pytest.approx(0.7)  # accuracy hides the collapse
     assert collapsed["balanced_accuracy"]["value"] == pytest.approx(1 / 3)
     assert collapsed["per_class_recall"]["f"]["value"] == 0.0
     assert collapsed["macro_f1"]["value"] == pytest.approx((2 * 14 / (28 + 6)) / 3)
-    good = collapse_report(speakers=speakers, labels=labels, predictions=labels,
-                           classes=["m", "f", "o"], majority_class=0, num_resamples=300)  # fmt: skip
+    good = collapse_report(
+        speakers=speakers,
+        labels=labels,
+        predictions=labels,
+        classes=["m", "f", "o"],
+        majority_class=0,
+        num_resamples=300,
+    )
     assert good["balanced_accuracy"]["value"] == 1.0 and good["majpred"]["value"] == pytest.approx(
         0.7
     )
@@ -78,8 +95,14 @@ def test_collapse_report_values_and_intervals():
         lo, hi = collapsed[name]["ci"]
         assert lo <= collapsed[name]["value"] + 1e-12 and collapsed[name]["value"] <= hi + 1e-12
     assert collapsed["confusion"] == confusion_matrix(labels, [0] * 20, 3).tolist()
-    again = collapse_report(speakers=speakers, labels=labels, predictions=[0] * 20,
-                            classes=["m", "f", "o"], majority_class=0, num_resamples=300)  # fmt: skip
+    again = collapse_report(
+        speakers=speakers,
+        labels=labels,
+        predictions=[0] * 20,
+        classes=["m", "f", "o"],
+        majority_class=0,
+        num_resamples=300,
+    )
     assert again["accuracy"]["ci"] == collapsed["accuracy"]["ci"]
 
 
@@ -90,3 +113,53 @@ def test_collapse_report_bad_input():
         collapse_report(
             speakers=["a"], labels=[0], predictions=[3], classes=["a", "b"], majority_class=0
         )
+
+
+def _teacher_unit(folder, *, epsilon, run_id):
+    """A teacher's two outputs as train_teacher.py writes them: logits, then results.json."""
+    from speechbrain_fl.distill.store import teacher_outputs_record
+
+    path = folder / "aux_logits.npz"
+    privacy = {"epsilon": epsilon, "delta": 1e-5 if epsilon else None, "steps": 40}
+    write_teacher_outputs(
+        path,
+        ids=["x", "y"],
+        logits=np.eye(2),
+        classes=["m", "f"],
+        meta={**privacy, "run_id": run_id},
+    )
+    return path, {"privacy": privacy, "teacher_outputs": teacher_outputs_record(path)}
+
+
+def test_student_refuses_logits_of_another_teacher_run(tmp_path):
+    """A teacher killed between its two writes: new (non-private) logits, old private results."""
+    from speechbrain_fl.distill.store import TeacherOutputMismatchError, verify_teacher_outputs
+
+    path, private_results = _teacher_unit(tmp_path, epsilon=0.995, run_id="a")
+    out = read_teacher_outputs(path, temperature=1.0)
+    verify_teacher_outputs(path, out, teacher_results=private_results, results_path="r.json")
+    assert private_results["teacher_outputs"]["privacy"]["epsilon"] == 0.995
+
+    _teacher_unit(tmp_path, epsilon=None, run_id="b")  # the next run's logits only
+    out = read_teacher_outputs(path, temperature=1.0)
+    with pytest.raises(TeacherOutputMismatchError, match="SHA-256"):
+        verify_teacher_outputs(path, out, teacher_results=private_results, results_path="r.json")
+    # Results without the record (an older teacher run) are refused too.
+    with pytest.raises(TeacherOutputMismatchError, match="no fingerprint"):
+        verify_teacher_outputs(
+            path, out, teacher_results={"privacy": private_results["privacy"]}, results_path="r"
+        )
+
+
+def test_student_refuses_privacy_settings_that_differ(tmp_path):
+    """Same file and record, but a privacy block that says something else: refused by key."""
+    from speechbrain_fl.distill.store import TeacherOutputMismatchError, verify_teacher_outputs
+
+    path, results = _teacher_unit(tmp_path, epsilon=0.5, run_id="a")
+    out = read_teacher_outputs(path, temperature=1.0)
+    edited = {**results, "privacy": {**results["privacy"], "steps": 80}}
+    with pytest.raises(TeacherOutputMismatchError, match="'steps' differs: 40"):
+        verify_teacher_outputs(path, out, teacher_results=edited, results_path="r.json")
+    other_run = {**results, "teacher_outputs": {**results["teacher_outputs"], "run_id": "b"}}
+    with pytest.raises(TeacherOutputMismatchError, match="teacher run 'a'"):
+        verify_teacher_outputs(path, out, teacher_results=other_run, results_path="r.json")

@@ -94,16 +94,16 @@ def test_multimodal_model_needs_tokens():
 
 
 def test_privileged_tokens_refuse_label_fields():
-    import gender_lib
+    import gender_data
 
     rows = [{"sentence": "Hello there", "age": "twenties", "accent": "x", "label": "male",
              "gender_raw": "male_masculine"}]  # fmt: skip
-    tokens = gender_lib.privileged_tokens(
+    tokens = gender_data.privileged_tokens(
         rows, fields=["sentence", "age"], buckets=64, max_tokens=5
     )
     assert (tokens[0] > 0).sum().item() == 3
     for field in ("label", "gender_raw", "spk_id"):
         with pytest.raises(ValueError, match="never inputs"):
-            gender_lib.privileged_tokens(rows, fields=[field], buckets=64, max_tokens=5)
+            gender_data.privileged_tokens(rows, fields=[field], buckets=64, max_tokens=5)
     with pytest.raises(ValueError, match="unknown privileged_fields"):
-        gender_lib.privileged_tokens(rows, fields=["mood"], buckets=64, max_tokens=5)
+        gender_data.privileged_tokens(rows, fields=["mood"], buckets=64, max_tokens=5)

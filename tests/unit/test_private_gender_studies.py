@@ -30,7 +30,10 @@ def test_tables_and_readme_block(tmp_path):
     built = studies.tables(results)
     assert len(built) == 3
     eps_table = next(t for k, t in built.items() if k.startswith("Epsilon"))
-    assert "| target ε = ∞ (no DP) | ∞ (no DP) | 0.900 [0.80, 1.00]" in eps_table
+    # Results written before the joint figure existed show "-" in the joint column.
+    assert "| target ε = ∞ (no DP) | ∞ (no DP) | - | 0.900 [0.80, 1.00]" in eps_table
+    joint = {**_res(0.4, 1.0), "privacy_joint": {"epsilon": 1.43}}
+    assert studies._row("r", joint)[:3] == ["r", "0.99", "1.43"]
     assert "\\|D_aux\\| = 25" in next(t for k, t in built.items() if k.startswith("|D_aux|"))
     readme = tmp_path / "README.md"
     readme.write_text(f"head\n{studies.BEGIN}\nold\n{studies.END}\ntail\n")

@@ -37,13 +37,15 @@ def _summed(params_data, x, y, *, weights, clip, labels_weighted=True):
         model.weight.copy_(params_data[0])
         model.bias.copy_(params_data[1])
     gsm = GradSampleModule(model, loss_reduction="sum")
-    kwargs = dict(noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1,
-                  loss_reduction="sum")  # fmt: skip
+    kwargs = dict(
+        noise_multiplier=0.0, max_grad_norm=clip, expected_batch_size=1, loss_reduction="sum"
+    )
     if weights is None:
         opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), **kwargs)
     else:
-        opt = WeightedDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), class_weights=weights,
-                                  **kwargs)  # fmt: skip
+        opt = WeightedDPOptimizer(
+            torch.optim.SGD(gsm.parameters(), lr=0.0), class_weights=weights, **kwargs
+        )
         opt.set_labels(y)
     torch.nn.functional.cross_entropy(gsm(x), y, reduction="sum").backward()
     opt.step()
@@ -51,8 +53,12 @@ def _summed(params_data, x, y, *, weights, clip, labels_weighted=True):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), scale=st.floats(0.01, 100.0), clip=st.floats(0.05, 5.0),
-       gamma=st.floats(0.0, 2.0))  # fmt: skip
+@given(
+    seed=st.integers(0, 10_000),
+    scale=st.floats(0.01, 100.0),
+    clip=st.floats(0.05, 5.0),
+    gamma=st.floats(0.0, 2.0),
+)
 def test_sensitivity_bound_add_remove_one_record(seed, scale, clip, gamma):
     """||sum_D' - sum_D|| = w_{y'} ||clip(g', C)|| <= w_{y'} C <= C for D' = D + one record."""
     gen = torch.Generator().manual_seed(seed)
@@ -90,9 +96,14 @@ def test_noise_scale_is_sigma_c_over_expected_batch():
     sigma, clip, batch = 1.7, 0.8, 16
     model = torch.nn.Linear(200, 150)
     gsm = GradSampleModule(model, loss_reduction="sum")
-    opt = WeightedDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), class_weights=torch.tensor([0.3, 1.0]),
-                              noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch,
-                              generator=os_seeded_generator())  # fmt: skip
+    opt = WeightedDPOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.0),
+        class_weights=torch.tensor([0.3, 1.0]),
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        expected_batch_size=batch,
+        generator=os_seeded_generator(),
+    )
     x, y = torch.randn(batch, 200), torch.randint(0, 2, (batch,))
     (gsm(x).sum() * 0.0).backward()
     opt.set_labels(y)
@@ -104,16 +115,26 @@ def test_noise_scale_is_sigma_c_over_expected_batch():
 
 def test_labels_required_and_checked():
     gsm = GradSampleModule(torch.nn.Linear(2, 2))
-    opt = WeightedDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.1), class_weights=torch.tensor([0.5, 1.0]),
-                              noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=2)  # fmt: skip
+    opt = WeightedDPOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.1),
+        class_weights=torch.tensor([0.5, 1.0]),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        expected_batch_size=2,
+    )
     gsm(torch.randn(2, 2)).sum().backward()
     with pytest.raises(RuntimeError, match="set_labels"):
         opt.step()
     with pytest.raises(ValueError, match="labels outside"):
         opt.set_labels(torch.tensor([0, 2]))
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
-        WeightedDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.1), class_weights=torch.tensor([1.5]),
-                            noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=2)  # fmt: skip
+        WeightedDPOptimizer(
+            torch.optim.SGD(gsm.parameters(), lr=0.1),
+            class_weights=torch.tensor([1.5]),
+            noise_multiplier=0.0,
+            max_grad_norm=1.0,
+            expected_batch_size=2,
+        )
 
 
 def test_os_randomness_by_default_fixed_seed_warns():
@@ -132,9 +153,13 @@ def test_engine_make_private_builds_weighted_optimizer_and_accounts():
     model = torch.nn.Linear(4, 3)
     data = TensorDataset(torch.randn(40, 4), torch.randint(0, 3, (40,)))
     engine = DPSGDPrivacyEngine(class_weights=torch.tensor([0.2, 0.5, 1.0]))
-    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             data_loader=DataLoader(data, batch_size=10),
-                                             noise_multiplier=1.0, max_grad_norm=1.0)  # fmt: skip
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     assert isinstance(opt, WeightedDPOptimizer) and opt.generator is engine.noise_rng
     assert loader.batch_sampler.generator is engine.secure_rng  # Poisson sampler, OS-seeded
     for x, y in loader:
@@ -157,9 +182,15 @@ def _adaptive_sum(params_data, x, y, *, coefficients, floor, clip):
         model.weight.copy_(params_data[0])
         model.bias.copy_(params_data[1])
     gsm = GradSampleModule(model, loss_reduction="mean")
-    opt = BatchAdaptiveDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), coefficients=coefficients,
-                                   floor=floor, noise_multiplier=0.0, max_grad_norm=clip,
-                                   expected_batch_size=1, loss_reduction="mean")  # fmt: skip
+    opt = BatchAdaptiveDPOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.0),
+        coefficients=coefficients,
+        floor=floor,
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        expected_batch_size=1,
+        loss_reduction="mean",
+    )
     torch.nn.functional.cross_entropy(gsm(x), y).backward()
     opt.set_labels(y)
     opt.step()
@@ -167,8 +198,13 @@ def _adaptive_sum(params_data, x, y, *, coefficients, floor, clip):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 12), floor=st.integers(1, 6),
-       clip=st.floats(0.05, 5.0), scale=st.floats(0.01, 100.0))  # fmt: skip
+@given(
+    seed=st.integers(0, 10_000),
+    n=st.integers(1, 12),
+    floor=st.integers(1, 6),
+    clip=st.floats(0.05, 5.0),
+    scale=st.floats(0.01, 100.0),
+)
 def test_batch_adaptive_sensitivity_bound(seed, n, floor, clip, scale):
     """||S(B + x') - S(B)|| <= Delta = C max a 2 / (m + 1) for any batch and added record."""
     gen = torch.Generator().manual_seed(seed)
@@ -203,9 +239,15 @@ def test_batch_adaptive_noise_scale_and_checks():
     sigma, clip, a, floor = 1.3, 0.7, [6.0, 3.0, 1.0], 2
     model = torch.nn.Linear(200, 150)
     gsm = GradSampleModule(model, loss_reduction="mean")
-    opt = BatchAdaptiveDPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), coefficients=a, floor=floor,
-                                   noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=99,
-                                   generator=os_seeded_generator())  # fmt: skip
+    opt = BatchAdaptiveDPOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=0.0),
+        coefficients=a,
+        floor=floor,
+        noise_multiplier=sigma,
+        max_grad_norm=clip,
+        expected_batch_size=99,
+        generator=os_seeded_generator(),
+    )
     delta = clip * 6.0 * 2 / 3
     assert opt.sensitivity == pytest.approx(delta) and opt.expected_batch_size == 10.0
     x, y = torch.randn(8, 200), torch.randint(0, 3, (8,))
@@ -220,4 +262,39 @@ def test_batch_adaptive_noise_scale_and_checks():
     with pytest.raises(ValueError, match="exclusive"):
         DPSGDPrivacyEngine(
             class_weights=torch.ones(3), batch_adaptive={"coefficients": a, "floor": 1}
+        )
+
+
+def test_opacus_private_helpers_are_the_ones_this_code_was_written_for():
+    """Fails loudly (naming the helper) when Opacus renames or changes a private helper."""
+    from speechbrain_fl.privacy.weighted_dpsgd import OPACUS_PRIVATE_API, check_opacus_private_api
+
+    check_opacus_private_api()
+    assert len(OPACUS_PRIVATE_API) == 6
+    # The recipe unwraps the trained model through this attribute (gender_training.py).
+    inner = torch.nn.Linear(2, 1)
+    assert GradSampleModule(inner)._module is inner
+    changed = {**OPACUS_PRIVATE_API, "opacus.optimizers.optimizer:_generate_noise": ("sd",)}
+    with pytest.raises(RuntimeError, match="_generate_noise takes"):
+        check_opacus_private_api(changed)
+    gone = {"opacus.optimizers.optimizer:_no_such_helper": ("x",)}
+    with pytest.raises(RuntimeError, match="_no_such_helper is gone.*tested with opacus"):
+        check_opacus_private_api(gone)
+
+
+def test_make_private_refuses_a_sampler_off_the_os_seeded_generator():
+    """If Opacus stopped reading ``secure_rng``, the sampler would use the global generator."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    engine = DPSGDPrivacyEngine(accountant="rdp")
+    engine.secure_rng = None  # what a renamed Opacus attribute would leave in effect
+    model = torch.nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.zeros(8).long()), batch_size=4)
+    with pytest.raises(RuntimeError, match="Poisson sampler does not use"):
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
         )
