@@ -21,7 +21,7 @@ data pipeline, its analysis):
    Simulation Engine from the script, under the output folder's run lock.
 
 The script's ``__main__`` (:meth:`FederatedRecipe.run_script`: ``sb.parse_arguments``, the
-checked hparams, the run lock, the experiment directory, then the recipe's ``main``) and its report
+checked hparams, the run lock, then the recipe's ``main``, which creates the experiment directory) and its report
 (:mod:`speechbrain_fl.recipe.report`) complete a recipe; see ``docs/adding_a_recipe.md``.
 """
 
@@ -106,6 +106,18 @@ class RecipeRun:
     base_file: str = ""
     merged: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def experiment(self) -> dict[str, Any]:
+        """The keyword arguments of ``sb.create_experiment_directory`` for this run."""
+        kwargs = {
+            "experiment_directory": self.hparams["output_folder"],
+            "hyperparams_to_save": self.base_file,
+            "overrides": self.merged,
+        }
+        if "log_config" in self.run_opts:
+            kwargs["log_config"] = self.run_opts["log_config"]
+        return kwargs
+
 
 @dataclass
 class FederatedRecipe:
@@ -189,27 +201,15 @@ class FederatedRecipe:
     def run_script(self, argv, main: Callable[[RecipeRun], Any]) -> Any:
         """A script's ``__main__``: parse and check, lock the output folder, run ``main(run)``.
 
-        SpeechBrain's order: ``sb.parse_arguments`` -> hparams (every check) ->
-        ``sb.create_experiment_directory`` (``hyperparams.yaml``, ``train_log.txt``,
-        ``env.log``) -> the recipe's ``main``. The output folder's run lock
-        (:func:`speechbrain_fl.recipe.run_lock.run_lock`) is held from before the experiment
-        directory is written until ``main`` returns, so a second run on the same folder stops
-        at once.
+        SpeechBrain's order: ``sb.parse_arguments`` -> hparams (every check, before any work)
+        -> the recipe's ``main``, which starts with ``sb.create_experiment_directory(
+        **run.experiment)`` (called from the recipe's own module, so SpeechBrain copies the
+        recipe script into the output folder). The output folder's run lock
+        (:func:`speechbrain_fl.recipe.run_lock.run_lock`) is held until ``main`` returns, so a
+        second run on the same folder stops at once.
         """
-        import speechbrain as sb
-
         run = self.parse(argv)
         with run_lock(run.hparams["output_folder"]):
-            sb.create_experiment_directory(
-                experiment_directory=run.hparams["output_folder"],
-                hyperparams_to_save=run.base_file,
-                overrides=run.merged,
-                **(
-                    {"log_config": run.run_opts["log_config"]}
-                    if "log_config" in run.run_opts
-                    else {}
-                ),
-            )
             return main(run)
 
     # -- 2. settings once per run ---------------------------------------------------------
@@ -252,7 +252,7 @@ class FederatedRecipe:
             build_server=functools.partial(build_server, settings=settings, **server_kwargs),
             num_partitions=settings.num_clients,
             on_result=on_result,
-            info=dict(info or {}),
+            info={} if info is None else info,
         )
 
     # -- 5. the simulation run ------------------------------------------------------------

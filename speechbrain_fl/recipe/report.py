@@ -152,8 +152,11 @@ def insert_table(text: str, name: str, markdown: str) -> str:
     'a\\n<!-- t:start -->\\nT\\n<!-- t:end -->\\nb'
     """
     start_marker, end_marker = markers(name)
-    if text.count(start_marker) != 1:
-        raise ValueError(f"{start_marker} must appear once (found {text.count(start_marker)})")
+    count = text.count(start_marker)
+    if count == 0:
+        raise ValueError(f"no {start_marker} marker to insert the table at")
+    if count > 1:
+        raise ValueError(f"{start_marker} appears {count} times; it must appear once")
     start = text.index(start_marker) + len(start_marker)
     head, rest = text[:start], text[start:]
     if end_marker in head:

@@ -5,7 +5,9 @@ client and server builders of every process (the script or ServerApp, Ray actors
 read the same settings. They travel as JSON in ``<save_folder>/prepared.json``, so they are
 plain data. :class:`RunSettings` holds the fields every federated recipe has; a recipe adds its
 own fields in a subclass (SUPERB: labels, depths, evaluated exits). Reading a field that does
-not exist is an ``AttributeError`` at the line that reads it, not a silent ``KeyError`` later.
+not exist is an ``AttributeError`` at the line that reads it; item access (``settings["clients"]``)
+is kept for callers written against the older dict settings and raises ``KeyError`` naming an
+unknown field.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ class RunSettings:
     (True, 1)
     """
 
-    hparams: dict[str, Any]
-    run_opts: dict[str, Any]
-    data_folder: str
-    clients: list[str]
-    valid_csv: str
-    test_csv: str
+    hparams: dict[str, Any] = field(default_factory=dict)
+    run_opts: dict[str, Any] = field(default_factory=dict)
+    data_folder: str = ""
+    clients: list[str] = field(default_factory=list)
+    valid_csv: str = ""
+    test_csv: str = ""
     cpus_per_client: float = 1.0
     model: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
@@ -70,6 +72,26 @@ class RunSettings:
         """The ``--device`` run option (``cpu`` when not given)."""
         return self.run_opts.get("device") or "cpu"
 
+    def __getitem__(self, name: str) -> Any:
+        """``settings["clients"]``, for callers written against the older dict settings."""
+        if name not in self._names():
+            raise KeyError(f"{type(self).__name__} has no field {name!r}")
+        return getattr(self, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if name not in self._names():
+            raise KeyError(f"{type(self).__name__} has no field {name!r}")
+        setattr(self, name, value)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """A field's value, ``default`` when it is ``None``."""
+        value = getattr(self, name) if name in self._names() else None
+        return default if value is None else value
+
+    @classmethod
+    def _names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON-ready data (``prepared.json``)."""
         return dataclasses.asdict(self)
@@ -77,8 +99,7 @@ class RunSettings:
     @classmethod
     def from_dict(cls: type[T], values: dict[str, Any]) -> T:
         """Settings from :meth:`to_dict`'s output; ``ValueError`` naming unknown fields."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
+        unknown = sorted(set(values) - cls._names())
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
         return cls(**values)
