@@ -7,7 +7,8 @@ SpeechBrain recipes keep their analysis helpers:
 - :func:`federated_change`: final minus round-0 WER, paired speaker bootstrap;
 - :func:`privacy_section`: results.json's privacy section (engine report + disclosure);
 - :func:`noise_vs_update`: the per-round noise norm against the mean client update norm;
-- :func:`results_summary`: the ``results.json`` mapping of a run.
+- :func:`results_summary`: the ``results.json`` mapping of a run;
+- :func:`report_run`: all of it after the federated rounds, then results.json, plots, printout.
 
 Authors
  * speechbrain-fl contributors
@@ -17,14 +18,20 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import time
 
-from speechbrain_fl.fl.disclosure import privacy_disclosure
+from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
 from speechbrain_fl.fl.profile import norm_profile
 from speechbrain_fl.metrics import (
     paired_bootstrap_details,
     utterance_errors_from_stats,
     wer_report,
+    write_utterance_details,
 )
+from speechbrain_fl.plots import write_run_plots
+from speechbrain_fl.recipe import print_summary, write_results
+from speechbrain_fl.run_outputs import format_results_table
 
 logger = logging.getLogger("train_fl")  # the recipe's log name
 
@@ -197,3 +204,70 @@ def results_summary(
         "stopped_early": result.stopped_early,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
+
+
+def report_run(
+    *, brain, layout, test_set, test_rows, hparams, settings, info, config, result, round0,
+    profile, alpha_from_profile, timings, start,
+):  # fmt: skip
+    """After the federated rounds: test WER, the change from round 0, noise vs update, outputs.
+
+    ``brain`` holds the final global model; ``round0`` is ``(report, details)`` of the seed
+    model's test evaluation. Writes ``test_utterances*.csv``, ``results.json`` and the plots,
+    logs and prints the results table. Returns the results mapping.
+    """
+    test_round0, details_round0 = round0
+    final_model = os.path.join(hparams["output_folder"], "final_model")
+    t0 = time.time()
+    test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
+    timings["evaluation"] += time.time() - t0
+    write_utterance_details(os.path.join(hparams["output_folder"], "test_utterances.csv"), details)
+    write_utterance_details(
+        os.path.join(hparams["output_folder"], "test_utterances_round0.csv"), details_round0
+    )
+    change = federated_change(details, details_round0, hparams)
+    logger.info(
+        "Test WER change over the federated stage: %+.4f [%+.4f, %+.4f] (paired speaker "
+        "bootstrap, %s)",
+        change["difference"],
+        *change["ci95"],
+        "significant" if change["significant"] else "not significant",
+    )
+    cohort = hparams["sampling_rate"] * settings.num_clients
+    ratio = noise_vs_update(
+        result.reports,
+        layout,
+        noise_multiplier=config.noise_multiplier,
+        clip=hparams["clip"],
+        expected_cohort_size=cohort,
+    )
+    log_noise_ratio(ratio)
+    timings["total"] = time.time() - start
+    results = results_summary(
+        hparams=hparams, settings=settings, info=info, config=config, result=result,
+        test=test_report, test_round0=test_round0, change=change, ratio=ratio, profile=profile,
+        alpha_from_profile=alpha_from_profile, timings=timings,
+    )  # fmt: skip
+    write_results(hparams["output_folder"], results)
+    plots = write_run_plots(
+        hparams["output_folder"],
+        noise_multiplier=config.noise_multiplier,
+        clip=hparams["clip"] or 1.0,
+        alpha=hparams["alpha"] if hparams["method"] == "alpha_split" else None,
+        expected_cohort_size=cohort,
+    )
+    hparams["train_logger"].log_stats(
+        stats_meta={"round": result.last_round, "method": hparams["method"]},
+        test_stats={"WER": test_report["WER"], "round0_WER": test_round0["WER"]},
+    )
+    print_summary(
+        format_results_table(results, style="text"),
+        output_folder=hparams["output_folder"],
+        timings=results["timings_s"],
+        plots=plots,
+        extra=[
+            format_disclosure(results["privacy"]),
+            f"Model: {final_model} (python recipes/MLS/transcribe.py {final_model} <wav>)",
+        ],
+    )
+    return results

@@ -54,40 +54,33 @@ from speechbrain_fl.data.mls_synth import generate_mls_corpus
 from speechbrain_fl.data.partition import partition_manifest, read_manifest
 from speechbrain_fl.fl.client import ClientTask
 from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.fl.disclosure import format_disclosure
 from speechbrain_fl.fl.params import load_trainable
 from speechbrain_fl.fl.profile import format_profile, norm_profile, profile_config, write_profile
 from speechbrain_fl.fl.server import ServerTask
 from speechbrain_fl.fl.task import import_factory
-from speechbrain_fl.metrics import write_utterance_details
 from speechbrain_fl.models.checkpoint import save_federated_model
 from speechbrain_fl.models.presets import PRESETS, build_speech_llm
-from speechbrain_fl.models.pretrain import pretrain_seed_model
-from speechbrain_fl.plots import write_run_plots
 from speechbrain_fl.privacy import layout_from_model
 from speechbrain_fl.recipe import (
     FederatedRecipe,
     ModelCache,
     RunSettings,
-    cached_seed_model,
-    file_digest,
-    print_summary,
-    write_results,
 )
-from speechbrain_fl.run_outputs import format_results_table
 
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
 from mls_prepare import prepare_mls  # noqa: E402
-from mls_report import (  # noqa: E402, F401 (PAPER_SIGMA, noise_vs_update: the recipe's API)
+from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis API)
     PAPER_SIGMA,
     _log_noise_ratio,
     evaluate_test,
     federated_change,
     log_noise_ratio,
     noise_vs_update,
-    results_summary,
+    privacy_section,
+    report_run,
 )
+from mls_seed_model import seed_model_folder  # noqa: E402
 
 logger = logging.getLogger("train_fl")  # one name whichever way the file was imported
 TASK = f"{Path(__file__).resolve()}:mls_task"
@@ -277,119 +270,6 @@ def model_options(hparams):
     }
 
 
-def seed_model_folder(hparams, manifests, data_folder, run_opts):
-    """The starting checkpoint: the preset itself, or the tiny model pretrained centrally.
-
-    The tiny preset is random; it is pretrained on the embedded corpus's ``public`` split
-    (speakers disjoint from every client, dev and test) with
-    :func:`speechbrain_fl.models.pretrain.pretrain_seed_model` and kept in the cache by
-    :func:`speechbrain_fl.recipe.cached_seed_model`, keyed by the options that shape it, so a
-    second run reuses it. Real presets start from their Hugging Face checkpoints and are not
-    pretrained here. The run options that apply to a training loop (device, precision,
-    max_grad_norm, grad_accumulation_factor, noprogressbar) apply here too; a command-line
-    ``--max_grad_norm`` replaces ``pretrain_max_grad_norm`` as it replaces the clients'
-    ``max_grad_norm``.
-    """
-    if hparams["model"] != "tiny":
-        return hparams["model"], {}
-    public_csv = os.path.join(manifests, "public.csv")
-    if not os.path.isfile(public_csv):
-        raise OSError(
-            f"model: tiny needs a public split to pretrain on ({public_csv} is missing); use the "
-            "embedded corpus (data_folder: null), set public_speaker_share to carve one from the "
-            "training speakers of a real MLS folder, or use a real preset such as "
-            "whisper_tinyllama"
-        )
-    max_grad_norm = run_opts.get("max_grad_norm", hparams["pretrain_max_grad_norm"])
-    accumulation = int(run_opts.get("grad_accumulation_factor", 1))
-    precision = run_opts.get("precision", "fp32")
-    key = {
-        "steps": hparams["pretrain_steps"],
-        "ctc_steps": hparams["pretrain_ctc_steps"],
-        "lr": hparams["pretrain_lr"],
-        "batch_size": hparams["pretrain_batch_size"],
-        "connector": hparams["connector"],
-        "downsample_k": hparams["downsample_k"],
-        "ctc_weight": hparams["ctc_weight"],
-        "prompt": hparams["prompt"],
-        "seed": hparams["seed"],
-        "data": os.path.abspath(data_folder),
-        # The public split's content: a corpus regenerated with other options in the same
-        # folder must not reuse a seed model trained on the old one.
-        "public_manifest": file_digest(public_csv),
-        "languages": list(hparams["languages"]),
-    }
-    # Run options that change the trained weights join the key only when not at their defaults
-    # (so existing caches stay valid).
-    for name, value, default in (
-        ("max_grad_norm", max_grad_norm, 1.0),
-        ("grad_accumulation_factor", accumulation, 1),
-        ("precision", precision, "fp32"),
-    ):
-        if value != default:
-            key[name] = value
-
-    def build(folder):
-        logger.info("Pretraining the tiny seed model on the public split (%s steps)", key["steps"])
-        model = build_speech_llm(
-            "tiny",
-            cache_dir=hparams["cache_folder"],
-            freeze_encoder=False,
-            lora_r=0,
-            connector=hparams["connector"],
-            downsample_k=hparams["downsample_k"],
-            ctc_weight=hparams["ctc_weight"],
-            prompt=hparams["prompt"],
-            seed=hparams["seed"],
-            device=run_opts.get("device") or "cpu",
-        )
-        loader = sb.dataio.dataloader.make_dataloader(
-            make_dataset(public_csv, data_folder),
-            batch_size=hparams["pretrain_batch_size"],
-            shuffle=True,
-        )
-        history = pretrain_seed_model(
-            model,
-            _Batches(loader),
-            steps=hparams["pretrain_steps"],
-            lr=hparams["pretrain_lr"],
-            warmup_steps=min(30, hparams["pretrain_steps"] // 10),
-            ctc_warmup_steps=hparams["pretrain_ctc_steps"] if hparams["ctc_weight"] > 0 else 0,
-            max_grad_norm=max_grad_norm,
-            grad_accumulation_factor=accumulation,
-            precision=precision,
-            progressbar=not run_opts.get("noprogressbar", False),
-            log_every=50,
-        )
-        model.to("cpu").save_pretrained(folder)
-        tail = history["loss"][-20:]
-        hparams["train_logger"].log_stats(
-            stats_meta={"stage": "seed pretraining", "steps": key["steps"]},
-            train_stats={"loss": sum(tail) / len(tail)},
-        )
-        logger.info("Seed model pretrained (final loss %.3f)", sum(tail) / len(tail))
-
-    return cached_seed_model(
-        cache_folder=hparams["cache_folder"],
-        prefix="seed_tiny",
-        key=key,
-        build=build,
-        marker="speech_llm.json",
-    )
-
-
-class _Batches:
-    """Re-iterable ``(wavs, wav_lens, transcripts, languages)`` view of a SpeechBrain loader."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def __iter__(self):
-        for batch in self.loader:
-            wavs, lens = batch.sig
-            yield wavs, lens, list(batch.wrd), list(batch.language)
-
-
 _MODELS = ModelCache()  # one model per process, shared by the clients it trains
 
 
@@ -466,7 +346,9 @@ def prepare_run(hparams, run_opts):
         data_folder, manifests, prep_report, partition, timings = dataio_prepare(
             hparams, progressbar=not run_opts.get("noprogressbar", False)
         )
-        seed_folder, pretrain_info = seed_model_folder(hparams, manifests, data_folder, run_opts)
+        seed_folder, pretrain_info = seed_model_folder(
+            hparams, manifests, data_folder, run_opts, make_dataset=make_dataset
+        )
         clients = [partition["clients"][n]["manifest"] for n in sorted(partition["clients"])]
         settings = RunSettings(
             hparams={k: hparams[k] for k in BRAIN_KEYS},
@@ -715,60 +597,12 @@ def main(run):
     timings["federated"] = time.time() - start
 
     load_trainable(brain.modules, result.params)  # the task's on_result saved final_model/
-    final_model = os.path.join(hparams["output_folder"], "final_model")
-    start = time.time()
-    test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
-    timings["evaluation"] += time.time() - start
-    write_utterance_details(os.path.join(hparams["output_folder"], "test_utterances.csv"), details)
-    write_utterance_details(
-        os.path.join(hparams["output_folder"], "test_utterances_round0.csv"), details_round0
-    )
-    change = federated_change(details, details_round0, hparams)
-    logger.info(
-        "Test WER change over the federated stage: %+.4f [%+.4f, %+.4f] (paired speaker "
-        "bootstrap, %s)",
-        change["difference"],
-        *change["ci95"],
-        "significant" if change["significant"] else "not significant",
-    )
-    cohort = hparams["sampling_rate"] * settings.num_clients
-    ratio = noise_vs_update(
-        result.reports,
-        component_layout(brain),
-        noise_multiplier=config.noise_multiplier,
-        clip=hparams["clip"],
-        expected_cohort_size=cohort,
-    )
-    log_noise_ratio(ratio)
-    timings["total"] = time.time() - start_all
-    results = results_summary(
+    return report_run(
+        brain=brain, layout=component_layout(brain), test_set=test_set, test_rows=test_rows,
         hparams=hparams, settings=settings, info=info, config=config, result=result,
-        test=test_report, test_round0=test_round0, change=change, ratio=ratio, profile=profile,
-        alpha_from_profile=alpha_from_profile, timings=timings,
+        round0=(test_round0, details_round0), profile=profile,
+        alpha_from_profile=alpha_from_profile, timings=timings, start=start_all,
     )  # fmt: skip
-    write_results(hparams["output_folder"], results)
-    plots = write_run_plots(
-        hparams["output_folder"],
-        noise_multiplier=config.noise_multiplier,
-        clip=hparams["clip"] or 1.0,
-        alpha=hparams["alpha"] if hparams["method"] == "alpha_split" else None,
-        expected_cohort_size=cohort,
-    )
-    hparams["train_logger"].log_stats(
-        stats_meta={"round": result.last_round, "method": hparams["method"]},
-        test_stats={"WER": test_report["WER"], "round0_WER": test_round0["WER"]},
-    )
-    print_summary(
-        format_results_table(results, style="text"),
-        output_folder=hparams["output_folder"],
-        timings=results["timings_s"],
-        plots=plots,
-        extra=[
-            format_disclosure(results["privacy"]),
-            f"Model: {final_model} (python recipes/MLS/transcribe.py {final_model} <wav>)",
-        ],
-    )
-    return results
 
 
 if __name__ == "__main__":
