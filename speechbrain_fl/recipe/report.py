@@ -5,8 +5,8 @@ One writer for each output a recipe reports:
 - :func:`write_results`: ``results.json``, written atomically (a killed run leaves the previous
   file or none, never half of one);
 - :func:`write_rows`: a CSV of per-utterance or per-epoch rows, written atomically;
-- :func:`render_table`: a header and string cells as a Markdown pipe table (READMEs) or aligned
-  text columns (logs), the one table formatter of the recipes;
+- :func:`render_table` (from :mod:`speechbrain_fl.run_outputs`): a header and string cells as
+  a Markdown pipe table (READMEs) or aligned text columns (logs), the one table formatter;
 - :func:`print_summary`: the end-of-run printout (table, timings, where the outputs are);
 - :func:`update_readme_table` / :func:`insert_table`: a generated table between the README
   markers ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``, the one marker syntax of every
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.run_outputs import render_table
 
 __all__ = [
     "RESULTS_FILE",
@@ -72,36 +73,6 @@ def write_rows(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]], heade
         writer.writeheader()
         writer.writerows(rows)
     return Path(path)
-
-
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, style: str) -> str:
-    """A table of string cells: ``"markdown"`` (pipe table) or ``"text"`` (aligned columns).
-
-    Example
-    -------
-    >>> print(render_table(["exit", "acc"], [["3", "0.5"]], style="markdown"))
-    | exit | acc |
-    |---|---|
-    | 3 | 0.5 |
-    >>> print(render_table(["exit", "accuracy"], [["3", "0.5"]], style="text"))
-    exit  accuracy
-    3     0.5
-    """
-    rows = [[str(c) for c in row] for row in rows]
-    for row in rows:
-        if len(row) != len(header):
-            raise ValueError(f"row {row} has {len(row)} cells for {len(header)} columns")
-    if style == "markdown":
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    if style == "text":
-        widths = [max(len(r[i]) for r in [list(header), *rows]) for i in range(len(header))]
-        return "\n".join(
-            "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-            for r in [list(header), *rows]
-        )
-    raise ValueError(f"style must be 'markdown' or 'text', got {style!r}")
 
 
 def print_summary(
