@@ -146,3 +146,49 @@ def lookup(results: dict, dotted: str):
             raise KeyError(dotted)
         value = value[key]
     return value
+
+
+# ------------------------------------------------------------------------------ bad inputs
+BAD_INPUTS_CSV = Path(__file__).with_name("bad_inputs.csv")
+BAD_COLUMNS = ("recipe", "script", "hparams", "flags", "expected")
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One row of ``bad_inputs.csv``: a command the recipe must refuse before any work."""
+
+    recipe: str
+    script: str
+    hparams: str
+    flags: str
+    expected: str
+
+    @property
+    def id(self) -> str:
+        """``<recipe>/<hparams stem>: <flags>``, the pytest id of the row."""
+        return f"{self.recipe}/{Path(self.hparams).stem}: {self.flags}"
+
+
+def load_bad_inputs(path: Path = BAD_INPUTS_CSV) -> list[BadInput]:
+    """The rows of ``bad_inputs.csv``; ``ValueError`` naming the file and line when malformed."""
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        if tuple(reader.fieldnames or ()) != BAD_COLUMNS:
+            raise ValueError(
+                f"{path}: header must be {','.join(BAD_COLUMNS)}, got {reader.fieldnames}"
+            )
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            if any(not row[c] for c in BAD_COLUMNS):
+                raise ValueError(f"{path}, line {line}: every column is required")
+            rows.append(BadInput(**{c: row[c] for c in BAD_COLUMNS}))
+    return rows
+
+
+def run_bad_input(row: BadInput, tmp: Path) -> subprocess.CompletedProcess:
+    """Run ``row``'s command with a fresh output and cache folder under ``tmp``."""
+    cmd = [sys.executable, str(ROOT / row.script), row.hparams, *shlex.split(row.flags),
+           "--output_folder", str(tmp / "out"), "--cache_folder", str(tmp / "cache")]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
