@@ -115,6 +115,22 @@ def check_hparams(hparams):
         )
     if not 0.0 < hparams["shallow_fraction"] < 1.0:
         raise ValueError(f"shallow_fraction: {hparams['shallow_fraction']} must be in (0, 1)")
+    if hparams["depth_policy"] == "memory_budget" and not hparams["client_memory_budgets_mb"]:
+        raise ValueError("depth_policy: memory_budget needs client_memory_budgets_mb (a list)")
+    if hparams["scenario"] == "heterogeneous" and hparams["depth_policy"] == "groups":
+        deep = int(hparams["exit"] or hparams["best_exit"])
+        if int(hparams["shallow_exit"]) >= deep:
+            raise ValueError(
+                f"shallow_exit: {hparams['shallow_exit']} must be below the deep exit {deep} "
+                "(exit, or best_exit) in the heterogeneous scenario"
+            )
+        k = hparams["num_clients"]
+        if isinstance(k, int) and not 1 <= round(hparams["shallow_fraction"] * k) <= k - 1:
+            raise ValueError(
+                f"num_clients: {k} with shallow_fraction {hparams['shallow_fraction']} leaves "
+                "one depth group empty; the heterogeneous scenario needs clients at both exits "
+                "(at least 2 clients), or use scenario: homogeneous"
+            )
     if hparams["pretrain_objective"] not in ("bag_of_words", "ctc"):
         raise ValueError(
             f"pretrain_objective: {hparams['pretrain_objective']!r} must be 'bag_of_words' or 'ctc'"

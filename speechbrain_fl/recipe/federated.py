@@ -184,11 +184,22 @@ class FederatedRecipe:
         return str(resolve_hparams_path(hparams_file, recipe_dir=self.recipe_dir))
 
     def parse(self, argv) -> RecipeRun:
-        """A script's command line: ``sb.parse_arguments`` then :meth:`load` (nothing written)."""
+        """A script's command line: ``sb.parse_arguments`` then :meth:`load` (nothing written).
+
+        A script drives the Simulation Engine: ``engine`` other than ``simulation`` is refused
+        here, before any work (``flwr run`` loads the factory, not the script).
+        """
         import speechbrain as sb
 
         hparams_file, sb_run_opts, overrides = sb.parse_arguments(argv)
         hparams, run_opts, base_file, merged = self.load(hparams_file, overrides, sb_run_opts)
+        engine = hparams.get("engine", "simulation")
+        if engine != "simulation":  # refused before any work, not at the first round
+            raise ValueError(
+                f"engine: {engine!r}: the script drives the Simulation Engine; for the "
+                "Deployment Engine start a SuperLink and SuperNodes and use `flwr run` with "
+                "task = the recipe's factory (see the recipe's README)"
+            )
         return RecipeRun(
             hparams=hparams,
             run_opts=run_opts,
