@@ -59,7 +59,7 @@ from speechbrain_fl.fl.profile import format_profile, norm_profile, profile_conf
 from speechbrain_fl.fl.server import ServerTask
 from speechbrain_fl.fl.task import import_factory
 from speechbrain_fl.models.checkpoint import save_federated_model
-from speechbrain_fl.models.presets import PRESETS, build_speech_llm
+from speechbrain_fl.models.presets import build_speech_llm
 from speechbrain_fl.privacy import layout_from_model
 from speechbrain_fl.recipe import (
     FederatedRecipe,
@@ -81,6 +81,12 @@ from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis
     report_run,
 )
 from mls_seed_model import seed_model_folder  # noqa: E402
+from mls_settings import (  # noqa: E402
+    BRAIN_KEYS,
+    PREPARATION_KEYS,
+    check_hparams,
+    model_options,
+)
 
 logger = logging.getLogger("train_fl")  # one name whichever way the file was imported
 TASK = f"{Path(__file__).resolve()}:mls_task"
@@ -255,21 +261,6 @@ def dataio_prepare(hparams, *, progressbar=True):
 # ##########################################################################################
 # Model
 # ##########################################################################################
-def model_options(hparams):
-    """The keyword arguments of ``build_speech_llm`` from the hparams."""
-    return {
-        "freeze_encoder": hparams["freeze_encoder"],
-        "lora_r": hparams["lora_r"],
-        "lora_alpha": hparams["lora_alpha"],
-        "connector": hparams["connector"],
-        "downsample_k": hparams["downsample_k"],
-        "ctc_weight": hparams["ctc_weight"],
-        "gradient_checkpointing": hparams["gradient_checkpointing"],
-        "prompt": hparams["prompt"],
-        "train_llm_lora": hparams["train_llm_lora"],
-    }
-
-
 _MODELS = ModelCache()  # one model per process, shared by the clients it trains
 
 
@@ -309,31 +300,6 @@ def component_layout(brain):
 # ##########################################################################################
 # Federated task: the factory both engines load
 # ##########################################################################################
-BRAIN_KEYS = (
-    "seed",
-    "lr",
-    "lr_min_ratio",
-    "weight_decay",
-    "encoder_lr_multiplier",
-    "max_new_tokens",
-    "num_beams",
-    "max_grad_norm",
-    "dataloader_options",
-    "eval_dataloader_options",
-)
-PREPARATION_KEYS = (
-    "data_folder", "cache_folder", "save_folder", "skip_prep", "languages", "max_utts_per_split",
-    "corpus_speakers_per_language", "corpus_utterances_per_speaker",
-    "corpus_public_speakers_per_language", "corpus_public_utterances_per_speaker",
-    "corpus_eval_utterances_per_speaker", "partition", "num_clients", "seed", "model",
-    "pretrain_steps", "pretrain_ctc_steps", "pretrain_lr", "pretrain_batch_size",
-    "pretrain_max_grad_norm", "connector",
-    "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
-    "lora_alpha", "gradient_checkpointing", "train_llm_lora", "corpus_client_rate",
-    "corpus_client_novel_share", *BRAIN_KEYS,
-)  # fmt: skip
-
-
 def prepare_run(hparams, run_opts):
     """Data, partition and seed model of a run as :class:`~speechbrain_fl.recipe.RunSettings`.
 
@@ -487,33 +453,8 @@ def save_final_model(result, *, settings, folder, info):
 
 
 # ##########################################################################################
-# Checks and the script
+# The script
 # ##########################################################################################
-def check_hparams(hparams):
-    """Fail fast, before any heavy work, on values the run cannot use."""
-    model = hparams["model"]
-    if model not in PRESETS and not (Path(str(model)) / "speech_llm.json").is_file():
-        raise ValueError(
-            f"model: {model!r} is neither a preset {sorted(PRESETS)} nor a folder with "
-            "speech_llm.json"
-        )
-    if not 0.0 <= float(hparams.get("lr_min_ratio", 0.0)) <= 1.0:
-        raise ValueError(f"lr_min_ratio: {hparams['lr_min_ratio']!r} must be in [0, 1]")
-    workers = hparams.get("corpus_workers")
-    if workers is not None and (
-        isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
-    ):
-        raise ValueError(f"corpus_workers: {workers!r} must be a positive integer or null")
-    kappa = hparams["alpha_kappa"]
-    if isinstance(kappa, bool) or not isinstance(kappa, int | float) or not 0 < kappa < math.inf:
-        raise ValueError(f"alpha_kappa: {kappa!r} must be a positive number")
-    if hparams["alpha"] == "auto" and hparams["profile_rounds"] < 1:
-        raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
-    # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
-    # by the profiling, so any valid alpha stands in for it here)
-    FLConfig.from_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})
-
-
 RECIPE = FederatedRecipe(
     recipe_dir=RECIPE_DIR,
     task_ref=TASK,

@@ -66,8 +66,8 @@ def test_load_order_defaults_debug_then_checks(recipe_dir):
         recipe.load("hparams/method.yaml", {"value": -1})
     with pytest.raises(ValueError, match=r"run option --compile is not supported"):
         recipe.load("hparams/method.yaml", None, {"compile": True})
-    with pytest.raises(ValueError, match=r"\['valeu'\] are not keys of"):
-        recipe.load_for_task(None, {"valeu": 3})
+    with pytest.raises(ValueError, match=r"\['value_typo'\] are not keys of"):
+        recipe.load_for_task(None, {"value_typo": 3})
 
 
 def test_hparams_path_working_directory_first_then_recipe_folder(recipe_dir, tmp_path_factory):

@@ -123,7 +123,9 @@ def test_epsilon_differs_between_variants(root):
 
 
 def test_insert_creates_then_replaces_end_marker():
-    text = "# Results\n\n## Results on the embedded corpus\n\n<!-- method-table:start -->\n\nAfter.\n"
+    text = (
+        "# Results\n\n## Results on the embedded corpus\n\n<!-- method-table:start -->\n\nAfter.\n"
+    )
     once = method_table.insert_table(text, "| a |\n")
     assert once == (
         "# Results\n\n## Results on the embedded corpus\n\n<!-- method-table:start -->\n| a |\n"
