@@ -203,7 +203,7 @@ def compare_with_table_i(layout) -> dict:
 
 def budgets_cli(layout_path: Path, *, method: str, clip: float, alpha, sigma: float) -> str:
     """The table ``speechbrain-fl budgets`` prints for a layout file (first lines only)."""
-    from speechbrain_fl.privacy.cli import main as cli_main
+    from speechbrain_fl.cli import main as cli_main
 
     argv = ["budgets", "--layout", str(layout_path), "--method", method, "--clip", str(clip)]
     argv += ["--noise-multiplier", str(sigma)]

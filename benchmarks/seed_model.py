@@ -36,7 +36,8 @@ from speechbrain_fl.models.pretrain import pretrain_seed_model
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "MLS")
 sys.path.insert(0, RECIPE)
 from mls_prepare import prepare_mls  # noqa: E402
-from train_fl import _Batches, make_dataset  # noqa: E402
+from mls_seed_model import _Batches  # noqa: E402
+from train_fl import make_dataset  # noqa: E402
 
 LANGUAGES = ["english", "german", "dutch", "french", "spanish", "italian", "portuguese", "polish"]
 

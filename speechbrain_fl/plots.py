@@ -57,6 +57,7 @@ from speechbrain_fl.run_outputs import (
     metric_columns,
     read_group_norms,
     read_rounds,
+    read_table,
     series,
 )
 
@@ -473,3 +474,19 @@ def write_run_plots(
     for path in written:
         logger.info("plots: wrote %s", path)
     return written
+
+
+def write_exit_plots(output_folder: str | Path, *, prefixes: Sequence[str] = ("acc_", "wer_")):
+    """The metric of every exit by round (``plots/metric_by_round.png``) from ``rounds.csv``.
+
+    The figure of an early-exit run (SUPERB): one panel per ``acc_<exit>`` / ``wer_<exit>``
+    column. Returns the PNG files written (none when ``rounds.csv`` has no such column).
+    """
+    folder = Path(output_folder)
+    rounds = read_table(folder / "rounds.csv")
+    columns = [c for c in rounds if c.startswith(tuple(prefixes))]
+    if not columns:
+        _skip("metric_by_round.png", f"no {'/'.join(prefixes)} columns in rounds.csv")
+        return []
+    (folder / "plots").mkdir(parents=True, exist_ok=True)
+    return [plot_metrics(rounds, folder / "plots" / "metric_by_round.png", columns)]

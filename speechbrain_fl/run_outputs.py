@@ -234,6 +234,36 @@ def results_rows(results: Mapping | Sequence[Mapping]) -> tuple[list[str], list[
     return header, rows
 
 
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, style: str) -> str:
+    """A table of string cells: ``"markdown"`` (pipe table) or ``"text"`` (aligned columns).
+
+    Example
+    -------
+    >>> print(render_table(["exit", "acc"], [["3", "0.5"]], style="markdown"))
+    | exit | acc |
+    |---|---|
+    | 3 | 0.5 |
+    >>> print(render_table(["exit", "accuracy"], [["3", "0.5"]], style="text"))
+    exit  accuracy
+    3     0.5
+    """
+    rows = [[str(c) for c in row] for row in rows]
+    for row in rows:
+        if len(row) != len(header):
+            raise ValueError(f"row {row} has {len(row)} cells for {len(header)} columns")
+    if style == "markdown":
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    if style == "text":
+        widths = [max(len(r[i]) for r in [list(header), *rows]) for i in range(len(header))]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+            for r in [list(header), *rows]
+        )
+    raise ValueError(f"style must be 'markdown' or 'text', got {style!r}")
+
+
 def format_results_table(results: Mapping | Sequence[Mapping], *, style: str = "markdown") -> str:
     """Format one or more ``results.json`` dicts as a table.
 
@@ -256,14 +286,4 @@ def format_results_table(results: Mapping | Sequence[Mapping], *, style: str = "
     fedavg  tiny   0.2500  [0.2000, 0.3000]  -  -  -  -  -  -
     """
     header, rows = results_rows(results)
-    if style == "markdown":
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    if style == "text":
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        return "\n".join(
-            "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-            for r in [header, *rows]
-        )
-    raise ValueError(f"style must be 'markdown' or 'text', got {style!r}")
+    return render_table(header, rows, style=style)

@@ -13,8 +13,8 @@ repository::
 where Gap = WER - FedAvg WER of the same variant, followed by the round-0 WER (the seed model
 before any federated round) and the settings the runs used. The table goes to
 ``results/MLS/method_table.md`` and, when every run used the embedded corpus, into
-``recipes/MLS/README.md`` between the ``<!-- METHOD_TABLE -->`` and ``<!-- /METHOD_TABLE -->``
-markers (the end marker is created the first time).
+``recipes/MLS/README.md`` between the ``<!-- method-table:start -->`` and
+``<!-- method-table:end -->`` markers (the end marker is created the first time).
 
 With ``--private-epsilon E`` (default 10; 0 disables) it then runs every DP method again at the
 noise multiplier whose RDP epsilon is at most E at the runs' q, T and delta (encoder variants of
@@ -55,7 +55,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.recipe import insert_table as kit_insert_table
+from speechbrain_fl.recipe import markers, update_readme_table
 
 RECIPE_DIR = Path(__file__).resolve().parent
 
@@ -72,8 +73,8 @@ METHODS: dict[str, str] = {
 #: Encoder variants and the value of ``freeze_encoder`` each one passes to train_fl.py.
 VARIANTS: dict[str, bool] = {"frozen": True, "unfrozen": False}
 BASELINE = "fedavg"
-START_MARKER = "<!-- METHOD_TABLE -->"
-END_MARKER = "<!-- /METHOD_TABLE -->"
+TABLE_NAME = "method-table"  # README markers <!-- method-table:start --> ... :end -->
+START_MARKER, END_MARKER = markers(TABLE_NAME)
 HEADER = (
     "| Method | Enc. frozen WER [95% CI] | Gap | Enc. unfrozen WER [95% CI] | Gap "
     "| epsilon | sigma_eff enc / LLM |"
@@ -511,40 +512,20 @@ def write_dev_wer_figure(
 def insert_table(text: str, table: str) -> str:
     """Put ``table`` between the method-table markers of ``text`` (a README's content).
 
-    Replaces whatever lies between ``<!-- METHOD_TABLE -->`` and ``<!-- /METHOD_TABLE -->``;
-    when only the start marker is present, the table and the end marker are inserted right
-    after it. Raises ``ValueError`` when the start marker is missing or an end marker comes
-    before it.
+    The kit's one marker syntax (:func:`speechbrain_fl.recipe.insert_table`), table name
+    ``method-table``: ``<!-- method-table:start -->`` ... ``<!-- method-table:end -->``.
 
     Example
     -------
-    >>> insert_table("a\\n<!-- METHOD_TABLE -->\\nb", "T")
-    'a\\n<!-- METHOD_TABLE -->\\nT\\n<!-- /METHOD_TABLE -->\\nb'
+    >>> insert_table("a\\n<!-- method-table:start -->\\nb", "T")
+    'a\\n<!-- method-table:start -->\\nT\\n<!-- method-table:end -->\\nb'
     """
-    start = text.find(START_MARKER)
-    if start < 0:
-        raise ValueError(f"no {START_MARKER} marker to insert the table at")
-    head = text[: start + len(START_MARKER)]
-    rest = text[start + len(START_MARKER) :]
-    if END_MARKER in head:
-        raise ValueError(f"{END_MARKER} comes before {START_MARKER}")
-    end = rest.find(END_MARKER)
-    block = f"\n{table.strip()}\n{END_MARKER}"
-    if end < 0:
-        return head + block + rest
-    return head + block + rest[end + len(END_MARKER) :]
+    return kit_insert_table(text, TABLE_NAME, table)
 
 
 def update_readme(readme: str | os.PathLike, table: str) -> None:
     """Insert ``table`` into the README file at the markers (see :func:`insert_table`)."""
-    readme = Path(readme)
-    text = readme.read_text(encoding="utf-8")
-    try:
-        updated = insert_table(text, table)
-    except ValueError as err:
-        raise ValueError(f"{readme}: {err}") from err
-    with atomic_open(readme) as handle:
-        handle.write(updated)
+    update_readme_table(readme, TABLE_NAME, table)
 
 
 def _names(values: Sequence[str], *, choices: Sequence[str], option: str) -> list[str]:

@@ -45,6 +45,7 @@ import os
 import soundfile as sf
 
 from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 
 logger = logging.getLogger(__name__)
 
@@ -199,21 +200,17 @@ def prepare_mls(
             report["overlap"] = write_speaker_overlap(
                 rows_by_split["train"], rows_by_split["test"], save_folder
             )
-    with open(os.path.join(save_folder, OPTIONS_FILE), "w", encoding="utf-8") as handle:
-        json.dump({"options": options, "report": report}, handle, indent=2)
+    save_prepare_options(save_folder, options, report, name=OPTIONS_FILE)
     return report
 
 
 def skip(save_folder: str, options: dict) -> bool:
-    """True if every CSV exists and the saved options equal ``options``."""
-    path = os.path.join(save_folder, OPTIONS_FILE)
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as handle:
-        saved = json.load(handle)
-    if saved.get("options") != options:
-        return False
-    return all(os.path.isfile(os.path.join(save_folder, f"{s}.csv")) for s in options["splits"])
+    """True if every CSV exists and the saved options equal ``options``.
+
+    The kit's prepare-options record (:func:`speechbrain_fl.recipe.prepared_with`).
+    """
+    return prepared_with(save_folder, options, [f"{s}.csv" for s in options["splits"]],
+                         name=OPTIONS_FILE)  # fmt: skip
 
 
 def _transcripts_fingerprint(data_folder: str, language_dirs: dict, splits) -> dict:

@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 
 OPTIONS_FILE = "prepare_options.json"
 
@@ -57,20 +58,16 @@ def write_manifest(path: str, rows: Sequence[dict], header: Sequence[str]) -> No
 
 
 def skip(save_folder: str, options: dict, files: Iterable[str]) -> bool:
-    """True if every file in ``files`` exists and the saved options equal ``options``."""
-    path = os.path.join(save_folder, OPTIONS_FILE)
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as handle:
-        if json.load(handle).get("options") != options:
-            return False
-    return all(os.path.isfile(os.path.join(save_folder, f)) for f in files)
+    """True if every file in ``files`` exists and the saved options equal ``options``.
+
+    The kit's prepare-options record (:func:`speechbrain_fl.recipe.prepared_with`).
+    """
+    return prepared_with(save_folder, options, files, name=OPTIONS_FILE)
 
 
 def save_options(save_folder: str, options: dict, report: dict) -> None:
-    """Record the options (and a report) the manifests were made with; written last."""
-    with atomic_open(os.path.join(save_folder, OPTIONS_FILE)) as handle:
-        json.dump({"options": options, "report": report}, handle, indent=2)
+    """Record the options (and a report) the manifests were made with; written last, atomically."""
+    save_prepare_options(save_folder, options, report, name=OPTIONS_FILE)
 
 
 def corpus_stamp(data_folder: str) -> str | None:

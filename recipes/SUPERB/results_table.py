@@ -27,12 +27,13 @@ import argparse
 import csv
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from speechbrain_fl.recipe import update_readme_table
 
 RECIPE_DIR = Path(__file__).resolve().parent
 ROOT = RECIPE_DIR.parents[1]
@@ -232,13 +233,11 @@ def tables_markdown(results, best_exit, shallow=3):
 
 
 def write_readme(task, markdown, readme=RECIPE_DIR / "README.md"):
-    """Replace the text between the task's markers in the README."""
-    text = readme.read_text(encoding="utf-8")
-    start, end = f"<!-- results:{task}:start -->", f"<!-- results:{task}:end -->"
-    if start not in text or end not in text:
-        raise ValueError(f"{readme} has no {start} ... {end} markers")
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    readme.write_text(pattern.sub(start + "\n" + markdown + "\n" + end, text), encoding="utf-8")
+    """Replace the task's table (markers ``<!-- results:<task>:start -->`` ... ``:end -->``).
+
+    Through the kit's one README-table writer, :func:`speechbrain_fl.recipe.update_readme_table`.
+    """
+    update_readme_table(readme, f"results:{task}", markdown)
 
 
 def plot(results, path):

@@ -7,6 +7,7 @@ unit of the 95% CI (speakers where the test set has many; utterances for SID, wh
 the speakers, and ER, whose held-out session has two). :func:`prepare_task` generates the
 embedded corpus when ``data_folder`` is null, writes the manifests, partitions the training
 split into clients and prepares the public split the tiny seed model is pretrained on.
+:func:`make_dataset` is the recipe's data pipeline (audio, labels or CTC characters).
 
 Authors
  * speechbrain-fl contributors
@@ -23,6 +24,8 @@ import speechbrain as sb
 import torch
 
 logger = logging.getLogger(__name__)
+
+CTC_ALPHABET = " 'abcdefghijklmnopqrstuvwxyz"  # id 0 is the CTC blank
 
 TASKS = {
     "kws12": {
@@ -203,6 +206,72 @@ def prepare_task(hparams):
     }
 
 
+# ------------------------------------------------------------------------------ data pipeline
+def decode_chars(ids):
+    """CTC ids (blank-free) to text."""
+    return "".join(CTC_ALPHABET[i - 1] for i in ids if 0 < i <= len(CTC_ALPHABET))
+
+
+def encode_chars(text):
+    """Text to CTC ids (characters outside the alphabet dropped)."""
+    return [CTC_ALPHABET.index(c) + 1 for c in text.lower() if c in CTC_ALPHABET]
+
+
+def make_dataset(csv_path, data_folder, *, labels=None, ctc=False):
+    """A DynamicItemDataset: ``sig`` (16 kHz), ``spk_id`` and ``label_id`` or ``tokens``."""
+    dataset = sb.dataio.dataset.DynamicItemDataset.from_csv(
+        csv_path=csv_path, replacements={"data_root": data_folder}
+    )
+    has_crop = "start" in dataset.data[next(iter(dataset.data))]
+
+    if has_crop:
+
+        @sb.utils.data_pipeline.takes("wav", "start", "stop")
+        @sb.utils.data_pipeline.provides("sig")
+        def audio(wav, start, stop):
+            if int(stop) > 0:
+                return sb.dataio.dataio.read_audio(
+                    {"file": wav, "start": int(start), "stop": int(stop)}
+                )
+            return sb.dataio.dataio.read_audio(wav)
+
+    else:
+
+        @sb.utils.data_pipeline.takes("wav")
+        @sb.utils.data_pipeline.provides("sig")
+        def audio(wav):
+            return sb.dataio.dataio.read_audio(wav)
+
+    keys = ["id", "sig", "spk_id"]
+    items = [audio]
+    if ctc:
+
+        @sb.utils.data_pipeline.takes("wrd")
+        @sb.utils.data_pipeline.provides("wrd", "tokens")
+        def text(wrd):
+            yield wrd
+            yield torch.LongTensor(encode_chars(wrd))
+
+        items.append(text)
+        keys += ["wrd", "tokens"]
+    else:
+        index = {label: i for i, label in enumerate(labels)}
+
+        @sb.utils.data_pipeline.takes("label")
+        @sb.utils.data_pipeline.provides("label_id")
+        def label(value):
+            if value not in index:
+                raise KeyError(f"{csv_path}: label {value!r} is not one of {labels}")
+            return torch.LongTensor([index[value]])
+
+        items.append(label)
+        keys.append("label_id")
+    for item in items:
+        sb.dataio.dataset.add_dynamic_item([dataset], item)
+    sb.dataio.dataset.set_output_keys([dataset], keys)
+    return dataset
+
+
 # ------------------------------------------------------------------------------ ASV
 def _embeddings(model, paths, exits, device):
     """Stat-pooled (mean, std) hidden states at each exit for each wav path."""
@@ -234,13 +303,13 @@ def score_asv(brain, settings, hparams):
         trials = [
             (
                 int(r["target"]),
-                r["enrol"].replace("$data_root", settings["data_folder"]),
-                r["test"].replace("$data_root", settings["data_folder"]),
+                r["enrol"].replace("$data_root", settings.data_folder),
+                r["test"].replace("$data_root", settings.data_folder),
             )
             for r in csv.DictReader(handle)
         ]
     paths = sorted({p for _, a, b in trials for p in (a, b)})
-    device = settings["run_opts"].get("device") or "cpu"
+    device = settings.device
     embeddings = _embeddings(brain.modules.model, paths, brain.eval_exits, device)
     rng = np.random.default_rng(hparams["seed"])
     out = {}

@@ -53,8 +53,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(RECIPE_DIR), os.environ.get("PYTHONPATH", "")) if p
 )
 
-from speechbrain_fl.fl.task import TaskSpec, import_factory  # noqa: E402
-from speechbrain_fl.recipe import federated_run_options, resolve_hparams_path  # noqa: E402
+from speechbrain_fl.fl.task import import_factory  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -64,42 +63,36 @@ TASK = f"{RECIPE_DIR / 'superb_task.py'}:superb_task"
 superb = sys.modules[import_factory(TASK).__module__]
 
 
-def main(argv):
+def main(run):
     """Prepare, pretrain the seed model, run the scenario, evaluate every trained exit, report.
 
-    Federated scenarios run the task factory :func:`superb_task.superb_task` through a
-    :class:`~speechbrain_fl.fl.task.TaskSpec` on the Simulation Engine (the same factory
-    ``flwr run`` loads); its ``on_result`` writes the outputs. The centralized scenario trains
-    here.
+    ``run`` comes from :meth:`speechbrain_fl.recipe.FederatedRecipe.run_script` (the parsed,
+    checked hparams; the output folder locked). Federated scenarios run the task factory
+    :func:`superb_task.superb_task` through its :class:`~speechbrain_fl.fl.task.TaskSpec` on
+    the Simulation Engine (the same factory ``flwr run`` loads); its ``on_result`` writes the
+    outputs. The centralized scenario trains here.
     """
     start = time.time()
-    hparams_file, sb_run_opts, overrides = sb.parse_arguments(argv)
-    hparams_path = str(resolve_hparams_path(hparams_file, recipe_dir=RECIPE_DIR))
-    hparams, base_file, merged = superb.load_hparams(hparams_path, overrides)  # typos fail here
-    sb.create_experiment_directory(
-        experiment_directory=hparams["output_folder"],
-        hyperparams_to_save=str(base_file),
-        overrides=merged,
-    )
-    spec_overrides = {**merged, **federated_run_options(sb_run_opts)}
-    hparams, _, settings = superb.setup_run(hparams_path, spec_overrides)
+    sb.create_experiment_directory(**run.experiment)
+    hparams = run.hparams
+    settings = superb.prepare_settings(hparams, run.run_opts)
     # One intra-op thread by default (num_threads): on a shared, oversubscribed CPU, OpenMP's
     # spin-waiting made a 2-thread training step 20x slower than a 1-thread one here.
     torch.set_num_threads(max(1, int(hparams["num_threads"])))
     logger.info(
         "%s: %d clients, depths %s, exits evaluated %s",
         hparams["scenario"],
-        len(settings["clients"]),
-        settings["depths"],
-        settings["eval_exits"],
+        settings.num_clients,
+        settings.depths,
+        settings.eval_exits,
     )
     if hparams["scenario"] != "centralized":
-        return superb.run_federated(TaskSpec(TASK, hparams_path, spec_overrides), hparams)
+        return superb.run_federated(superb.RECIPE.spec(run), hparams)
     t0 = time.time()
     result = superb.run_centralized(settings, hparams)
-    timings = dict(settings["timings"], training=time.time() - t0)
-    return superb.report_run(settings, hparams, result, timings=timings, start=start)
+    timings = dict(settings.timings, training=time.time() - t0)
+    return superb.report(settings, hparams, result, timings=timings, start=start)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    superb.RECIPE.run_script(sys.argv[1:], main)

@@ -5,13 +5,15 @@ checkpoints, so the tiny random model is first trained centrally (all weights, A
 warm-up then cosine decay) on the public speakers, saved with ``SpeechLLM.save_pretrained`` and
 reloaded as the federated starting point. A plain loop rather than ``sb.Brain.fit`` because it is
 a one-off step over an arbitrary iterable of batches, run before the recipe's Brain exists.
+:func:`train_steps` is the same loop for any other seed model (a loss function per batch).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -159,3 +161,70 @@ def pretrain_seed_model(
             )
     model.eval()
     return {**history, "seconds": time.perf_counter() - start}
+
+
+def train_steps(
+    model: torch.nn.Module,
+    batches: Iterable,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    steps: int,
+    max_grad_norm: float,
+    desc: str = "seed pretraining",
+    progressbar: bool = True,
+) -> list[float]:
+    """The plain central training loop of a seed model: ``steps`` optimiser steps.
+
+    Each step draws the next batch (``batches`` is restarted when exhausted, so a shuffling
+    loader reshuffles), computes ``loss_fn(batch)``, back-propagates, clips the gradient norm of
+    ``model.parameters()`` to ``max_grad_norm`` (``torch.nn.utils.clip_grad_norm_``), then steps
+    the optimiser and the scheduler. The loop of any seed model that is not a speech-LLM (the
+    SUPERB recipe's multi-exit wav2vec 2.0); :func:`pretrain_seed_model` is the speech-LLM's
+    (CTC warm-up, precision, gradient accumulation).
+
+    Returns
+    -------
+    list of float
+        The loss of every step.
+
+    Example
+    -------
+    >>> net = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    >>> data = [torch.ones(4, 2)]
+    >>> losses = train_steps(net, data, lambda x: net(x).pow(2).mean(), optimizer=opt,
+    ...                      scheduler=sched, steps=3, max_grad_norm=5.0, progressbar=False)
+    >>> len(losses), losses[-1] < losses[0]
+    (3, True)
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    iterator = None
+    losses: list[float] = []
+    model.train()
+    with tqdm(total=steps, desc=desc, unit="step", disable=not progressbar) as bar:
+        for _ in range(steps):
+            batch = None
+            for _attempt in range(2):  # restart an exhausted iterable once
+                if iterator is None:
+                    iterator = iter(batches)
+                try:
+                    batch = next(iterator)
+                    break
+                except StopIteration:
+                    iterator = None
+            if batch is None:
+                raise ValueError("train_steps got an empty batch iterable")
+            loss = loss_fn(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    return losses

@@ -3,7 +3,7 @@
 A row runs at most once per pytest session (:func:`recipe_run`), so the generic runner
 (``test_recipes.py``) and a recipe's own test file (e.g. ``test_mls_recipe.py``) check the same
 outputs without a second run. Generated corpora and seed models go to one session cache folder
-per recipe.
+per recipe. A row with ``depends`` runs after that row, in its output folder.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ def recipe_run(tmp_path_factory, recipe_cache):
     def run(row_id: str) -> RecipeRun:
         if row_id not in done:
             row = by_id[row_id]
-            out = tmp_path_factory.mktemp(row_id.replace("/", "_")) / "out"
+            if row.depends:  # runs after the row it depends on, in that row's output folder
+                out = run(row.depends).output_folder
+            else:
+                out = tmp_path_factory.mktemp(row_id.replace("/", "_")) / "out"
             proc = run_script(row, out, recipe_cache(row.recipe))
             done[row_id] = RecipeRun(row, out, proc.returncode, proc.stdout, proc.stderr)
         result = done[row_id]

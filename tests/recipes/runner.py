@@ -2,8 +2,15 @@
 
 ``recipes.csv`` holds one row per recipe hparams file, as SpeechBrain's
 ``tests/recipes/<Dataset>.csv``: the script, the hparams file, the ``--debug`` flags (with a
-``{cache}`` placeholder for the session's cache folder of the recipe) and the checks of its
-outputs. The fixtures that run rows once per session are in ``tests/recipes/conftest.py``.
+``{cache}`` placeholder for the session's cache folder of the recipe), the checks of its
+outputs, and two optional columns:
+
+- ``depends``: the id of a row that must run first and whose output folder this row shares
+  (Private-Gender's student reads the teacher's outputs from ``<output_folder>/teacher``);
+- ``marks``: pytest marks of the row's run, e.g. ``heavy`` for a run left out of the default
+  test run and CI (``-m heavy`` runs it).
+
+The fixtures that run rows once per session are in ``tests/recipes/conftest.py``.
 
 The MLS rows run K = 4 clients for 2 debug rounds at ``--sampling_rate 0.9``: at the default
 q = 0.3 a private run's OS-seeded Poisson cohorts are all empty with probability 0.7^8 ~ 6%,
@@ -23,7 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES_CSV = Path(__file__).with_name("recipes.csv")
-COLUMNS = ("recipe", "script", "hparams", "flags", "checks")
+COLUMNS = ("recipe", "script", "hparams", "flags", "checks", "depends", "marks")
+MARKS = ("slow", "heavy")
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,13 @@ class RecipeRow:
     hparams: str
     flags: str
     checks: str
+    depends: str = ""
+    marks: str = ""
+
+    @property
+    def mark_names(self) -> list[str]:
+        """The row's pytest marks (``marks`` split on spaces)."""
+        return self.marks.split()
 
     @property
     def id(self) -> str:
@@ -57,6 +72,12 @@ def load_rows(path: Path = RECIPES_CSV) -> list[RecipeRow]:
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise ValueError(f"{path}: rows {duplicates} appear more than once")
+    for row in rows:
+        if row.depends and row.depends not in ids[: ids.index(row.id)]:
+            raise ValueError(f"{path}: {row.id} depends on {row.depends!r}, not an earlier row")
+        unknown = sorted(set(row.mark_names) - set(MARKS))
+        if unknown:
+            raise ValueError(f"{path}: {row.id}: unknown marks {unknown}; known: {MARKS}")
     return rows
 
 
@@ -84,12 +105,13 @@ def run_script(row: RecipeRow, output_folder: Path, cache: Path, *extra: str, cw
     hparams = os.path.relpath(ROOT / row.hparams, cwd)
     cmd = [sys.executable, str(ROOT / row.script), hparams, *flags,
            "--output_folder", str(output_folder), *extra]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0", TQDM_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 CHECK = re.compile(r"(\w+)=\[([^\]]*)\]")
-KINDS = ("file_exists", "json_keys", "json_equals", "csv_rows", "stdout")
+KINDS = ("file_exists", "json_keys", "json_equals", "csv_rows", "stdout", "results")
 
 
 def parse_checks(cell: str) -> dict[str, list[str]]:
@@ -108,6 +130,14 @@ def parse_checks(cell: str) -> dict[str, list[str]]:
     return checks
 
 
+def results_file(checks: dict[str, list[str]]) -> str:
+    """The JSON file the ``json_*`` checks read: ``results=[a/results.json]``, else results.json."""
+    files = checks.get("results", [])
+    if len(files) > 1:
+        raise ValueError(f"results=[...] names one file, got {files}")
+    return files[0] if files else "results.json"
+
+
 def lookup(results: dict, dotted: str):
     """The value at a dotted key of a nested dict (``KeyError`` naming the key when absent)."""
     value = results
@@ -116,3 +146,49 @@ def lookup(results: dict, dotted: str):
             raise KeyError(dotted)
         value = value[key]
     return value
+
+
+# ------------------------------------------------------------------------------ bad inputs
+BAD_INPUTS_CSV = Path(__file__).with_name("bad_inputs.csv")
+BAD_COLUMNS = ("recipe", "script", "hparams", "flags", "expected")
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One row of ``bad_inputs.csv``: a command the recipe must refuse before any work."""
+
+    recipe: str
+    script: str
+    hparams: str
+    flags: str
+    expected: str
+
+    @property
+    def id(self) -> str:
+        """``<recipe>/<hparams stem>: <flags>``, the pytest id of the row."""
+        return f"{self.recipe}/{Path(self.hparams).stem}: {self.flags}"
+
+
+def load_bad_inputs(path: Path = BAD_INPUTS_CSV) -> list[BadInput]:
+    """The rows of ``bad_inputs.csv``; ``ValueError`` naming the file and line when malformed."""
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        if tuple(reader.fieldnames or ()) != BAD_COLUMNS:
+            raise ValueError(
+                f"{path}: header must be {','.join(BAD_COLUMNS)}, got {reader.fieldnames}"
+            )
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            if any(not row[c] for c in BAD_COLUMNS):
+                raise ValueError(f"{path}, line {line}: every column is required")
+            rows.append(BadInput(**{c: row[c] for c in BAD_COLUMNS}))
+    return rows
+
+
+def run_bad_input(row: BadInput, tmp: Path) -> subprocess.CompletedProcess:
+    """Run ``row``'s command with a fresh output and cache folder under ``tmp``."""
+    cmd = [sys.executable, str(ROOT / row.script), row.hparams, *shlex.split(row.flags),
+           "--output_folder", str(tmp / "out"), "--cache_folder", str(tmp / "cache")]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

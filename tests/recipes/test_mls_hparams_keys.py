@@ -18,7 +18,9 @@ import yaml
 from speechbrain_fl.fl.config import FLConfig
 
 HPARAMS = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "hparams"
-SCRIPT = (HPARAMS.parent / "train_fl.py").read_text()
+# The recipe's scripts and modules, and the kit they run on (the skeleton reads the engine keys)
+KIT = Path(__file__).resolve().parents[2] / "speechbrain_fl" / "recipe"
+SCRIPT = "\n".join(p.read_text() for p in [*HPARAMS.parent.glob("*.py"), *KIT.glob("*.py")])
 
 
 def top_level_keys(path: Path) -> list[str]:

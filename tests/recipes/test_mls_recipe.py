@@ -3,8 +3,9 @@
 The generic debug run of every MLS hparams file (outputs present, results.json keys, rounds.csv
 length) is a row of ``tests/recipes/recipes.csv``, run by ``tests/recipes/test_recipes.py``.
 Here: the privacy section of each method's run (the same runs, through the session fixture
-``recipe_run``), the frozen encoder, the norm profile with ``alpha: auto``, and the arguments
-refused before any work. Corpus and seed model come from the session's MLS cache folder.
+``recipe_run``), the frozen encoder, the norm profile with ``alpha: auto``. The arguments
+refused before any work are rows of ``tests/recipes/bad_inputs.csv`` (``test_bad_inputs.py``).
+Corpus and seed model come from the session's MLS cache folder.
 """
 
 from __future__ import annotations
@@ -72,33 +73,6 @@ def test_recipe_frozen_encoder_from_recipe_dir(tmp_path, recipe_cache):
     assert json.loads((out / "results.json").read_text())["freeze_encoder"] is True
 
 
-def run_expecting_failure(tmp_path, *args):
-    """Run the recipe with bad arguments; it must fail and create no output folder."""
-    out = tmp_path / "o"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "hparams/flat.yaml", *args, "--output_folder", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert not out.exists()
-    return proc.stderr
-
-
-def test_typo_in_override_fails_before_work(tmp_path):
-    assert "numbr_of_rounds" in run_expecting_failure(tmp_path, "--numbr_of_rounds", "3")
-
-
-def test_refused_run_option_fails_before_work(tmp_path):
-    stderr = run_expecting_failure(tmp_path, "--ckpt_interval_minutes", "5")
-    assert "--ckpt_interval_minutes is not supported by the federated recipe" in stderr
-
-
-def test_bad_schedule_and_kappa_fail_before_work(tmp_path):
-    assert "lr_min_ratio: 1.5" in run_expecting_failure(tmp_path, "--lr_min_ratio", "1.5")
-    assert "alpha_kappa: 0" in run_expecting_failure(tmp_path, "--alpha_kappa", "0")
-    assert "corpus_workers: 0" in run_expecting_failure(tmp_path, "--corpus_workers", "0")
-
-
 @pytest.mark.slow
 def test_auto_alpha_refusal_names_a_clip_and_kappa_that_fit(tmp_path, recipe_cache):
     """When alpha_kappa x the profiled encoder norm reaches the clip, no alpha < 1 fits: the
@@ -141,11 +115,6 @@ def test_run_options_clip_only_run_and_transcribe(tmp_path, recipe_cache):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith(str(wav) + "\t")
-
-
-def test_unknown_preset_fails_before_work(tmp_path):
-    stderr = run_expecting_failure(tmp_path, "--model", "whisper_tiny_llama")
-    assert "whisper_tiny_llama" in stderr and "whisper_tinyllama" in stderr
 
 
 @pytest.mark.slow

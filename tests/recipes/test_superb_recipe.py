@@ -1,18 +1,20 @@
-"""SUPERB recipe: every hparams file end to end in --debug on a small embedded corpus; bad input.
+"""SUPERB-only checks of the SUPERB recipe runs; bad input; the depth groups.
 
-The debug runs start Ray and generate small espeak-ng corpora, so they are marked slow; the
-bad-input checks fail before anything heavy and are fast.
+The generic debug run of every SUPERB hparams file is a row of ``tests/recipes/recipes.csv``
+(run by ``tests/recipes/test_recipes.py``; KWS and ASR in CI, the others marked heavy). Here:
+the per-exit results of the same runs (through the session fixture ``recipe_run``), the other
+scenarios, and the checks that fail before anything heavy.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.recipes.runner import ROWS, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "SUPERB"
@@ -20,45 +22,28 @@ sys.path.insert(0, str(RECIPE))
 
 from superb_task import load_hparams  # noqa: E402
 
-SMALL = {
-    "kws.yaml": "{train_speakers: 4, valid_speakers: 1, test_speakers: 2, repeats: 1, "
-    "unknown_words_per_speaker: 2, noise_seconds: 3}",
-    "kws35.yaml": "{train_speakers: 2, valid_speakers: 1, test_speakers: 1, repeats: 1, "
-    "noise_seconds: 3}",
-    "sid.yaml": "{iden_speakers: 4, veri_speakers: 2, videos_per_speaker: 2, "
-    "utterances_per_video: 3}",
-    "asv.yaml": "{iden_speakers: 4, veri_speakers: 2, videos_per_speaker: 2, "
-    "utterances_per_video: 3, trials_per_speaker: 2}",
-    "er.yaml": "{sessions: 5, utterances_per_emotion: 1}",
-    "asr.yaml": "{splits: {train-clean-100: 4, dev-clean: 1, test-clean: 1}, "
-    "utterances_per_speaker: 3}",
-}
+SUPERB_ROWS = {Path(row.hparams).name: row for row in ROWS if row.recipe == "SUPERB"}
 
 
-def _run(hparams, tmp_path, *extra):
-    cmd = [
-        sys.executable, str(RECIPE / "train_fl.py"), f"hparams/{hparams}", "--debug",
-        "--output_folder", str(tmp_path / "out"), "--cache_folder", str(tmp_path / "cache"),
-        "--corpus_options", SMALL[hparams], "--num_clients", "2", "--pretrain_steps", "2",
-        "--public_corpus_options", "{splits: {public: 2}, utterances_per_speaker: 2}", *extra,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+def _run(hparams, tmp_path, recipe_cache, *extra):
+    """A run of ``hparams``'s row with extra flags (its own output folder, the session cache)."""
+    proc = run_script(SUPERB_ROWS[hparams], tmp_path / "out", recipe_cache("SUPERB"), *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((tmp_path / "out" / "results.json").read_text()), proc.stdout
-
-
-# In CI: KWS (pooled heads) and ASR (CTC heads); the other files run with ``-m heavy``.
-IN_CI = ("kws.yaml", "asr.yaml")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "hparams",
-    [h if h in IN_CI else pytest.param(h, marks=pytest.mark.heavy) for h in sorted(SMALL)],
+    [
+        pytest.param(h, marks=[getattr(pytest.mark, m) for m in row.mark_names])
+        for h, row in sorted(SUPERB_ROWS.items())
+    ],
 )
-def test_every_hparams_file_in_debug(hparams, tmp_path):
-    results, stdout = _run(hparams, tmp_path)
+def test_every_exit_reported_with_its_ci(hparams, recipe_run):
+    """The row's run (shared with test_recipes.py): every trained exit, a CI around each."""
+    run = recipe_run(SUPERB_ROWS[hparams].id)
+    results = json.loads((run.output_folder / "results.json").read_text())
     expected_exits = {"3", "6"} if hparams.startswith("kws") else {"3", "9"}
     assert set(results["test"]) == expected_exits  # every trained exit reported
     for entry in results["test"].values():
@@ -68,9 +53,6 @@ def test_every_hparams_file_in_debug(hparams, tmp_path):
     assert {"task", "scenario", "aggregation", "weighting", "checkpoint", "memory_mb"} <= set(
         results
     )
-    assert (tmp_path / "out" / "rounds.csv").is_file()
-    assert (tmp_path / "out" / "plots" / "metric_by_round.png").is_file()
-    assert "95% CI" in stdout  # the end-of-run results table
     if hparams == "asv.yaml":
         assert set(results["asv"]) == expected_exits
         assert 0.0 <= results["asv"]["9"]["EER"] <= 1.0
@@ -78,11 +60,13 @@ def test_every_hparams_file_in_debug(hparams, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_centralized_and_homogeneous_scenarios(tmp_path):
-    results, _ = _run("kws.yaml", tmp_path / "c", "--scenario", "centralized", "--exit", "3")
+def test_centralized_and_homogeneous_scenarios(tmp_path, recipe_cache):
+    results, _ = _run(
+        "kws.yaml", tmp_path / "c", recipe_cache, "--scenario", "centralized", "--exit", "3"
+    )
     assert results["scenario"] == "centralized" and set(results["test"]) == {"3"}
     results, _ = _run(
-        "kws.yaml", tmp_path / "h", "--scenario", "homogeneous", "--exit", "6",
+        "kws.yaml", tmp_path / "h", recipe_cache, "--scenario", "homogeneous", "--exit", "6",
         "--aggregation", "fedavg_full",
     )  # fmt: skip
     assert results["depths"] == [6, 6] and results["aggregation"] == "fedavg_full"

@@ -123,11 +123,13 @@ def test_epsilon_differs_between_variants(root):
 
 
 def test_insert_creates_then_replaces_end_marker():
-    text = "# Results\n\n## Results on the embedded corpus\n\n<!-- METHOD_TABLE -->\n\nAfter.\n"
+    text = (
+        "# Results\n\n## Results on the embedded corpus\n\n<!-- method-table:start -->\n\nAfter.\n"
+    )
     once = method_table.insert_table(text, "| a |\n")
     assert once == (
-        "# Results\n\n## Results on the embedded corpus\n\n<!-- METHOD_TABLE -->\n| a |\n"
-        "<!-- /METHOD_TABLE -->\n\nAfter.\n"
+        "# Results\n\n## Results on the embedded corpus\n\n<!-- method-table:start -->\n| a |\n"
+        "<!-- method-table:end -->\n\nAfter.\n"
     )
     twice = method_table.insert_table(once, "| b |")
     assert twice == once.replace("| a |", "| b |")
@@ -135,22 +137,22 @@ def test_insert_creates_then_replaces_end_marker():
 
 
 def test_insert_errors():
-    with pytest.raises(ValueError, match="no <!-- METHOD_TABLE --> marker"):
+    with pytest.raises(ValueError, match="no <!-- method-table:start --> marker"):
         method_table.insert_table("nothing here", "| a |")
     with pytest.raises(ValueError, match="comes before"):
-        method_table.insert_table("<!-- /METHOD_TABLE -->\n<!-- METHOD_TABLE -->", "| a |")
+        method_table.insert_table("<!-- method-table:end -->\n<!-- method-table:start -->", "| a |")
 
 
 def test_update_readme_names_the_file(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("no marker")
-    with pytest.raises(ValueError, match="README.md: no <!-- METHOD_TABLE -->"):
+    with pytest.raises(ValueError, match="README.md: no <!-- method-table:start -->"):
         method_table.update_readme(readme, "| a |")
 
 
 def test_main_skips_existing_runs_and_writes_table(root, tmp_path, capsys):
     readme = tmp_path / "README.md"
-    readme.write_text("Intro\n<!-- METHOD_TABLE -->\nTail\n")
+    readme.write_text("Intro\n<!-- method-table:start -->\nTail\n")
     table_file = tmp_path / "out" / "method_table.md"
     code = method_table.main(
         [
@@ -169,8 +171,8 @@ def test_main_skips_existing_runs_and_writes_table(root, tmp_path, capsys):
     table = table_file.read_text()
     assert table.startswith(method_table.HEADER)
     text = readme.read_text()
-    assert text.startswith("Intro\n<!-- METHOD_TABLE -->\n" + method_table.HEADER)
-    assert text.endswith("<!-- /METHOD_TABLE -->\nTail\n")
+    assert text.startswith("Intro\n<!-- method-table:start -->\n" + method_table.HEADER)
+    assert text.endswith("<!-- method-table:end -->\nTail\n")
 
 
 def test_main_leaves_readme_alone_for_real_data(root, tmp_path, capsys):
@@ -179,11 +181,11 @@ def test_main_leaves_readme_alone_for_real_data(root, tmp_path, capsys):
     results["data"]["embedded_corpus"] = False
     path.write_text(json.dumps(results))
     readme = tmp_path / "README.md"
-    readme.write_text("<!-- METHOD_TABLE -->\n")
+    readme.write_text("<!-- method-table:start -->\n")
     args = ["--table-only", "--output-root", str(root), "--readme", str(readme)]
     args += ["--table-file", str(tmp_path / "t.md")]
     assert method_table.main(args) == 0
-    assert readme.read_text() == "<!-- METHOD_TABLE -->\n"
+    assert readme.read_text() == "<!-- method-table:start -->\n"
     assert "mixed corpora" in (tmp_path / "t.md").read_text()
 
 

@@ -1,0 +1,273 @@
+"""The MLS recipe's analysis: test WER with CIs, the federated change, privacy, noise vs update.
+
+What ``train_fl.py`` reports after the federated rounds, kept apart from the training script as
+SpeechBrain recipes keep their analysis helpers:
+
+- :func:`evaluate_test`: test WER with speaker-level bootstrap CIs, overall and per language;
+- :func:`federated_change`: final minus round-0 WER, paired speaker bootstrap;
+- :func:`privacy_section`: results.json's privacy section (engine report + disclosure);
+- :func:`noise_vs_update`: the per-round noise norm against the mean client update norm;
+- :func:`results_summary`: the ``results.json`` mapping of a run;
+- :func:`report_run`: all of it after the federated rounds, then results.json, plots, printout.
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.profile import norm_profile
+from speechbrain_fl.metrics import (
+    paired_bootstrap_details,
+    utterance_errors_from_stats,
+    wer_report,
+    write_utterance_details,
+)
+from speechbrain_fl.plots import write_run_plots
+from speechbrain_fl.recipe import print_summary, write_results
+from speechbrain_fl.run_outputs import format_results_table
+
+logger = logging.getLogger("train_fl")  # the recipe's log name
+
+
+def evaluate_test(brain, test_set, test_rows, hparams):
+    """WER on the test split with speaker-level bootstrap CIs, overall and per language."""
+    brain.evaluate(test_set, test_loader_kwargs=dict(hparams["eval_dataloader_options"]))
+    details = utterance_errors_from_stats(
+        brain.wer_metric,
+        speaker_of={r["ID"]: r["spk_id"] for r in test_rows},
+        language_of={r["ID"]: r["language"] for r in test_rows},
+    )
+    report = wer_report(details, num_resamples=hparams["bootstrap_resamples"], seed=hparams["seed"])
+    return report, details
+
+
+def federated_change(details, details_round0, hparams):
+    """Final minus round-0 test WER, with a paired speaker-level bootstrap 95% CI.
+
+    Both evaluations score the same utterances, so the paired bootstrap (one speaker draw per
+    replicate for both) tells whether the federated stage changed the WER beyond speaker
+    sampling noise, which two overlapping marginal CIs cannot.
+    """
+    paired = paired_bootstrap_details(
+        details,
+        details_round0,
+        names=("final", "round 0"),
+        num_resamples=hparams["bootstrap_resamples"],
+        seed=hparams["seed"],
+    )
+    return {
+        "difference": paired.difference,
+        "ci95": [paired.ci_low, paired.ci_high],
+        "p_value": paired.p_value,
+        "significant": paired.significant,
+    }
+
+
+def privacy_section(hparams, config, result, *, alpha_from_profile=False):
+    """results.json's privacy section: the engine's privacy report plus the recipe's method.
+
+    The engine computed it (:func:`speechbrain_fl.privacy.accounting.privacy_report`): joint
+    epsilon from its accountant, and per pool (``encoder``; ``llm`` = LLM + connector) the
+    effective noise multiplier and epsilon, conservative for budgets that move between rounds.
+    A run without noise (``fedavg``, or a clipping method with ``noise_multiplier: 0``) reports
+    no epsilon. What the epsilon covers and what it does not (test-only seeds, raw-norm EMA
+    signal, profiling, telemetry) comes from :func:`speechbrain_fl.fl.disclosure.privacy_disclosure`.
+    """
+    disclosure = privacy_disclosure(
+        config, profile_rounds=hparams["profile_rounds"], alpha_from_profile=alpha_from_profile
+    )
+    if result.privacy is None:
+        return {
+            **disclosure,
+            "epsilon": None,
+            "delta": None,
+            "accountant": None,
+            "noise_multiplier": 0.0,
+            "clip": config.clip,
+            "alpha": config.alpha,
+            "sampling_rate": config.sampling_rate,
+            "rounds": result.last_round,
+            "sigma_eff": {},
+            "epsilon_per_component": {},
+        }
+    report = dict(result.privacy)
+    report["accountant"] = f"opacus-{report['accountant']}"
+    return {**report, **disclosure, "alpha": config.alpha}
+
+
+PAPER_SIGMA = 0.1  # the alpha-split paper's noise multiplier (Sec. II-D)
+
+
+def noise_vs_update(reports, layout, *, noise_multiplier, clip, expected_cohort_size):
+    """The per-round noise norm against the mean client update norm (and the component ratio).
+
+    The Gaussian noise added once per round to the mean update has standard deviation
+    ``sigma C / n`` per coordinate, so its norm is about ``sigma C / n * sqrt(d)`` over the
+    ``d`` trainable values; the mean client update norm is the clients' pre-clip joint norm
+    averaged over the rounds. When the noise norm is several times the update norm, every DP
+    method drowns alike; of the order of 1 or below, the clipping policy decides. A run without
+    noise (FedAvg) reports the noise its cohort would get at the paper's sigma = 0.1 (C = 1),
+    marked in ``sigma_source``. ``norm_profile`` is :func:`speechbrain_fl.fl.profile.norm_profile`
+    of the last round (mean per-matrix norm per component, LLM/encoder ratio; the paper's
+    diagnosis), from the clients' pre-clip norms: telemetry outside the DP guarantee. Its
+    ``llm_encoder_ratio`` is over alpha-split's pools: (LLM + connector) against the encoder.
+    """
+    d = sum(int(g.numel) for g in layout)
+    sigma = noise_multiplier if noise_multiplier else PAPER_SIGMA
+    c = clip if clip else 1.0
+    norms = [r.joint_norm_mean for r in reports if r.joint_norm_mean is not None]
+    mean_norm = sum(norms) / len(norms) if norms else None
+    noise_norm = sigma * c / expected_cohort_size * math.sqrt(d) if expected_cohort_size else None
+    out = {
+        "sigma": sigma,
+        "sigma_source": "this run" if noise_multiplier else "paper (this run adds no noise)",
+        "clip": c,
+        "expected_cohort_size": expected_cohort_size,
+        "trainable_values": d,
+        "noise_norm": noise_norm,
+        "mean_update_norm": mean_norm,
+        "ratio": noise_norm / mean_norm if noise_norm and mean_norm else None,
+        "norm_profile": None,
+    }
+    last = next((r for r in reversed(reports) if getattr(r, "group_norms", None)), None)
+    if last is not None:
+        profile = norm_profile(last, layout, clip=c)
+        out["norm_profile"] = {
+            k: profile.get(k) for k in ("per_matrix_mean_norm", "component_norm")
+        }
+        # alpha-split's pools: the encoder, and the LLM together with the connector (with the
+        # LLM's adapters frozen, the connector alone): mean per-matrix update norm of each
+        pools = {"encoder": [], "llm": []}
+        for group in layout:
+            norm = last.group_norms.get(group.name)
+            if norm is not None:
+                pools["encoder" if group.component == "encoder" else "llm"].append(norm)
+        means = {k: sum(v) / len(v) for k, v in pools.items() if v}
+        out["norm_profile"]["pool_per_matrix_mean_norm"] = means
+        out["norm_profile"]["llm_encoder_ratio"] = (
+            means["llm"] / means["encoder"] if means.get("encoder") and "llm" in means else None
+        )
+    return out
+
+
+def log_noise_ratio(ratio):
+    """One log line: noise norm / mean update norm, and the LLM/encoder per-matrix ratio."""
+    if ratio["ratio"] is None:
+        logger.info("Noise vs update norm: no client norms recorded")
+        return
+    profile = ratio["norm_profile"] or {}
+    llm_enc = profile.get("llm_encoder_ratio")
+    logger.info(
+        "Noise norm per round %.3g (sigma %g, %s; n = %.1f, d = %d) vs mean client update norm "
+        "%.3g: ratio %.2f; (LLM + connector)/encoder per-matrix update-norm ratio %s (paper: "
+        "~12x Whisper + TinyLlama, 1.7x Voxtral)",
+        ratio["noise_norm"], ratio["sigma"], ratio["sigma_source"], ratio["expected_cohort_size"],
+        ratio["trainable_values"], ratio["mean_update_norm"], ratio["ratio"],
+        f"{llm_enc:.2f}x" if llm_enc is not None else "n/a (encoder frozen)",
+    )  # fmt: skip
+
+
+_log_noise_ratio = log_noise_ratio  # the older name
+
+
+def results_summary(
+    *, hparams, settings, info, config, result, test, test_round0, change, ratio, profile,
+    alpha_from_profile, timings,
+):  # fmt: skip
+    """The ``results.json`` mapping of a run (its schema is in recipes/MLS/README.md)."""
+    return {
+        "method": hparams["method"],
+        "model": str(hparams["model"]),
+        "freeze_encoder": hparams["freeze_encoder"],
+        "num_clients": settings.num_clients,
+        "test": test,
+        "test_round0": {"WER": test_round0["WER"], "WER_ci95": test_round0["WER_ci95"]},
+        "test_change_from_round0": change,
+        "privacy": privacy_section(hparams, config, result, alpha_from_profile=alpha_from_profile),
+        "data": {
+            "data_folder": settings.data_folder,
+            "embedded_corpus": hparams["data_folder"] is None,
+            "skipped": info["skipped"],
+            "num_skipped": info["num_skipped"],
+            "languages": info.get("languages"),
+            "missing_languages": info.get("missing_languages", []),
+        },
+        "profile": profile,
+        "noise_vs_update": ratio,
+        "stopped_early": result.stopped_early,
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+
+
+def report_run(
+    *, brain, layout, test_set, test_rows, hparams, settings, info, config, result, round0,
+    profile, alpha_from_profile, timings, start,
+):  # fmt: skip
+    """After the federated rounds: test WER, the change from round 0, noise vs update, outputs.
+
+    ``brain`` holds the final global model; ``round0`` is ``(report, details)`` of the seed
+    model's test evaluation. Writes ``test_utterances*.csv``, ``results.json`` and the plots,
+    logs and prints the results table. Returns the results mapping.
+    """
+    test_round0, details_round0 = round0
+    final_model = os.path.join(hparams["output_folder"], "final_model")
+    t0 = time.time()
+    test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
+    timings["evaluation"] += time.time() - t0
+    write_utterance_details(os.path.join(hparams["output_folder"], "test_utterances.csv"), details)
+    write_utterance_details(
+        os.path.join(hparams["output_folder"], "test_utterances_round0.csv"), details_round0
+    )
+    change = federated_change(details, details_round0, hparams)
+    logger.info(
+        "Test WER change over the federated stage: %+.4f [%+.4f, %+.4f] (paired speaker "
+        "bootstrap, %s)",
+        change["difference"],
+        *change["ci95"],
+        "significant" if change["significant"] else "not significant",
+    )
+    cohort = hparams["sampling_rate"] * settings.num_clients
+    ratio = noise_vs_update(
+        result.reports,
+        layout,
+        noise_multiplier=config.noise_multiplier,
+        clip=hparams["clip"],
+        expected_cohort_size=cohort,
+    )
+    log_noise_ratio(ratio)
+    timings["total"] = time.time() - start
+    results = results_summary(
+        hparams=hparams, settings=settings, info=info, config=config, result=result,
+        test=test_report, test_round0=test_round0, change=change, ratio=ratio, profile=profile,
+        alpha_from_profile=alpha_from_profile, timings=timings,
+    )  # fmt: skip
+    write_results(hparams["output_folder"], results)
+    plots = write_run_plots(
+        hparams["output_folder"],
+        noise_multiplier=config.noise_multiplier,
+        clip=hparams["clip"] or 1.0,
+        alpha=hparams["alpha"] if hparams["method"] == "alpha_split" else None,
+        expected_cohort_size=cohort,
+    )
+    hparams["train_logger"].log_stats(
+        stats_meta={"round": result.last_round, "method": hparams["method"]},
+        test_stats={"WER": test_report["WER"], "round0_WER": test_round0["WER"]},
+    )
+    print_summary(
+        format_results_table(results, style="text"),
+        output_folder=hparams["output_folder"],
+        timings=results["timings_s"],
+        plots=plots,
+        extra=[
+            format_disclosure(results["privacy"]),
+            f"Model: {final_model} (python recipes/MLS/transcribe.py {final_model} <wav>)",
+        ],
+    )
+    return results

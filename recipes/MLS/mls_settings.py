@@ -1,0 +1,83 @@
+"""The MLS recipe's settings: every value check, the model options, the preparation keys.
+
+- :func:`check_hparams`: every value check, before any work (the engine config included);
+- :func:`model_options`: the keyword arguments of ``build_speech_llm``;
+- :data:`BRAIN_KEYS` / :data:`PREPARATION_KEYS`: what the Brain reads, what shapes a run's
+  preparation (a change of any prepares again; corpus and seed model are cached on disk).
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.models.presets import PRESETS
+
+
+def model_options(hparams):
+    """The keyword arguments of ``build_speech_llm`` from the hparams."""
+    return {
+        "freeze_encoder": hparams["freeze_encoder"],
+        "lora_r": hparams["lora_r"],
+        "lora_alpha": hparams["lora_alpha"],
+        "connector": hparams["connector"],
+        "downsample_k": hparams["downsample_k"],
+        "ctc_weight": hparams["ctc_weight"],
+        "gradient_checkpointing": hparams["gradient_checkpointing"],
+        "prompt": hparams["prompt"],
+        "train_llm_lora": hparams["train_llm_lora"],
+    }
+
+
+BRAIN_KEYS = (
+    "seed",
+    "lr",
+    "lr_min_ratio",
+    "weight_decay",
+    "encoder_lr_multiplier",
+    "max_new_tokens",
+    "num_beams",
+    "max_grad_norm",
+    "dataloader_options",
+    "eval_dataloader_options",
+)
+PREPARATION_KEYS = (
+    "data_folder", "cache_folder", "save_folder", "skip_prep", "languages", "max_utts_per_split",
+    "corpus_speakers_per_language", "corpus_utterances_per_speaker",
+    "corpus_public_speakers_per_language", "corpus_public_utterances_per_speaker",
+    "corpus_eval_utterances_per_speaker", "partition", "num_clients", "seed", "model",
+    "pretrain_steps", "pretrain_ctc_steps", "pretrain_lr", "pretrain_batch_size",
+    "pretrain_max_grad_norm", "connector",
+    "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
+    "lora_alpha", "gradient_checkpointing", "train_llm_lora", "corpus_client_rate",
+    "corpus_client_novel_share", *BRAIN_KEYS,
+)  # fmt: skip
+
+
+def check_hparams(hparams):
+    """Fail fast, before any heavy work, on values the run cannot use."""
+    model = hparams["model"]
+    if model not in PRESETS and not (Path(str(model)) / "speech_llm.json").is_file():
+        raise ValueError(
+            f"model: {model!r} is neither a preset {sorted(PRESETS)} nor a folder with "
+            "speech_llm.json"
+        )
+    if not 0.0 <= float(hparams.get("lr_min_ratio", 0.0)) <= 1.0:
+        raise ValueError(f"lr_min_ratio: {hparams['lr_min_ratio']!r} must be in [0, 1]")
+    workers = hparams.get("corpus_workers")
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+    ):
+        raise ValueError(f"corpus_workers: {workers!r} must be a positive integer or null")
+    kappa = hparams["alpha_kappa"]
+    if isinstance(kappa, bool) or not isinstance(kappa, int | float) or not 0 < kappa < math.inf:
+        raise ValueError(f"alpha_kappa: {kappa!r} must be a positive number")
+    if hparams["alpha"] == "auto" and hparams["profile_rounds"] < 1:
+        raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
+    # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
+    # by the profiling, so any valid alpha stands in for it here)
+    FLConfig.from_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})

@@ -1,0 +1,181 @@
+"""The SUPERB recipe's report: test metric per exit with CIs, memory by exit, results.json.
+
+- :func:`evaluate_test`: per exit, accuracy (or WER for ASR) with a 95% bootstrap CI;
+- :func:`memory_by_exit`: peak training memory per trained exit;
+- :func:`results_table`: the end-of-run table (:func:`speechbrain_fl.recipe.render_table`);
+- :func:`report_run`: evaluate the final model and write the run's outputs.
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import time
+
+from superb_data import TASKS
+
+from speechbrain_fl.plots import write_exit_plots
+from speechbrain_fl.recipe import print_summary, render_table, write_results, write_rows
+
+
+def evaluate_test(brain, test, settings, hparams):
+    """Per exit: the task metric with a 95% bootstrap CI (speaker- or utterance-level)."""
+    from speechbrain_fl.metrics.classification import bootstrap_classification
+
+    spec = TASKS[hparams["task"]]
+    brain.evaluate(
+        test,
+        progressbar=True,
+        test_loader_kwargs=dict(settings.hparams["eval_dataloader_options"]),
+    )
+    out, rows = {}, []
+    if spec["head"] == "ctc":
+        from speechbrain_fl.metrics import bootstrap_details, utterance_errors_from_stats
+
+        with open(settings.test_csv, newline="", encoding="utf-8") as handle:
+            speakers = {r["ID"]: r["spk_id"] for r in csv.DictReader(handle)}
+        for e in brain.eval_exits:
+            details = utterance_errors_from_stats(brain.wer[e], speaker_of=speakers)
+            wer = bootstrap_details(
+                details, num_resamples=hparams["bootstrap_resamples"], seed=hparams["seed"]
+            )
+            out[str(e)] = {"WER": wer.wer, "ci95": [wer.ci_low, wer.ci_high]}
+        return out, rows
+    ids, speakers, labels = zip(*brain.records, strict=True)
+    units = speakers if spec["bootstrap_unit"] == "speaker" else ids
+    for e in brain.eval_exits:
+        stats = bootstrap_classification(
+            speakers=list(units),
+            labels=list(labels),
+            predictions=brain.predictions[e],
+            num_resamples=hparams["bootstrap_resamples"],
+            seed=hparams["seed"],
+        )
+        out[str(e)] = {"accuracy": stats["accuracy"]["value"], "ci95": stats["accuracy"]["ci"]}
+    for i, (uid, spk, label) in enumerate(brain.records):
+        row = {"ID": uid, "spk_id": spk, "label": settings.labels[label]}
+        row.update(
+            {f"pred_{e}": settings.labels[brain.predictions[e][i]] for e in brain.eval_exits}
+        )
+        rows.append(row)
+    return out, rows
+
+
+def memory_by_exit(settings, hparams):
+    """Peak training memory (MiB) per trained exit for this task's batch shape.
+
+    Returns ``(peak, step)``: ``peak`` is CUDA ``max_memory_allocated`` or, on CPU, the peak RSS
+    of a fresh process per exit (interpreter and all weights included); ``step`` is what the
+    training step raised the peak (see ``speechbrain_fl/models/exit_memory.py``).
+    """
+    if not hparams["measure_memory"]:
+        return {}, {}
+    from speechbrain_fl.models.exit_memory import peak_training_memory
+
+    options = settings.model
+    peak, step = {}, {}
+    for e in settings.eval_exits:
+        m = peak_training_memory(
+            options["source"],
+            depth=e,
+            batch_size=hparams["batch_size"],
+            seconds=TASKS[hparams["task"]]["seconds"],
+            head=options["head"],
+            num_outputs=options["num_outputs"],
+            freeze_feature_encoder=options["freeze_feature_encoder"],
+            device=settings.device,
+        )
+        peak[str(e)], step[str(e)] = m["peak_mb"], m["step_mb"]
+    return peak, step
+
+
+def results_table(results):
+    """The end-of-run results table (text): the metric, its CI and memory per exit."""
+    metric = "WER" if results["task"] == "asr" else "accuracy"
+    asv = "asv" in results
+    header = ["exit", metric, "95% CI", "memory MB", "step MB"] + (["EER", "minDCF"] if asv else [])
+    rows = []
+    for e, entry in results["test"].items():
+        lo, hi = entry["ci95"]
+        mem = results["memory_mb"].get(e)
+        row = [
+            e,
+            f"{entry[metric]:.4f}",
+            f"[{lo:.4f}, {hi:.4f}]",
+            str(mem if mem is None else round(mem, 1)),
+            str(results["memory_step_mb"].get(e, "-")),
+        ]
+        if asv:
+            row += [f"{results['asv'][e]['EER']:.4f}", f"{results['asv'][e]['minDCF']:.4f}"]
+        rows.append(row)
+    title = (
+        f"SUPERB {results['task']} | scenario {results['scenario']} | aggregation "
+        f"{results['aggregation']} ({results['weighting']}) | model {results['checkpoint']}"
+    )
+    return title + "\n" + render_table(header, rows, style="text")
+
+
+def report_run(settings, hparams, result, *, brain, test_set, timings, start):
+    """Evaluate the final model at every trained exit and write the run's outputs.
+
+    ``results.json`` (the schema in the README), ``test_predictions.csv``, the plots and, for
+    ASV, the trial scores; prints the results table. ``result`` is the engine's
+    :class:`~speechbrain_fl.fl.server.ServerResult` or the centralized run's equivalent
+    (``params`` and ``last_round``); ``brain`` the recipe's Brain (its per-process model) and
+    ``test_set`` the test split's dataset. Returns the results mapping.
+    """
+    from speechbrain_fl.fl.params import load_trainable
+
+    timings = dict(timings)
+    load_trainable(brain.modules, result.params)
+    t0 = time.time()
+    test, rows = evaluate_test(brain, test_set, settings, hparams)
+    extra = {}
+    if hparams["task"] == "asv":
+        from superb_data import score_asv
+
+        extra["asv"] = score_asv(brain, settings, hparams)
+    timings["evaluation"] = time.time() - t0
+    if rows:
+        write_rows(os.path.join(hparams["output_folder"], "test_predictions.csv"), rows)
+    t0 = time.time()
+    memory, memory_step = memory_by_exit(settings, hparams)
+    timings["memory"] = time.time() - t0
+    timings["total"] = time.time() - start
+    results = {
+        "task": hparams["task"],
+        "scenario": hparams["scenario"],
+        "aggregation": hparams["aggregation"],
+        "weighting": hparams["weighting"],
+        "checkpoint": str(hparams["model"]),
+        "checkpoint_source": settings.model["source"],
+        "test": test,
+        "memory_mb": memory,
+        "memory_step_mb": {k: round(v, 1) for k, v in memory_step.items()},
+        **extra,
+        "depths": settings.depths,
+        "depth_decisions": settings.depth_decisions,
+        "num_clients": settings.num_clients,
+        "rounds": result.last_round,
+        "seed": hparams["seed"],
+        "freeze_feature_encoder": hparams["freeze_feature_encoder"],
+        "embedded_corpus": hparams["data_folder"] is None,
+        "bootstrap_unit": TASKS[hparams["task"]]["bootstrap_unit"],
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+    write_results(hparams["output_folder"], results)
+    plots = write_exit_plots(hparams["output_folder"])
+    hparams["train_logger"].log_stats(
+        stats_meta={"round": result.last_round, "scenario": hparams["scenario"]},
+        test_stats={f"exit_{e}": next(iter(v.values())) for e, v in test.items()},
+    )
+    print_summary(
+        results_table(results),
+        output_folder=hparams["output_folder"],
+        timings=results["timings_s"],
+        plots=plots,
+    )
+    return results

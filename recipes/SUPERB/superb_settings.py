@@ -1,0 +1,339 @@
+"""The SUPERB recipe's run settings: checks, client depths, memory budgets, the prepared run.
+
+- :func:`check_hparams`: every value check, before any work (the engine config included);
+- :func:`client_depths`, :func:`trained_exits`: L_max per client and the exits reported;
+- the ``memory_budget`` depth policy (ours): :func:`apply_memory_budgets` and its helpers;
+- :func:`fl_config`: the engine config through the shared YAML vocabulary;
+- :class:`SuperbSettings` and :func:`make_settings`: the typed prepared run the builders read.
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from superb_data import CTC_ALPHABET, TASKS, check_task, prepare_task
+from superb_seed_model import seed_model_folder
+
+from speechbrain_fl.recipe import RunSettings
+
+logger = logging.getLogger("superb_task")
+
+SCENARIOS = ("centralized", "homogeneous", "heterogeneous")
+BRAIN_KEYS = ("seed", "lr", "weight_decay", "dataloader_options", "eval_dataloader_options")
+
+
+@dataclass
+class SuperbSettings(RunSettings):
+    """:class:`~speechbrain_fl.recipe.RunSettings` plus what the SUPERB builders read.
+
+    Arguments
+    ---------
+    labels : list of str
+        The task's classes (empty for ASR).
+    data_kw : dict
+        :func:`superb_data.make_dataset`'s keyword arguments (``labels`` or ``ctc``).
+    extra : dict
+        The preparation's report.
+    num_threads : int
+        Intra-op threads of a process.
+    depths : list of int
+        L_max per client (partition order).
+    budgets : list of float, optional
+        Declared memory budgets (MB) per client (``depth_policy: memory_budget``).
+    budget_settings : dict, optional
+        What the budget rule measures with (:func:`budget_settings_for`).
+    depth_decisions : list of dict, optional
+        The budget policy's decision per client (logged, kept in results.json).
+    eval_exits : list of int
+        The exits trained and reported.
+    """
+
+    labels: list[str] = field(default_factory=list)
+    data_kw: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    num_threads: int = 1
+    depths: list[int] = field(default_factory=list)
+    budgets: list[float] | None = None
+    budget_settings: dict[str, Any] | None = None
+    depth_decisions: list[dict[str, Any]] | None = None
+    eval_exits: list[int] = field(default_factory=lambda: [12])
+
+    @classmethod
+    def coerce(cls, settings) -> SuperbSettings:
+        """``settings`` itself, or :class:`SuperbSettings` from a mapping of its fields."""
+        return settings if isinstance(settings, cls) else cls.from_dict(dict(settings))
+
+
+def check_hparams(hparams):
+    """Fail fast, before anything heavy, on a task, scenario, exit or rule the run cannot use.
+
+    Runs in :meth:`speechbrain_fl.recipe.FederatedRecipe.load`, before corpus synthesis,
+    features or pretraining; builds the engine's FLConfig (:func:`fl_config`) so its checks
+    run up front too.
+    """
+    from speechbrain_fl.fl.layerwise import rule_name
+
+    check_task(hparams["task"])
+    if hparams["scenario"] not in SCENARIOS:
+        raise ValueError(f"scenario: {hparams['scenario']!r} must be one of {list(SCENARIOS)}")
+    exits = [int(e) for e in hparams["exits"]]
+    for key in ("exit", "best_exit", "shallow_exit"):
+        value = hparams[key]
+        if value is not None and int(value) not in exits:
+            raise ValueError(f"{key}: {value!r} is not one of the exits {exits}")
+    rule_name(hparams["aggregation"], hparams["weighting"])
+    if hparams.get("method", "fedavg") != "fedavg":
+        raise ValueError(
+            f"method: {hparams['method']!r}: the SUPERB recipe runs without clipping "
+            "(method: fedavg); clipping partial (layer-wise) replies is not implemented"
+        )
+    if hparams["noise_multiplier"] > 0:
+        from speechbrain_fl.fl.aggregation import get_rule
+
+        rule = get_rule(rule_name(hparams["aggregation"], hparams["weighting"]))
+        raise ValueError(
+            f"noise_multiplier={hparams['noise_multiplier']}: a private run is refused with "
+            f"aggregation {hparams['aggregation']!r}: {rule.dp_refusal}"
+        )
+    if hparams["depth_policy"] not in ("groups", "memory_budget"):
+        raise ValueError(
+            f"depth_policy: {hparams['depth_policy']!r} must be 'groups' or 'memory_budget'"
+        )
+    if hparams["budget_fallback"] not in ("exclude", "shallowest"):
+        raise ValueError(
+            f"budget_fallback: {hparams['budget_fallback']!r} must be 'exclude' or 'shallowest'"
+        )
+    if not 0.0 < hparams["shallow_fraction"] < 1.0:
+        raise ValueError(f"shallow_fraction: {hparams['shallow_fraction']} must be in (0, 1)")
+    if hparams["depth_policy"] == "memory_budget" and not hparams["client_memory_budgets_mb"]:
+        raise ValueError("depth_policy: memory_budget needs client_memory_budgets_mb (a list)")
+    if hparams["scenario"] == "heterogeneous" and hparams["depth_policy"] == "groups":
+        deep = int(hparams["exit"] or hparams["best_exit"])
+        if int(hparams["shallow_exit"]) >= deep:
+            raise ValueError(
+                f"shallow_exit: {hparams['shallow_exit']} must be below the deep exit {deep} "
+                "(exit, or best_exit) in the heterogeneous scenario"
+            )
+        k = hparams["num_clients"]
+        if isinstance(k, int) and not 1 <= round(hparams["shallow_fraction"] * k) <= k - 1:
+            raise ValueError(
+                f"num_clients: {k} with shallow_fraction {hparams['shallow_fraction']} leaves "
+                "one depth group empty; the heterogeneous scenario needs clients at both exits "
+                "(at least 2 clients), or use scenario: homogeneous"
+            )
+    if hparams["pretrain_objective"] not in ("bag_of_words", "ctc"):
+        raise ValueError(
+            f"pretrain_objective: {hparams['pretrain_objective']!r} must be 'bag_of_words' or 'ctc'"
+        )
+    # the engine config's own checks (rounds, sampling, timeouts, ...), before any work
+    fl_config(hparams)
+
+
+def trained_exits(hparams):
+    """The exits a scenario trains (and reports)."""
+    deep = int(hparams["exit"] or hparams["best_exit"])
+    if hparams["scenario"] == "heterogeneous":
+        return sorted({int(hparams["shallow_exit"]), deep})
+    return [deep]
+
+
+def client_depths(hparams, num_clients):
+    """L_max per client: one exit for all (homogeneous) or the paper's 50/50 groups.
+
+    Heterogeneous: a seeded permutation of the clients puts ``round(shallow_fraction * K)`` of
+    them at ``shallow_exit`` (the paper's low-resource group, layer 3) and the rest at the deep
+    exit (``exit`` if given, else the task's ``best_exit``). The groups model hardware, so a
+    client keeps its depth in every round.
+    """
+    deep = int(hparams["exit"] or hparams["best_exit"])
+    if hparams["scenario"] != "heterogeneous":
+        return [deep] * num_clients
+    order = np.random.default_rng(hparams["seed"]).permutation(num_clients)
+    shallow = set(order[: int(round(hparams["shallow_fraction"] * num_clients))].tolist())
+    return [int(hparams["shallow_exit"]) if i in shallow else deep for i in range(num_clients)]
+
+
+def budget_depth(*, budget_mb, budget_settings):
+    """Deepest exit <= the task cap whose measured peak training memory fits ``budget_mb``.
+
+    Ours (the paper decides L_max from "local hardware resources" without a rule). The peak
+    memory per exit is measured once per model and batch shape (a fresh subprocess per depth on
+    CPU) and cached in ``<cache_folder>/exit_memory.json``; every later call, e.g. each round,
+    reads the cache. Returns ``None`` when even the shallowest exit does not fit.
+    """
+    from speechbrain_fl.models.exit_memory import choose_depth, peak_training_memory
+
+    b = budget_settings
+    measure = functools.partial(
+        peak_training_memory,
+        b["source"],
+        batch_size=b["batch_size"],
+        seconds=b["seconds"],
+        head=b["head"],
+        num_outputs=b["num_outputs"],
+        freeze_feature_encoder=b["freeze_feature_encoder"],
+        device=b["device"],
+    )
+    return choose_depth(
+        budget_mb=budget_mb,
+        exits=b["exits"],
+        cap=b["cap"],
+        measure=lambda depth: measure(depth=depth)["peak_mb"],
+        cache_file=b["cache_file"],
+        cache_key=budget_cache_key(b),
+    )
+
+
+def budget_cache_key(budget_settings):
+    """Key of a model, batch shape and options in the memory cache file."""
+    return json.dumps(
+        {k: v for k, v in budget_settings.items() if k != "cache_file"}, sort_keys=True
+    )
+
+
+def budget_settings_for(hparams, settings):
+    """What :func:`budget_depth` measures with: model, batch shape, exits, cap, cache file."""
+    model = settings["model"]
+    return {
+        "source": model["source"],
+        "batch_size": int(hparams["batch_size"]),
+        "seconds": float(TASKS[hparams["task"]]["seconds"]),
+        "head": model["head"],
+        "num_outputs": model["num_outputs"],
+        "freeze_feature_encoder": model["freeze_feature_encoder"],
+        "device": (settings["run_opts"].get("device") or "cpu"),
+        "exits": model["exits"],
+        "cap": int(hparams["exit"] or hparams["best_exit"]),
+        "cache_file": os.path.join(hparams["cache_folder"], "exit_memory.json"),
+    }
+
+
+def apply_memory_budgets(hparams, settings):
+    """Depth policy ``memory_budget`` (ours): L_max per client from its declared budget.
+
+    Budgets come from ``client_memory_budgets_mb`` (cycled over the clients). A client whose
+    budget fits no exit is excluded with a log line, or trains the shallowest exit when
+    ``budget_fallback: shallowest``. Returns the decisions (logged and kept in results.json).
+    """
+    budgets = list(hparams["client_memory_budgets_mb"] or [])
+    if not budgets:
+        raise ValueError("depth_policy: memory_budget needs client_memory_budgets_mb (a list)")
+    model = settings["model"]
+    settings["budget_settings"] = budget_settings_for(hparams, settings)
+    clients, depths, kept_budgets, decisions = [], [], [], []
+    for i, manifest in enumerate(settings["clients"]):
+        budget = float(budgets[i % len(budgets)])
+        depth = budget_depth(budget_mb=budget, budget_settings=settings["budget_settings"])
+        action = "trains" if depth is not None else hparams["budget_fallback"]
+        if depth is None and hparams["budget_fallback"] == "shallowest":
+            depth = min(model["exits"])
+        if depth is None:
+            logger.warning(
+                "client %d: memory budget %.0f MB fits no exit <= %d; excluded",
+                i,
+                budget,
+                settings["budget_settings"]["cap"],
+            )
+        else:
+            clients.append(manifest)
+            depths.append(depth)
+            kept_budgets.append(budget)
+            logger.info(
+                "client %d: memory budget %.0f MB -> exit %d (%s)", i, budget, depth, action
+            )
+        decisions.append({"client": i, "budget_mb": budget, "exit": depth, "action": action})
+    if not clients:
+        raise ValueError(f"no client's memory budget fits any exit (budgets {budgets} MB)")
+    settings["clients"], settings["depths"], settings["budgets"] = clients, depths, kept_budgets
+    settings["eval_exits"] = sorted(set(depths))
+    return decisions
+
+
+def fl_config(hparams):
+    """The engine's FLConfig from the recipe's hparams, through the shared YAML vocabulary.
+
+    :meth:`speechbrain_fl.fl.config.FLConfig.from_hparams` reads ``number_of_rounds``,
+    ``method``, ``sampling_rate``, ``noise_multiplier``, ... like every recipe's. The one
+    SUPERB difference: its ``aggregation`` (``layerwise`` | ``fedavg_full``) and ``weighting``
+    keys name a registered rule of :mod:`speechbrain_fl.fl.layerwise`, passed as the config's
+    ``aggregation`` field.
+
+    Example
+    -------
+    >>> cfg = fl_config({"output_folder": "o", "number_of_rounds": 3, "method": "fedavg",
+    ...     "aggregation": "layerwise", "weighting": "samples", "noise_multiplier": 0.0})
+    >>> cfg.num_rounds, cfg.aggregation, cfg.private
+    (3, 'layerwise_samples', False)
+    """
+    from speechbrain_fl.fl.config import FLConfig
+    from speechbrain_fl.fl.layerwise import rule_name
+
+    return FLConfig.from_hparams(
+        hparams, aggregation=rule_name(hparams["aggregation"], hparams["weighting"])
+    )
+
+
+def make_settings(hparams, run_opts):
+    """Prepare data and the seed model; return the run's :class:`SuperbSettings` as data."""
+    timings = {}
+    start = time.time()
+    data = prepare_task(hparams)
+    timings["data"] = time.time() - start
+    seed_source, info = seed_model_folder(hparams, data["public"])
+    timings.update(info)
+    spec = TASKS[hparams["task"]]
+    ctc = spec["head"] == "ctc"
+    num_clients = len(data["clients"])
+    settings = SuperbSettings(
+        hparams={k: hparams[k] for k in BRAIN_KEYS},
+        run_opts={
+            k: v
+            for k, v in run_opts.items()
+            if k in ("device", "precision", "debug", "debug_batches", "debug_epochs")
+        }
+        | {"max_grad_norm": hparams["max_grad_norm"], "noprogressbar": True},
+        data_folder=data["data_folder"],
+        clients=data["clients"],
+        valid_csv=data["valid"],
+        test_csv=data["test"],
+        labels=data["labels"],
+        data_kw={"ctc": True} if ctc else {"labels": data["labels"]},
+        extra=data.get("extra", {}),
+        cpus_per_client=hparams["num_cpus_per_client"],
+        num_threads=int(hparams["num_threads"]),
+        depths=client_depths(hparams, num_clients),
+        eval_exits=trained_exits(hparams),
+        model={
+            "source": seed_source,
+            "num_outputs": len(CTC_ALPHABET) + 1 if ctc else len(data["labels"]),
+            "cache_dir": hparams["cache_folder"],
+            "exits": [int(e) for e in hparams["exits"]],
+            "head": spec["head"],
+            "freeze_feature_encoder": hparams["freeze_feature_encoder"],
+            "seed": hparams["seed"],
+        },
+        timings=timings,
+    )
+    if hparams["depth_policy"] == "memory_budget":
+        settings.depth_decisions = apply_memory_budgets(hparams, settings)
+    return settings.to_dict()
+
+
+def default_rounds(hparams):
+    """``number_of_rounds: null``: the embedded default's rounds, or the paper's on real data."""
+    if hparams["number_of_rounds"] is None:
+        hparams["number_of_rounds"] = (
+            hparams["embedded_rounds"]
+            if hparams["data_folder"] is None
+            else hparams["paper_rounds"]
+        )

@@ -1,0 +1,209 @@
+"""``speechbrain-fl``: size a private deployment before running it.
+
+Examples
+--------
+Per-group clip budgets of a layout (table, or ``--json``)::
+
+    speechbrain-fl budgets --layout docs/examples/whisper_tinyllama_layout.json \\
+        --method alpha_split --alpha 0.05 --clip 1.0 --noise-multiplier 0.1
+
+(epsilon, delta) of a run, or the sigma needed for a target epsilon::
+
+    speechbrain-fl privacy --sampling-rate 0.3 --noise-multiplier 1.0 --rounds 40 --delta 1e-5
+    speechbrain-fl privacy --sampling-rate 0.3 --epsilon 8 --rounds 40 --delta 1e-5
+
+EMA methods have no observed norms here, so they show their base (warm-up) allocation.
+
+The console script lives at the package's top level (``speechbrain_fl.cli:main``), beside the
+parts it reads: the privacy core stays free of command-line concerns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from speechbrain_fl.privacy.accounting import (
+    ACCOUNTANTS,
+    compute_epsilon,
+    effective_noise_multiplier,
+    noise_multiplier_for_epsilon,
+)
+from speechbrain_fl.privacy.budgets import budget_methods, component_budgets, compute_budgets
+from speechbrain_fl.privacy.layout import Layout
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``speechbrain-fl`` console script."""
+    parser = argparse.ArgumentParser(
+        prog="speechbrain-fl",
+        description="Component-aware DP: clip budgets and (epsilon, delta) accounting.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("budgets", help="per-group clip budgets of a layout JSON file")
+    b.add_argument("--layout", required=True, help="layout JSON: list of {name, component, numel}")
+    b.add_argument("--method", required=True, choices=budget_methods())
+    b.add_argument("--alpha", type=float, help="encoder budget fraction for alpha_split")
+    b.add_argument("--clip", type=float, default=1.0, help="total L2 clip C (default 1.0)")
+    b.add_argument(
+        "--noise-multiplier",
+        type=float,
+        default=1.0,
+        help="sigma, for the per-component sigma_eff (default 1.0: sigma_eff in units of sigma)",
+    )
+    b.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b.set_defaults(subparser=b)
+
+    p = sub.add_parser("privacy", help="epsilon of a run, or sigma for a target epsilon")
+    p.add_argument("--sampling-rate", type=float, required=True, help="client sampling rate q")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--noise-multiplier", type=float, help="sigma; prints epsilon")
+    g.add_argument("--epsilon", type=float, help="target epsilon; prints the sigma needed")
+    p.add_argument("--rounds", type=int, required=True, help="number of FL rounds T")
+    p.add_argument("--delta", type=float, required=True)
+    p.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(subparser=p)
+    return parser
+
+
+def _budgets(args, parser) -> str:
+    path = Path(args.layout)
+    if not path.is_file():
+        parser.error(f"--layout: file not found: {path}")
+    try:
+        layout = Layout.from_json(path)
+        budgets = compute_budgets(layout, method=args.method, clip=args.clip, alpha=args.alpha)
+        comp = component_budgets(layout, budgets)
+        if args.noise_multiplier < 0:
+            raise ValueError(f"--noise-multiplier must be >= 0, got {args.noise_multiplier}")
+    except ValueError as err:
+        parser.error(str(err))
+    sigma = args.noise_multiplier
+    per_group = budgets if isinstance(budgets, dict) else {n: budgets for n in layout.names}
+    result = {
+        "method": args.method,
+        "clip": args.clip,
+        "groups": [
+            {
+                "name": g.name,
+                "component": g.component,
+                "numel": g.numel,
+                "budget": per_group[g.name],
+            }
+            for g in layout
+        ],
+        "components": {
+            label: {
+                "budget": cb,
+                "sigma_eff": effective_noise_multiplier(
+                    noise_multiplier=sigma, clip=args.clip, budget=cb
+                )
+                if cb > 0
+                else None,
+            }
+            for label, cb in comp.items()
+        },
+    }
+    if args.json:
+        return json.dumps(result, indent=1)
+    flat = not isinstance(budgets, dict)
+    lines = [
+        f"method {args.method}  clip C={args.clip:g}  sigma={sigma:g}  "
+        f"groups {len(layout)}  params {layout.total_numel:,}",
+        "",
+        f"{'component':<12}{'groups':>7}{'params':>12}{'budget':>10}{'mean C_l':>10}"
+        f"{'sigma_eff':>11}",
+    ]
+    for label, groups in layout.by_component().items():
+        mean_cl = sum(per_group[g.name] for g in groups) / len(groups)
+        se = result["components"][label]["sigma_eff"]
+        lines.append(
+            f"{label:<12}{len(groups):>7}{sum(g.numel for g in groups):>12,}"
+            f"{comp[label]:>10.4f}{mean_cl:>10.4f}{(se if se is not None else float('inf')):>11.4f}"
+        )
+    if flat:
+        lines.append("(flat: one clip over the whole update; every component may use all of C)")
+    lines += ["", f"{'group':<48}{'component':<12}{'numel':>10}{'budget':>10}"]
+    for row in result["groups"]:
+        lines.append(
+            f"{row['name']:<48}{row['component']:<12}{row['numel']:>10,}{row['budget']:>10.5f}"
+        )
+    return "\n".join(lines)
+
+
+def _privacy(args, parser) -> str:
+    caught = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if args.epsilon is None:
+                eps = compute_epsilon(
+                    sampling_rate=args.sampling_rate,
+                    noise_multiplier=args.noise_multiplier,
+                    rounds=args.rounds,
+                    delta=args.delta,
+                    accountant=args.accountant,
+                )
+                sigma = args.noise_multiplier
+            else:
+                sigma = noise_multiplier_for_epsilon(
+                    sampling_rate=args.sampling_rate,
+                    target_epsilon=args.epsilon,
+                    rounds=args.rounds,
+                    delta=args.delta,
+                    accountant=args.accountant,
+                )
+                eps = compute_epsilon(
+                    sampling_rate=args.sampling_rate,
+                    noise_multiplier=sigma,
+                    rounds=args.rounds,
+                    delta=args.delta,
+                    accountant=args.accountant,
+                )
+    except ValueError as err:
+        parser.error(str(err))
+    notes = sorted({str(w.message) for w in caught})
+    result = {
+        "epsilon": eps,
+        "delta": args.delta,
+        "accountant": args.accountant,
+        "sampling_rate": args.sampling_rate,
+        "noise_multiplier": sigma,
+        "rounds": args.rounds,
+    }
+    if args.epsilon is not None:
+        result["target_epsilon"] = args.epsilon
+    if notes:
+        result["warnings"] = notes
+    if args.json:
+        return json.dumps(result, indent=1)
+    lines = [
+        f"accountant        {args.accountant}",
+        f"sampling rate q   {args.sampling_rate:g}",
+        f"noise multiplier  {sigma:.6g}" + ("  (for the target epsilon)" if args.epsilon else ""),
+        f"rounds T          {args.rounds}",
+        f"delta             {args.delta:g}",
+        f"epsilon           {eps:.6g}",
+    ]
+    lines += [f"warning: {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``speechbrain-fl`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = _budgets if args.command == "budgets" else _privacy
+    sys.stdout.write(run(args, args.subparser) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

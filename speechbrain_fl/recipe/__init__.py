@@ -1,0 +1,80 @@
+"""The recipe kit: the frame every recipe of this repository shares, one module per job.
+
+- :mod:`~speechbrain_fl.recipe.hparams`: the hparams path lookup (working directory, then the
+  recipe folder), layered method files on a ``base.yaml``, the ``--debug`` sizes;
+- :mod:`~speechbrain_fl.recipe.run_options`: SpeechBrain's run options in a federated run;
+- :mod:`~speechbrain_fl.recipe.prepare`: prepare once per run, the prepare-options record;
+- :mod:`~speechbrain_fl.recipe.seed_model`: the cached seed model (key, build, save);
+- :mod:`~speechbrain_fl.recipe.settings`: :class:`RunSettings`, the typed prepared run;
+- :mod:`~speechbrain_fl.recipe.federated`: :class:`FederatedRecipe`, the skeleton (load,
+  settings once per run, per-process model cache, builders -> FLTask, simulation);
+- :mod:`~speechbrain_fl.recipe.report`: results.json, the results table, README tables;
+- :mod:`~speechbrain_fl.recipe.run_lock`: one run per output folder.
+
+A recipe keeps what is its own: its Brain, its data pipeline, its analysis
+(``docs/adding_a_recipe.md``).
+"""
+
+from speechbrain_fl.recipe.federated import FederatedRecipe, ModelCache, RecipeRun
+from speechbrain_fl.recipe.hparams import (
+    APP_ROOT,
+    load_layered_hparams,
+    resolve_hparams_path,
+    shrink_for_debug,
+)
+from speechbrain_fl.recipe.prepare import (
+    OPTIONS_FILE,
+    PREPARED_FILE,
+    prepare_once,
+    prepared_with,
+    save_prepare_options,
+)
+from speechbrain_fl.recipe.report import (
+    insert_table,
+    markers,
+    print_summary,
+    render_table,
+    update_readme_table,
+    write_results,
+    write_rows,
+)
+from speechbrain_fl.recipe.run_lock import run_lock
+from speechbrain_fl.recipe.run_options import (
+    REFUSED_RUN_OPTIONS,
+    SUPPORTED_RUN_OPTIONS,
+    federated_run_options,
+    split_overrides,
+)
+from speechbrain_fl.recipe.seed_model import cache_tag, cached_seed_model, file_digest
+from speechbrain_fl.recipe.settings import RunSettings
+
+__all__ = [
+    "APP_ROOT",
+    "FederatedRecipe",
+    "ModelCache",
+    "OPTIONS_FILE",
+    "PREPARED_FILE",
+    "REFUSED_RUN_OPTIONS",
+    "RecipeRun",
+    "RunSettings",
+    "SUPPORTED_RUN_OPTIONS",
+    "cache_tag",
+    "cached_seed_model",
+    "federated_run_options",
+    "file_digest",
+    "insert_table",
+    "load_layered_hparams",
+    "markers",
+    "prepare_once",
+    "prepared_with",
+    "print_summary",
+    "render_table",
+    "resolve_hparams_path",
+    "run_lock",
+    "save_prepare_options",
+    "shrink_for_debug",
+    "split_overrides",
+    "update_readme_table",
+    "write_results",
+    "write_rows",
+]

@@ -1,0 +1,298 @@
+"""The federated recipe skeleton: load a run, prepare it once, build both sides, simulate.
+
+Every federated recipe (MLS, SUPERB) has the same frame around what is its own (its Brain, its
+data pipeline, its analysis):
+
+1. **load** (:meth:`FederatedRecipe.load`): SpeechBrain's run options checked for a federated
+   run, the layered hparams (:mod:`speechbrain_fl.recipe.hparams`), the recipe's defaults, the
+   ``--debug`` sizes, then every value check of the recipe, before any corpus, feature or
+   pretraining work;
+2. **settings once per run** (:meth:`FederatedRecipe.prepare`): the first process of the run
+   prepares data and the seed model, the others read ``<save_folder>/prepared.json``
+   (:func:`speechbrain_fl.recipe.prepare.prepare_once`), as typed
+   :class:`~speechbrain_fl.recipe.settings.RunSettings`;
+3. **a per-process model cache** (:class:`ModelCache`): a Ray actor or SuperNode trains many
+   clients one after another on one model (the engine loads the global tensors before each
+   local training and restores them after), so a process builds it once;
+4. **the task** (:meth:`FederatedRecipe.task`): the client and server builders bound to the
+   settings as an :class:`~speechbrain_fl.fl.task.FLTask`, the one factory both engines load
+   (``<recipe>/<script>.py:<factory>``);
+5. **the simulation run** (:meth:`FederatedRecipe.simulate`): the task's spec on Flower's
+   Simulation Engine from the script, under the output folder's run lock.
+
+The script's ``__main__`` (:meth:`FederatedRecipe.run_script`: ``sb.parse_arguments``, the
+checked hparams, the run lock, then the recipe's ``main``, which creates the experiment directory) and its report
+(:mod:`speechbrain_fl.recipe.report`) complete a recipe; see ``docs/adding_a_recipe.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from speechbrain_fl.recipe.hparams import (
+    load_layered_hparams,
+    resolve_hparams_path,
+    shrink_for_debug,
+)
+from speechbrain_fl.recipe.prepare import prepare_once
+from speechbrain_fl.recipe.run_lock import run_lock
+from speechbrain_fl.recipe.run_options import federated_run_options, split_overrides
+from speechbrain_fl.recipe.settings import RunSettings
+
+__all__ = ["FederatedRecipe", "ModelCache", "RecipeRun"]
+
+
+class ModelCache:
+    """One model per process, rebuilt only when its key changes.
+
+    Example
+    -------
+    >>> cache, calls = ModelCache(), []
+    >>> build = lambda: calls.append(1) or object()
+    >>> cache.get({"seed": 1}, build) is cache.get({"seed": 1}, build), len(calls)
+    (True, 1)
+    >>> _ = cache.get({"seed": 2}, build); len(calls)
+    2
+    """
+
+    def __init__(self) -> None:
+        self._key: str | None = None
+        self._model: Any = None
+
+    def get(self, key: Any, build: Callable[[], Any]) -> Any:
+        """The model for ``key`` (JSON-comparable), built with ``build()`` when new."""
+        text = json.dumps(key, sort_keys=True, default=str)
+        if text != self._key:
+            self._model = None  # free the old model before building the new one
+            self._model = build()
+            self._key = text
+        return self._model
+
+    def clear(self) -> None:
+        """Forget the model."""
+        self._key, self._model = None, None
+
+
+@dataclass
+class RecipeRun:
+    """What the script's ``main`` works with (:meth:`FederatedRecipe.run_script`).
+
+    Arguments
+    ---------
+    hparams : dict
+        The loaded, debug-shrunk and checked hparams.
+    run_opts : dict
+        The supported SpeechBrain run options the user set.
+    hparams_path : str
+        The resolved hparams file (given to the engine's task spec).
+    overrides : dict
+        Hparams overrides and run options in one mapping (the task spec's overrides).
+    base_file : str
+        The file the hparams were loaded from (copied as ``hyperparams.yaml``).
+    merged : dict
+        The hparams overrides applied to it.
+    """
+
+    hparams: dict[str, Any]
+    run_opts: dict[str, Any]
+    hparams_path: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    base_file: str = ""
+    merged: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def experiment(self) -> dict[str, Any]:
+        """The keyword arguments of ``sb.create_experiment_directory`` for this run."""
+        kwargs = {
+            "experiment_directory": self.hparams["output_folder"],
+            "hyperparams_to_save": self.base_file,
+            "overrides": self.merged,
+        }
+        if "log_config" in self.run_opts:
+            kwargs["log_config"] = self.run_opts["log_config"]
+        return kwargs
+
+
+@dataclass
+class FederatedRecipe:
+    """A federated recipe's frame (see the module docstring).
+
+    Arguments
+    ---------
+    recipe_dir : Path
+        The recipe folder (``recipes/MLS``): hparams paths resolve against it.
+    task_ref : str
+        The task factory as the engines load it, ``"<path to script>.py:<factory>"``.
+    default_hparams : str
+        The hparams file of a factory called without one (``hparams/fedavg.yaml``).
+    check : callable
+        ``check(hparams)``: every value check of the recipe; raises ``ValueError`` naming the
+        key and value. Runs in :meth:`load`, before any heavy work.
+    debug_caps, debug_values : mapping
+        The ``--debug`` sizes (:func:`~speechbrain_fl.recipe.hparams.shrink_for_debug`).
+    defaults : callable, optional
+        ``defaults(hparams)``: fills values derived from others (before the debug sizes).
+    """
+
+    recipe_dir: Path
+    task_ref: str
+    default_hparams: str
+    check: Callable[[dict[str, Any]], None]
+    debug_caps: Mapping[str, int | float] = field(default_factory=dict)
+    debug_values: Mapping[str, Any] = field(default_factory=dict)
+    defaults: Callable[[dict[str, Any]], None] | None = None
+
+    # -- 1. load --------------------------------------------------------------------------
+    def load(self, hparams_file, overrides=None, run_opts=None):
+        """Hparams of a run (layered files, defaults, ``--debug`` sizes, checks), run options.
+
+        Returns
+        -------
+        tuple
+            ``(hparams, run_opts, base_file, merged_overrides)``.
+        """
+        run_opts = federated_run_options(run_opts or {})
+        hparams, base_file, merged = load_layered_hparams(
+            hparams_file, overrides, recipe_dir=self.recipe_dir
+        )
+        if self.defaults is not None:
+            self.defaults(hparams)
+        if run_opts.get("debug"):  # SpeechBrain's --debug: a run of seconds
+            shrink_for_debug(hparams, caps=self.debug_caps, values=self.debug_values)
+        self.check(hparams)
+        return hparams, run_opts, base_file, merged
+
+    def load_for_task(self, hparams_path=None, overrides=None):
+        """:meth:`load` from one mapping of hparams overrides and run options (a factory's).
+
+        ``overrides`` as ``flwr run --run-config`` sends them (hyphens read as underscores);
+        ``stage`` is popped and returned. Returns ``(hparams, run_opts, stage)``.
+        """
+        values, run_opts = split_overrides(overrides)
+        stage = values.pop("stage", "train")
+        hparams, run_opts, _, _ = self.load(hparams_path or self.default_hparams, values, run_opts)
+        return hparams, run_opts, stage
+
+    def hparams_path(self, hparams_file) -> str:
+        """The resolved hparams file (working directory, recipe folder, app root)."""
+        return str(resolve_hparams_path(hparams_file, recipe_dir=self.recipe_dir))
+
+    def parse(self, argv) -> RecipeRun:
+        """A script's command line: ``sb.parse_arguments`` then :meth:`load` (nothing written).
+
+        A script drives the Simulation Engine: ``engine`` other than ``simulation`` is refused
+        here, before any work (``flwr run`` loads the factory, not the script).
+        """
+        import speechbrain as sb
+
+        hparams_file, sb_run_opts, overrides = sb.parse_arguments(argv)
+        hparams, run_opts, base_file, merged = self.load(hparams_file, overrides, sb_run_opts)
+        engine = hparams.get("engine", "simulation")
+        if engine != "simulation":  # refused before any work, not at the first round
+            raise ValueError(
+                f"engine: {engine!r}: the script drives the Simulation Engine; for the "
+                "Deployment Engine start a SuperLink and SuperNodes and use `flwr run` with "
+                "task = the recipe's factory (see the recipe's README)"
+            )
+        return RecipeRun(
+            hparams=hparams,
+            run_opts=run_opts,
+            hparams_path=self.hparams_path(hparams_file),
+            overrides={**merged, **run_opts},
+            base_file=str(base_file),
+            merged=merged,
+        )
+
+    def run_script(self, argv, main: Callable[[RecipeRun], Any]) -> Any:
+        """A script's ``__main__``: parse and check, lock the output folder, run ``main(run)``.
+
+        SpeechBrain's order: ``sb.parse_arguments`` -> hparams (every check, before any work)
+        -> the recipe's ``main``, which starts with ``sb.create_experiment_directory(
+        **run.experiment)`` (called from the recipe's own module, so SpeechBrain copies the
+        recipe script into the output folder). The output folder's run lock
+        (:func:`speechbrain_fl.recipe.run_lock.run_lock`) is held until ``main`` returns, so a
+        second run on the same folder stops at once.
+        """
+        run = self.parse(argv)
+        with run_lock(run.hparams["output_folder"]):
+            return main(run)
+
+    # -- 2. settings once per run ---------------------------------------------------------
+    @staticmethod
+    def prepare(
+        hparams: Mapping[str, Any],
+        run_opts: Mapping[str, Any],
+        *,
+        key: Mapping[str, Any],
+        make: Callable[[], Mapping[str, Any]],
+    ) -> dict[str, Any]:
+        """``make()``'s JSON result, once per run and ``key`` (``<save_folder>/prepared.json``).
+
+        ``key`` holds every hparams value that shapes the preparation; the run options join
+        it. A recipe converts the result back to its :class:`RunSettings` subclass.
+        """
+        os.makedirs(hparams["output_folder"], exist_ok=True)
+        return prepare_once(hparams["save_folder"], {**key, "run_opts": dict(run_opts)}, make)
+
+    # -- 4. the task ----------------------------------------------------------------------
+    @staticmethod
+    def task(
+        settings: RunSettings,
+        *,
+        build_client: Callable,
+        build_server: Callable,
+        on_result: Callable | None = None,
+        info: dict[str, Any] | None = None,
+        **server_kwargs: Any,
+    ):
+        """An :class:`~speechbrain_fl.fl.task.FLTask` with both builders bound to ``settings``.
+
+        ``build_client(context, *, settings)``; ``build_server(context, *, settings,
+        **server_kwargs)`` (e.g. ``fl_config``).
+        """
+        from speechbrain_fl.fl.task import FLTask
+
+        return FLTask(
+            build_client=functools.partial(build_client, settings=settings),
+            build_server=functools.partial(build_server, settings=settings, **server_kwargs),
+            num_partitions=settings.num_clients,
+            on_result=on_result,
+            info={} if info is None else info,
+        )
+
+    # -- 5. the simulation run ------------------------------------------------------------
+    def spec(self, run: RecipeRun, **extra_overrides: Any):
+        """The :class:`~speechbrain_fl.fl.task.TaskSpec` of this run (``extra`` overrides added)."""
+        from speechbrain_fl.fl.task import TaskSpec
+
+        return TaskSpec(self.task_ref, run.hparams_path, {**run.overrides, **extra_overrides})
+
+    @staticmethod
+    def simulate(spec, hparams: Mapping[str, Any]):
+        """Run ``spec`` on Flower's Simulation Engine; returns the ServerResult.
+
+        Refuses ``engine`` other than ``simulation`` (the Deployment Engine runs with ``flwr
+        run``), and passes the hparams' client resources and Ray address.
+        """
+        from speechbrain_fl.fl.engine import run_simulation
+
+        if hparams["engine"] != "simulation":
+            raise ValueError(
+                f"engine: {hparams['engine']!r}: the script drives the Simulation Engine; for "
+                "the Deployment Engine start a SuperLink and SuperNodes and use `flwr run` with "
+                f"task = the recipe's factory (see the recipe's README)"
+            )
+        return run_simulation(
+            spec,
+            client_resources={
+                "num_cpus": hparams["num_cpus_per_client"],
+                "num_gpus": hparams["num_gpus_per_client"],
+            },
+            ray_address=hparams["ray_address"],
+        )

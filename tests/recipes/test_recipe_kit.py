@@ -1,0 +1,151 @@
+"""The recipe kit (``speechbrain_fl.recipe``) on a toy recipe folder: fast, no run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from speechbrain_fl.recipe import (
+    FederatedRecipe,
+    RunSettings,
+    cached_seed_model,
+    prepare_once,
+    prepared_with,
+    resolve_hparams_path,
+    save_prepare_options,
+    update_readme_table,
+)
+
+BASE = """seed: 1
+number_of_rounds: null
+steps: 10
+measure: True
+value: 1
+output_folder: !ref <tmp>/out
+save_folder: !ref <output_folder>/save
+tmp: .
+"""
+
+
+@pytest.fixture
+def recipe_dir(tmp_path):
+    (tmp_path / "hparams").mkdir()
+    (tmp_path / "hparams" / "base.yaml").write_text(BASE.replace("tmp: .", f"tmp: {tmp_path}"))
+    (tmp_path / "hparams" / "method.yaml").write_text("value: 2\n")
+    return tmp_path
+
+
+def _recipe(recipe_dir, calls):
+    def check(hparams):
+        calls.append(("check", hparams["number_of_rounds"], hparams["steps"]))
+        if hparams["value"] < 0:
+            raise ValueError(f"value: {hparams['value']} must be >= 0")
+
+    def defaults(hparams):
+        calls.append(("defaults", hparams["number_of_rounds"]))
+        hparams["number_of_rounds"] = hparams["number_of_rounds"] or 5
+
+    return FederatedRecipe(
+        recipe_dir=recipe_dir, task_ref="x.py:task", default_hparams="hparams/method.yaml",
+        check=check, defaults=defaults, debug_caps={"number_of_rounds": 2, "steps": 3},
+        debug_values={"measure": False},
+    )  # fmt: skip
+
+
+def test_load_order_defaults_debug_then_checks(recipe_dir):
+    calls = []
+    recipe = _recipe(recipe_dir, calls)
+    hparams, run_opts, base, merged = recipe.load("hparams/method.yaml", None, {"debug": True})
+    assert calls == [("defaults", None), ("check", 2, 3)]  # checks see the debug sizes
+    assert hparams["value"] == 2 and hparams["measure"] is False and run_opts == {"debug": True}
+    assert base.name == "base.yaml" and merged == {"value": 2}
+    with pytest.raises(ValueError, match="value: -1 must be >= 0"):
+        recipe.load("hparams/method.yaml", {"value": -1})
+    with pytest.raises(ValueError, match=r"run option --compile is not supported"):
+        recipe.load("hparams/method.yaml", None, {"compile": True})
+    with pytest.raises(ValueError, match=r"\['value_typo'\] are not keys of"):
+        recipe.load_for_task(None, {"value_typo": 3})
+
+
+def test_hparams_path_working_directory_first_then_recipe_folder(recipe_dir, tmp_path_factory):
+    other = tmp_path_factory.mktemp("cwd")
+    (other / "hparams").mkdir()
+    (other / "hparams" / "method.yaml").write_text("value: 3\n")
+    cwd = os.getcwd()
+    try:
+        os.chdir(other)
+        assert resolve_hparams_path("hparams/method.yaml", recipe_dir=recipe_dir).parent.parent == (
+            other.resolve()
+        )
+        os.chdir(recipe_dir.parent)
+        assert resolve_hparams_path("hparams/method.yaml", recipe_dir=recipe_dir).parent.parent == (
+            recipe_dir.resolve()
+        )
+    finally:
+        os.chdir(cwd)
+    with pytest.raises(FileNotFoundError, match="hparams/none.yaml"):
+        resolve_hparams_path("hparams/none.yaml", recipe_dir=recipe_dir)
+
+
+def test_run_script_parses_locks_and_runs_main(recipe_dir):
+    recipe = _recipe(recipe_dir, [])
+    seen = {}
+
+    def main(run):
+        seen["rounds"] = run.hparams["number_of_rounds"]
+        seen["experiment"] = run.experiment
+        return "ran"
+
+    argv = [str(recipe_dir / "hparams" / "method.yaml"), "--debug", "--steps", "7"]
+    assert recipe.run_script(argv, main) == "ran"
+    assert seen["rounds"] == 2
+    assert seen["experiment"]["experiment_directory"] == f"{recipe_dir}/out"
+    assert seen["experiment"]["overrides"] == {"value": 2, "steps": 7}
+
+
+def test_prepare_once_and_options_record(tmp_path):
+    calls = []
+    result = prepare_once(tmp_path, {"splits": ("a", "b")}, lambda: calls.append(1) or [1])
+    assert prepare_once(tmp_path, {"splits": ["a", "b"]}, lambda: calls.append(1)) == result
+    assert calls == [1]  # a tuple and a list are one key once written as JSON
+    save_prepare_options(tmp_path, {"splits": ("a",)}, {"rows": 2})
+    assert prepared_with(tmp_path, {"splits": ["a"]})
+    assert not prepared_with(tmp_path, {"splits": ["a"]}, ["a.csv"])  # a manifest is missing
+    (tmp_path / "prepare_options.json").write_text("{not json")
+    assert not prepared_with(tmp_path, {"splits": ["a"]})
+
+
+def test_seed_model_build_killed_leaves_nothing(tmp_path):
+    def build(folder):
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # killed mid-build
+
+    with pytest.raises(KeyboardInterrupt):
+        cached_seed_model(cache_folder=tmp_path, prefix="seed", key={"a": 1}, build=build,
+                          marker="config.json")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_settings_are_typed(tmp_path):
+    settings = RunSettings(clients=["a.csv", "b.csv"], run_opts={"device": "cuda:0"})
+    assert settings.num_clients == 2 and settings.device == "cuda:0"
+    assert settings["clients"] == settings.clients
+    with pytest.raises(KeyError, match="has no field 'client'"):
+        settings["client"]
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['extra'\]"):
+        RunSettings.from_dict({**settings.to_dict(), "extra": 1})
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(settings.to_dict()))
+    assert RunSettings.from_dict(json.loads(path.read_text())) == settings
+
+
+def test_readme_table_markers(tmp_path):
+    readme = Path(tmp_path / "README.md")
+    readme.write_text("# R\n<!-- t:start -->\nold\n<!-- t:end -->\ntail\n")
+    update_readme_table(readme, "t", "| a |")
+    assert readme.read_text() == "# R\n<!-- t:start -->\n| a |\n<!-- t:end -->\ntail\n"
+    with pytest.raises(ValueError, match=r"README\.md: no <!-- u:start --> marker"):
+        update_readme_table(readme, "u", "| a |")
