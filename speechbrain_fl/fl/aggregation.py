@@ -5,7 +5,7 @@ one aggregate update ``{parameter name: tensor}``. The DP wrapper in
 :mod:`speechbrain_fl.fl.strategy` calls the rule *after* server-side re-clipping and *before*
 adding noise, so it composes with any rule whose per-client L2 contribution is at most
 ``||delta_i|| / n`` (n the expected cohort size): that is the sensitivity C/n the Gaussian noise
-N(0, (sigma C / n)^2) is calibrated to (DESIGN.md contract 4). A rule declares this with the
+N(0, (sigma C / n)^2) is calibrated to (docs/design.md contract 4). A rule declares this with the
 attribute ``dp_sensitivity_bounded = True``; the strategy refuses a DP run with a rule that does
 not. Rules may leave a parameter out of the aggregate (partial aggregation, e.g. SUPERB's
 per-parameter averaging over the clients that trained it); that parameter is then not updated.

@@ -6,7 +6,7 @@ update counts, and the joint epsilon of the accountant at (q, sigma, T) bounds w
 observer of the models learns about it. :func:`privacy_disclosure` returns that statement with
 everything the run computed from raw client data outside the mechanism (telemetry, profiling,
 a raw EMA signal) and every test-only setting that voids it, for the recipe to copy into
-results.json and print under its results table (DESIGN.md "Privacy invariants" 1 and 4).
+results.json and print under its results table (docs/design.md "Privacy invariants" 1 and 4).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The federated parameters of a model: listing, copying in, fingerprinting.
 
-Only the ``requires_grad`` parameters of a module cross the wire (DESIGN.md contract 6): LoRA
+Only the ``requires_grad`` parameters of a module cross the wire (docs/design.md contract 6): LoRA
 matrices, the connector, an unfrozen encoder. This module is the one place that lists them,
 copies tensors into them (the client before and after local training, the server after each
 round, the recipe before its final evaluation, a checkpoint loader) and fingerprints them (the

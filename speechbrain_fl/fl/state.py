@@ -3,7 +3,7 @@
 The state holds the finished round, the global trainable tensors, the strategy's state (the
 privacy settings a resume must keep, the generator of the clients' per-round training seeds, the
 accountant, the EMA budgets) and the torch, numpy and Python RNG states of the server process.
-It holds nothing from which past cohorts or noise could be derived (DESIGN.md "Privacy
+It holds nothing from which past cohorts or noise could be derived (docs/design.md "Privacy
 invariants" 1): the sampler's and the noise's seeds of a private run come from the OS and stay
 in memory, so a resumed run draws fresh ones (a test-only fixed seed reproduces the same draws
 from the round number alone, see :mod:`.sampling`). Rerunning the same command loads it and

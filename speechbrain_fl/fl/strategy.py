@@ -5,7 +5,7 @@ overrides only ``configure_train`` and ``aggregate_train`` (federated evaluation
 with ``fraction_evaluate=0``; the server evaluates centrally, see :mod:`.server`). Why not wrap
 FedAvg with Flower's ``DifferentialPrivacyServerSideFixedClipping``: that wrapper clips the whole
 model with one norm, samples a fixed count, averages over the realised replies and accounts only
-without amplification, whereas the contracts here need per-group budgets (DESIGN.md 2-3),
+without amplification, whereas the contracts here need per-group budgets (docs/design.md 2-3),
 Poisson sampling with a fixed denominator n = qK (contract 4) and an RDP accountant with
 subsampling (contract 5). The structure is the same as Flower's wrapper: keep the global arrays
 seen in ``configure_train``, clip every reply, aggregate, add noise once, return global + update.
@@ -26,7 +26,7 @@ One round, for replies u_1..u_m of a cohort drawn with rate q from the declared 
    with ``ema_signal="raw"``, from the clients' reported norms (outside the DP guarantee);
 7. theta <- theta + update; a non-finite result raises instead of being applied.
 
-Randomness (DESIGN.md "Privacy invariants"): a private run draws the cohort sampler's and the
+Randomness (docs/design.md "Privacy invariants"): a private run draws the cohort sampler's and the
 noise's seeds from the OS and keeps them in memory only; ``seed`` seeds the clients' training
 only. :meth:`DPFedAvg.state_dict` holds the accountant, the EMA budgets and the privacy settings,
 nothing from which past cohorts or noise could be derived; a resume with other privacy settings

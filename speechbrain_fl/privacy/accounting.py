@@ -1,4 +1,4 @@
-"""(epsilon, delta) accounting with Opacus's accountants (DESIGN.md contract 5).
+"""(epsilon, delta) accounting with Opacus's accountants (docs/design.md contract 5).
 
 One FL round is one application of the sampled Gaussian mechanism: each client joins the cohort
 with probability ``q`` (Poisson sampling), its clipped update has L2 sensitivity ``C`` and the
@@ -289,7 +289,7 @@ def effective_noise_multiplier(*, noise_multiplier: float, clip: float, budget: 
     The noise ``N(0, (sigma C)^2 I)`` added to the sum covers every coordinate, so a part of the
     update with sensitivity ``C_P <= C`` is released like a Gaussian mechanism with multiplier
     ``sigma C / C_P`` (paper Section IV-A4); e.g. ``sigma / sqrt(alpha)`` for the alpha-split
-    encoder pool (DESIGN.md contract 2). A part with no budget is never released: ``inf``.
+    encoder pool (docs/design.md contract 2). A part with no budget is never released: ``inf``.
 
     Example
     -------

@@ -1,4 +1,4 @@
-"""Clip an update to its per-group budgets, with statistics (DESIGN.md contract 3).
+"""Clip an update to its per-group budgets, with statistics (docs/design.md contract 3).
 
 ``clip_update`` implements the paper's Eq. 3 for a flat budget (one clip over the concatenated
 update, Eq. 5) and its per-group generalisation ``Delta_l * min(1, C_l / ||Delta_l||)`` for a

@@ -1,4 +1,4 @@
-"""Trainable groups of a model: name, component label and size (DESIGN.md contract 1).
+"""Trainable groups of a model: name, component label and size (docs/design.md contract 1).
 
 A *group* is the unit that receives its own clip budget: one trainable tensor (a LoRA A or B
 matrix, a connector weight or bias) with ``group_by="parameter"``, or all trainable tensors of

@@ -1,4 +1,4 @@
-"""The Gaussian mechanism on the aggregate (DESIGN.md contract 4; paper Eq. 4).
+"""The Gaussian mechanism on the aggregate (docs/design.md contract 4; paper Eq. 4).
 
 The server releases ``mean_i clipped_i + N(0, (sigma * C / n)^2 I)`` with ``n`` the *expected*
 cohort size under Poisson sampling (rate q), so the noise does not depend on how many clients

@@ -60,7 +60,7 @@ share of the update; the fixed form avoids the factor 2 of case (ii), so it is t
 default (``aw_mode``).
 
 Randomness: the Poisson sampler and the Gaussian noise use ``torch.Generator`` objects seeded
-from ``os.urandom`` (not from the recipe seed: DESIGN.md privacy invariant 1), never written to
+from ``os.urandom`` (not from the recipe seed: docs/design.md privacy invariant 1), never written to
 disk. A fixed ``noise_seed`` is for tests only and warns. (Opacus's ``secure_mode`` would use a
 CSPRNG from ``torchcsprng``, which is not installed here.)
 

@@ -1,4 +1,4 @@
-"""Privacy invariants of the server strategy (DESIGN.md "Privacy invariants").
+"""Privacy invariants of the server strategy (docs/design.md "Privacy invariants").
 
 Secret cohort sampling, every Poisson draw released and accounted, nothing on disk from which
 past noise or cohorts can be derived, a resume refusing changed privacy settings, a declared
