@@ -81,7 +81,12 @@ def check_config(cfg: Any) -> None:
         hint = ""
         if isinstance(value, str) and _looks_numeric(value):
             hint = " (a string: YAML reads 1e-5 as text; write 1.0e-5)"
-        return ValueError(f"federated config: {key}={value!r} {why}{hint}")
+        # Name the YAML key the user wrote (number_of_rounds, method) beside the field.
+        from speechbrain_fl.fl.config import YAML_KEYS
+
+        yaml_key = {field: name for name, field in YAML_KEYS.items()}.get(key)
+        named = f" (hparams key: {yaml_key})" if yaml_key else ""
+        return ValueError(f"federated config: {key}={value!r} {why}{hint}{named}")
 
     def integer(key: str, low: int, *, optional: bool = False) -> None:
         value = getattr(cfg, key)

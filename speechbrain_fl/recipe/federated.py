@@ -27,9 +27,11 @@ checked hparams, the run lock, then the recipe's ``main``, which creates the exp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +43,7 @@ from speechbrain_fl.recipe.hparams import (
     shrink_for_debug,
 )
 from speechbrain_fl.recipe.prepare import prepare_once
-from speechbrain_fl.recipe.run_lock import run_lock
+from speechbrain_fl.recipe.run_lock import RunLockedError, run_lock
 from speechbrain_fl.recipe.run_options import federated_run_options, split_overrides
 from speechbrain_fl.recipe.settings import RunSettings
 
@@ -219,8 +221,19 @@ class FederatedRecipe:
         (:func:`speechbrain_fl.recipe.run_lock.run_lock`) is held until ``main`` returns, so a
         second run on the same folder stops at once.
         """
-        run = self.parse(argv)
-        with run_lock(run.hparams["output_folder"]):
+        try:
+            run = self.parse(argv)
+        except (ValueError, OSError) as err:
+            # A user error found before any work: one message naming the key or file, as
+            # argparse does, rather than a traceback through the kit (exit status 2).
+            print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(run_lock(run.hparams["output_folder"]))
+            except RunLockedError as err:  # another run holds the folder: name it and its pid
+                print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
+                raise SystemExit(2) from None
             return main(run)
 
     # -- 2. settings once per run ---------------------------------------------------------

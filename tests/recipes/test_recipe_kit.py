@@ -106,6 +106,44 @@ def test_run_script_parses_locks_and_runs_main(recipe_dir):
     assert seen["experiment"]["overrides"] == {"value": 2, "steps": 7}
 
 
+def test_run_script_reports_a_user_error_in_one_line(recipe_dir, capsys):
+    recipe = _recipe(recipe_dir, [])
+    argv = [str(recipe_dir / "hparams" / "method.yaml"), "--value", "-1"]
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.run_script(argv, lambda run: pytest.fail("main ran after a refused value"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("error: value: -1 must be >= 0") and "Traceback" not in err
+    assert not (recipe_dir / "out").exists()  # refused before any work
+
+
+def test_run_script_refuses_a_folder_another_process_holds(recipe_dir, capsys):
+    import subprocess
+    import sys
+
+    out = recipe_dir / "out"
+    out.mkdir()
+    code = (
+        "import sys, time; from speechbrain_fl.utils.run_lock import hold_run_lock\n"
+        "with hold_run_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        recipe = _recipe(recipe_dir, [])
+        with pytest.raises(SystemExit) as exit_info:
+            recipe.run_script([str(recipe_dir / "hparams" / "method.yaml")], lambda run: "ran")
+        assert exit_info.value.code == 2
+        assert f"pid {holder.pid}" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    # the OS released the lock with the process: the same run now goes ahead
+    assert _recipe(recipe_dir, []).run_script([str(recipe_dir / "hparams" / "method.yaml")],
+                                              lambda run: "ran") == "ran"  # fmt: skip
+
+
 def test_prepare_once_and_options_record(tmp_path):
     calls = []
     result = prepare_once(tmp_path, {"splits": ("a", "b")}, lambda: calls.append(1) or [1])
