@@ -10,13 +10,16 @@ models    speech LLM (encoder + connector + LLM with LoRA), its presets and seed
 distill   offline knowledge distillation: teacher-output store, KD loss, collapse-aware metrics
 data      corpus preparation helpers, client partitions and the embedded synthetic corpora
 metrics   speaker-level bootstrap confidence intervals (WER, classification)
+recipe    the recipe kit: hparams loading and --debug, prepare once, cached seed model, typed
+          run settings, the federated skeleton both engines load, the report, the run lock
+utils     atomic file and folder writes; the per-output-folder run lock
 
 Modules
 -------
-recipe        layered hparams loading and run options shared by the recipe scripts
 run_outputs   the rounds.csv / group_norms.csv contract, their readers, results tables
 plots         the figures every federated run writes
-atomic        atomic file and folder writes
+cli           the ``speechbrain-fl`` console script
+atomic        re-export of :mod:`speechbrain_fl.utils.atomic` (the old import path)
 """
 
 __version__ = "0.1.0"
