@@ -125,9 +125,8 @@ def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, run_
     ``run_opts`` (``sb.parse_arguments``): ``--debug`` limits the epochs and batches as in any
     SpeechBrain recipe. Returns ``(model, {"losses", "steps", "epochs"})``.
     """
-    from torch.utils.data import DataLoader, TensorDataset
-
     from speechbrain.utils.epoch_loop import EpochCounter
+    from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(
         TensorDataset(feats, lengths, teacher_probs, labels),

@@ -46,11 +46,12 @@ RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 
 import distill_student  # noqa: E402
+import gender_repeats  # noqa: E402
 import train_teacher  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
+from speechbrain_fl.recipe import update_readme_table  # noqa: E402
 
-BEGIN, END = "<!-- studies:begin -->", "<!-- studies:end -->"
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, None)
 ABLATION = {
     "base": ["--dsaf", "False", "--aw_dp", "False", "--modality_dropout", "0.0"],
@@ -124,16 +125,38 @@ HEADER = [
 
 
 def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
-    text = readme.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} block")
+    """The single-run studies' tables into the README's ``studies`` block."""
     body = [note]
     for title, table in tables.items():
         body += [f"#### {title}", "", table, ""]
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with atomic_open(readme) as handle:
-        handle.write(head + BEGIN + "\n" + "\n".join(body) + END + tail)
+    update_readme_table(readme, "studies", "\n".join(body))
+
+
+def run_repeats(root: Path, extra: list[str], seeds, store: dict, save) -> None:
+    """The repeated study (``gender_repeats``), one seed at a time, resumable: a seed already
+    in ``store["repeats"]`` is not rerun."""
+    done = store.setdefault("repeats", {})
+    for seed in seeds:
+        if str(seed) in done:
+            continue
+        done[str(seed)] = gender_repeats.run_seed(
+            seed, root / "repeats", extra, train_teacher, distill_student
+        )
+        save()
+
+
+def write_repeats(store: dict, readme: Path, minutes) -> dict:
+    summary = gender_repeats.summarise(store["repeats"])
+    built = gender_repeats.tables(summary)
+    note = (
+        f"Seeds {', '.join(summary['seeds'])} ({len(summary['seeds'])} runs of every row; "
+        f"{minutes} min in all on the shared 2-core machine), written by `studies.py --only "
+        "repeats`. Mean ± sd [min, max] over the seeds; every test figure on the 400-speaker "
+        "test set (one clip each).\n\n"
+    )
+    update_readme_table(readme, "repeats-models", note + built["models"])
+    update_readme_table(readme, "repeats-claims", built["claims"])
+    return summary
 
 
 ALPHAS = (0.0, 0.5, 0.7, 1.0)
@@ -237,6 +260,7 @@ def main(argv=None):
         help="rows of the epsilon/ablation studies to run "
         "(e.g. 0.5 None, or base +DSAF); the others keep their stored results",
     )
+    parser.add_argument("--seeds", nargs="*", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
@@ -249,13 +273,28 @@ def main(argv=None):
     store = root / "studies.json"
     results = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else {}
     minutes = dict(results.pop("_minutes", {}))
+
+    def save():  # after each study or seed: an interrupted run keeps the others
+        with atomic_open(store) as handle:
+            json.dump({**results, "_minutes": minutes}, handle, indent=2, default=float)
+
     for name in args.only:
         start = time.time()
+        if name == "repeats":
+            run_repeats(root, extra, args.seeds, results, save)
+            minutes[name] = round(minutes.get(name, 0) + (time.time() - start) / 60, 1)
+            save()
+            continue
         new = run_study(name, root, extra, rows=args.rows)
         results[name] = {**results.get(name, {}), **new} if args.rows else new
         minutes[name] = round((time.time() - start) / 60, 1)
-        with atomic_open(store) as handle:  # after each study: an interrupted run keeps the others
-            json.dump({**results, "_minutes": minutes}, handle, indent=2, default=float)
+        save()
+    if "repeats" in results and not args.no_readme:
+        summary = write_repeats(results, Path(args.readme), minutes.get("repeats"))
+        print(json.dumps(summary["claims"], indent=1))
+    results = {k: v for k, v in results.items() if k != "repeats"}
+    if not results:
+        return
     built = tables(results)
     note = (
         "One run per row on the embedded corpus, written by `studies.py` (minutes per study: "
