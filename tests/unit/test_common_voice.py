@@ -258,7 +258,7 @@ def test_metadata_ceiling_matches_enumeration_and_is_sharp():
     cells = list(itertools.product(range(2), range(2)))
     best = 0.0
     for rule in itertools.product("abc", repeat=len(cells)):  # every map cell -> class
-        recall = {c: sum(ages[c][i] * accents[c][j] for (i, j), r in zip(cells, rule) if r == c)
+        recall = {c: sum(ages[c][i] * accents[c][j] for (i, j), r in zip(cells, rule, strict=True) if r == c)
                   for c in "abc"}  # fmt: skip
         best = max(best, sum(recall.values()) / 3)
     assert metadata_ceiling(ages, accents) == pytest.approx(best)

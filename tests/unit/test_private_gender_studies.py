@@ -47,9 +47,8 @@ def test_tables_and_readme_block(tmp_path):
 
 
 def test_paired_interval_matches_scipy_ttest_rel():
-    from scipy.stats import ttest_rel
-
     from gender_stats import paired, spread
+    from scipy.stats import ttest_rel
 
     a, b = [0.81, 0.77, 0.90, 0.72, 0.85], [0.70, 0.74, 0.80, 0.73, 0.71]
     got = paired(a, b)
