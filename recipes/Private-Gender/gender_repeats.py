@@ -27,7 +27,16 @@ from pathlib import Path
 
 from gender_stats import paired, spread
 
-__all__ = ["CLAIMS", "RUNS", "STUDENTS", "compact", "run_seed", "summarise", "tables"]
+__all__ = [
+    "CLAIMS",
+    "RUNS",
+    "STUDENTS",
+    "add_students",
+    "compact",
+    "run_seed",
+    "summarise",
+    "tables",
+]
 
 PLAIN = ["--dsaf", "False", "--aw_dp", "False", "--modality_dropout", "0.0"]
 #: Teacher runs per seed: name -> overrides of teacher.yaml.
@@ -44,6 +53,8 @@ STUDENTS = {
     "label-only": ["--alpha", "0.0"],
     "label-only, balanced CE": ["--alpha", "0.0", "--ce_class_weight", "balanced"],
     "all labels": ["--alpha", "0.0", "--aux_labels", "null"],
+    "KD, α = 1": ["--alpha", "1.0"],
+    "KD, all labels": ["--aux_labels", "null"],
 }
 
 
@@ -91,9 +102,27 @@ def run_seed(seed: int, root: Path, extra: list[str], train_teacher, distill_stu
     return out
 
 
-def _get(run: dict, path: str):
-    value = run
+def add_students(seed: int, root: Path, extra: list[str], stored: dict, distill_student) -> bool:
+    """Run the :data:`STUDENTS` of a stored seed's default teacher that ``stored`` lacks (its
+    outputs are still in ``root``); returns whether any ran."""
+    have = stored["default"]["students"]
+    folder = root / f"seed_{seed}" / "default"
+    common = ["--output_folder", str(folder), "--seed", str(seed), *extra]
+    ran = False
+    for name, sargs in STUDENTS.items():
+        if name not in have:
+            res = distill_student.main(["hparams/student.yaml", *common, *sargs])
+            have[name] = _block(res["test"])
+            ran = True
+    return ran
+
+
+def _find(seed: dict, run: str, path: str):
+    """``seed[run]`` at the dotted ``path`` (student names contain no dot), None if absent."""
+    value = seed.get(run)
     for key in path.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
         value = value[key]
     return value
 
@@ -114,6 +143,21 @@ CLAIMS = [
         "student (KD) - label-only, balanced CE, balanced accuracy",
         ("default", "students.KD.balanced_accuracy"),
         ("default", "students.label-only, balanced CE.balanced_accuracy"),
+    ),
+    (
+        "student (KD, α = 1) - label-only control (30 labels), balanced accuracy",
+        ("default", "students.KD, α = 1.balanced_accuracy"),
+        ("default", "students.label-only.balanced_accuracy"),
+    ),
+    (
+        "student (KD, α = 1) - DP-direct, balanced accuracy",
+        ("default", "students.KD, α = 1.balanced_accuracy"),
+        ("default", "dp_direct.balanced_accuracy"),
+    ),
+    (
+        "student (KD, all labels) - all-labels upper bound (α = 0), balanced accuracy",
+        ("default", "students.KD, all labels.balanced_accuracy"),
+        ("default", "students.all labels.balanced_accuracy"),
     ),
     (
         'stabilised teacher - plain DP-SGD teacher, recall "other"',
@@ -150,6 +194,8 @@ MODELS = [
     ("label-only control (α = 0, 30 labels)", "default", "students.label-only"),
     ("label-only, balanced CE (α = 0, 30 labels)", "default", "students.label-only, balanced CE"),
     ("all-labels upper bound (α = 0, ~575 labels)", "default", "students.all labels"),
+    ("student (KD, α = 1: teacher only)", "default", "students.KD, α = 1"),
+    ("student (KD, α = 0.5, all ~575 labels)", "default", "students.KD, all labels"),
     ("DP-direct, plain DP-SGD", "plain", "dp_direct"),
     ("teacher, plain DP-SGD", "plain", "teacher"),
     ("student of the plain teacher", "plain", "students.KD"),
@@ -175,8 +221,9 @@ def summarise(seeds: dict[str, dict]) -> dict:
     keys = sorted(seeds, key=int)
     models = {}
     for label, run, path in MODELS:
-        blocks = [_get(seeds[k][run], path) for k in keys if run in seeds[k]]
-        if not blocks or any(b is None for b in blocks):
+        blocks = [_find(seeds[k], run, path) for k in keys]
+        blocks = [b for b in blocks if b is not None]
+        if not blocks:
             continue
         models[label] = {
             "balanced_accuracy": spread([b["balanced_accuracy"] for b in blocks]),
@@ -185,11 +232,16 @@ def summarise(seeds: dict[str, dict]) -> dict:
         }
     claims = {}
     for title, (run_a, path_a), (run_b, path_b) in CLAIMS:
-        usable = [k for k in keys if run_a in seeds[k] and run_b in seeds[k]]
+        usable = [
+            k
+            for k in keys
+            if _find(seeds[k], run_a, path_a) is not None
+            and _find(seeds[k], run_b, path_b) is not None
+        ]
         if len(usable) >= 2:
             claims[title] = paired(
-                [_get(seeds[k][run_a], path_a) for k in usable],
-                [_get(seeds[k][run_b], path_b) for k in usable],
+                [_find(seeds[k], run_a, path_a) for k in usable],
+                [_find(seeds[k], run_b, path_b) for k in usable],
             )
     first = seeds[keys[0]]
     privacy = {
@@ -220,9 +272,10 @@ def tables(summary: dict) -> dict[str, str]:
     """Markdown tables: models (mean ± sd [min, max] over seeds) and claims (paired)."""
     priv = summary["privacy"]
     run_of = {label: run for label, run, _ in MODELS}
+    acct = (priv.get("default") or next(iter(priv.values())))["accountant"] or "RDP"
     lines = [
-        "| Model | ε (own) | ε joint (all releases of the run) | Balanced acc. | MajPred "
-        '| Recall "other" |',
+        f"| Model | ε own ({acct.upper()}) | ε joint, all releases of the run ({acct.upper()}) "
+        '| Balanced acc. | MajPred | Recall "other" |',
         "|---|---|---|---|---|---|",
     ]
     for label, s in summary["models"].items():

@@ -137,7 +137,11 @@ def run_repeats(root: Path, extra: list[str], seeds, store: dict, save) -> None:
     in ``store["repeats"]`` is not rerun."""
     done = store.setdefault("repeats", {})
     for seed in seeds:
-        if str(seed) in done:
+        if str(seed) in done:  # students added to the study since: run those only
+            if gender_repeats.add_students(
+                seed, root / "repeats", extra, done[str(seed)], distill_student
+            ):
+                save()
             continue
         done[str(seed)] = gender_repeats.run_seed(
             seed, root / "repeats", extra, train_teacher, distill_student
