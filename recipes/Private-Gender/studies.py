@@ -4,6 +4,11 @@
 Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through their
 ``main``) for
 
+* ``repeats`` (``gender_repeats.py``): the paper's claims with their controls, every row for
+  each of ``--seeds`` (default 1-5), mean and spread, paired differences with t-intervals,
+  written to the README's ``repeats-models`` and ``repeats-claims`` tables; resumable (a seed
+  in ``studies.json`` is not rerun; students added to the study since are);
+
 * an epsilon sweep (0.5, 1, 2, 4, 8 and no DP) of the default pipeline;
 * the ablation (base = no DSAF and no AW-DP, +DSAF, +AW-DP, +dropout, all) at epsilon = 1,
   for DP-direct and the student;
@@ -12,11 +17,12 @@ Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through t
 * what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.5, 0.7, 1,
   and alpha = 0 with class-balanced CE on D_aux (the label-only rebalancing control),
 
-then writes ``<root>/studies.json`` (merged with the studies already there) and replaces the block between ``<!-- studies:begin -->``
-and ``<!-- studies:end -->`` of ``README.md`` with the tables. Each row is ONE run (the DP
+then writes ``<root>/studies.json`` (merged with the studies already there) and the README's
+``studies`` table block (``update_readme_table``). Outside ``repeats`` each row is ONE run (the DP
 noise and the Poisson sampling come from the OS, so a rerun gives other figures): read the
 95% bootstrap intervals, which cover the test-set sampling only, not the training randomness.
 
+    > python recipes/Private-Gender/studies.py --only repeats --seeds 1 2 3 4 5
     > python recipes/Private-Gender/studies.py --root results/Private-Gender/studies
     > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
     > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
@@ -255,7 +261,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default="results/Private-Gender/studies")
     parser.add_argument(
-        "--only", nargs="*", default=["epsilon", "ablation", "binary", "aux", "alpha"]
+        "--only", nargs="*", default=["repeats", "epsilon", "ablation", "binary", "aux", "alpha"]
     )
     parser.add_argument("--extra", default="", help="overrides passed to both scripts")
     parser.add_argument(
