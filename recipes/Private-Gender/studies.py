@@ -161,8 +161,9 @@ def write_repeats(store: dict, readme: Path, minutes) -> dict:
     note = (
         f"Seeds {', '.join(summary['seeds'])} ({len(summary['seeds'])} runs of every row; "
         f"{minutes} min in all on the shared 2-core machine), written by `studies.py --only "
-        "repeats`. Mean ± sd [min, max] over the seeds; every test figure on the 400-speaker "
-        "test set (one clip each).\n\n"
+        "repeats`. Mean ± sd [min, max] over the seeds; every figure on the 394 labelled "
+        "test clips (one per speaker). The label-only and all-labels students read nothing of "
+        "D_priv; the joint ε is that of the teacher run they come with.\n\n"
     )
     update_readme_table(readme, "repeats-models", note + built["models"])
     update_readme_table(readme, "repeats-claims", built["claims"])
