@@ -7,10 +7,12 @@ logits on D_aux from ``<output_folder>/teacher/aux_logits.npz`` (written once by
 weights. It first checks that the file is the one the teacher's results.json describes (its
 SHA-256, run id and privacy settings; ``TeacherOutputMismatchError`` otherwise), so the
 epsilon it reports belongs to the logits it learns from. It is trained without DP on the
-public D_aux with the paper's objective
+public D_aux, through SpeechBrain's ``Brain`` (:class:`StudentBrain`), with the paper's objective
 
     alpha * tau^2 * KL(p_t^tau || p_s^tau) + (1 - alpha) * CE(y, p_s),
 
+the CE over the ``aux_labels`` D_aux clips whose labels it may read (a mostly unlabelled D_aux;
+the KL over every clip),
 and evaluated on the test set next to the DP-direct baseline. By post-processing, releasing
 the student costs nothing beyond the teacher's (epsilon, delta) with respect to D_priv; no DP
 claim is made for D_aux (public or consented). The label space is a methodological benchmark,
