@@ -120,8 +120,8 @@ def _row(name, res):
 
 HEADER = [
     "Run",
-    "ε (student)",
-    "ε joint (all releases)",
+    "ε (student, RDP)",
+    "ε joint (all releases, RDP)",
     "DP-direct bal. acc.",
     "DP-direct MajPred",
     "Student bal. acc.",
