@@ -7,10 +7,12 @@ logits on D_aux from ``<output_folder>/teacher/aux_logits.npz`` (written once by
 weights. It first checks that the file is the one the teacher's results.json describes (its
 SHA-256, run id and privacy settings; ``TeacherOutputMismatchError`` otherwise), so the
 epsilon it reports belongs to the logits it learns from. It is trained without DP on the
-public D_aux with the paper's objective
+public D_aux, through SpeechBrain's ``Brain`` (:class:`StudentBrain`), with the paper's objective
 
     alpha * tau^2 * KL(p_t^tau || p_s^tau) + (1 - alpha) * CE(y, p_s),
 
+the CE over the ``aux_labels`` D_aux clips whose labels it may read (a mostly unlabelled D_aux;
+the KL over every clip),
 and evaluated on the test set next to the DP-direct baseline. By post-processing, releasing
 the student costs nothing beyond the teacher's (epsilon, delta) with respect to D_priv; no DP
 claim is made for D_aux (public or consented). The label space is a methodological benchmark,
@@ -39,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import speechbrain as sb
 import torch
-from tqdm.auto import tqdm
 
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
@@ -51,6 +52,7 @@ from gender_plots import plot_confusion  # noqa: E402
 from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
+from speechbrain_fl.distill.labels import IGNORE_LABEL, hide_labels  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
 from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
 from speechbrain_fl.distill.store import (  # noqa: E402
@@ -64,62 +66,92 @@ logger = logging.getLogger(__name__)
 
 
 def ce_class_weight(mode: str, labels: torch.Tensor, num_classes: int) -> torch.Tensor | None:
-    """Weights of the CE term: ``none``, or ``balanced`` = |D_aux| / (K n_c) from D_aux's own
-    (public) label counts (our choice: the label-only control that rebalances the classes
-    without any teacher)."""
+    """Weights of the CE term: ``none``, or ``balanced`` = n_lab / (K n_c) from the counts of
+    the D_aux labels the student reads (public; hidden labels are not counted). Our choice:
+    the label-only control that rebalances the classes without any teacher."""
     if mode == "none":
         return None
     if mode != "balanced":
         raise ValueError(f"ce_class_weight must be none or balanced, got {mode!r}")
+    labels = labels[labels != IGNORE_LABEL]
     counts = torch.bincount(labels, minlength=num_classes).float()
     if (counts == 0).any():
         raise ValueError(
-            f"ce_class_weight: balanced needs every class in D_aux, counts {counts.tolist()}"
+            "ce_class_weight: balanced needs a label of every class among the D_aux labels "
+            f"read (aux_labels), counts {counts.tolist()}"
         )
     return labels.numel() / (num_classes * counts)
 
 
-def train_student(
-    model, *, feats, lengths, labels, teacher_probs, hparams, epochs, max_steps, train_logger
-):
-    """Mini-batch Adam on the KD objective (non-private: D_aux is public)."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=hparams["lr"])
-    n, bs = labels.numel(), hparams["batch_size"]
-    generator = torch.Generator().manual_seed(hparams["seed"])
-    class_weight = ce_class_weight(
-        hparams.get("ce_class_weight", "none"), labels, teacher_probs.shape[1]
-    )
-    losses, steps = [], 0
-    model.train()
-    for epoch in range(1, epochs + 1):
-        order = torch.randperm(n, generator=generator)
-        total = 0.0
-        for i in tqdm(range(0, n, bs), desc=f"student epoch {epoch}/{epochs}", leave=False):
-            idx = order[i : i + bs]
-            optimizer.zero_grad(set_to_none=True)
-            logits = model(feats[idx], lengths[idx])
-            loss = kd_loss(
-                logits,
-                teacher_probs[idx],
-                labels[idx],
-                temperature=hparams["temperature"],
-                alpha=hparams["alpha"],
-                class_weight=class_weight,
-            )
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * idx.numel()
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                break
-        losses.append(total / n)
-        train_logger.log_stats(
-            stats_meta={"model": "student", "epoch": epoch}, train_stats={"loss": losses[-1]}
+class StudentBrain(sb.Brain):
+    """The non-private student on D_aux: SpeechBrain's ``Brain.fit`` over the KD objective.
+
+    A batch is ``(feats, lengths, teacher_probs, labels)`` (hidden labels ``IGNORE_LABEL``);
+    the per-epoch mean loss goes to ``self.losses`` and the train logger, the optimizer steps
+    to ``self.steps``.
+    """
+
+    def compute_forward(self, batch, stage):
+        feats, lengths, _, _ = batch
+        return self.modules.student(feats.to(self.device), lengths.to(self.device))
+
+    def compute_objectives(self, predictions, batch, stage):
+        _, _, teacher_probs, labels = batch
+        return kd_loss(
+            predictions,
+            teacher_probs.to(self.device),
+            labels.to(self.device),
+            temperature=self.hparams.temperature,
+            alpha=self.hparams.alpha,
+            class_weight=self.hparams.class_weight,
         )
-        if max_steps is not None and steps >= max_steps:
-            break
+
+    def on_fit_start(self):
+        super().on_fit_start()
+        self.losses, self.steps = [], 0
+
+    def on_fit_batch_end(self, batch, outputs, loss, should_step):
+        self.steps += int(should_step)
+
+    def on_stage_end(self, stage, stage_loss, epoch=None):
+        if stage == sb.Stage.TRAIN:
+            self.losses.append(float(stage_loss))
+            self.hparams.train_logger.log_stats(
+                stats_meta={"model": "student", "epoch": epoch}, train_stats={"loss": stage_loss}
+            )
+
+
+def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, run_opts):
+    """Adam on the KD objective through :class:`StudentBrain` (non-private: D_aux is public).
+
+    ``run_opts`` (``sb.parse_arguments``): ``--debug`` limits the epochs and batches as in any
+    SpeechBrain recipe. Returns ``(model, {"losses", "steps", "epochs"})``.
+    """
+    from speechbrain.utils.epoch_loop import EpochCounter
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(
+        TensorDataset(feats, lengths, teacher_probs, labels),
+        batch_size=hparams["batch_size"],
+        shuffle=True,
+        generator=torch.Generator().manual_seed(hparams["seed"]),
+    )
+    brain = StudentBrain(
+        modules={"student": model},
+        opt_class=lambda params: torch.optim.Adam(params, lr=hparams["lr"]),
+        hparams={
+            "temperature": hparams["temperature"],
+            "alpha": hparams["alpha"],
+            "class_weight": ce_class_weight(
+                hparams.get("ce_class_weight", "none"), labels, teacher_probs.shape[1]
+            ),
+            "train_logger": hparams["train_logger"],
+        },
+        run_opts={"device": "cpu", **dict(run_opts or {})},
+    )
+    brain.fit(EpochCounter(limit=hparams["epochs"]), train_set=loader)
     model.eval()
-    return model, {"losses": losses, "steps": steps}
+    return model, {"losses": brain.losses, "steps": brain.steps, "epochs": len(brain.losses)}
 
 
 def main(argv):
@@ -149,8 +181,6 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
         experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
     )
     debug = run_opts.get("debug", False)
-    max_steps = run_opts.get("debug_batches", 2) if debug else None
-    epochs = run_opts.get("debug_epochs", 2) if debug else hparams["epochs"]
 
     # What the student may read: the teacher-output file, and the teacher run's public
     # bookkeeping (privacy figures, DP-direct metrics, class names, D_aux/test manifests).
@@ -186,6 +216,13 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
     if not aux["ids"]:
         raise ValueError(f"D_aux ({Path(manifests) / 'aux.csv'}) is empty: nothing to distil on")
     teacher_probs = torch.tensor(outputs.aligned(aux["ids"]), dtype=torch.float32)
+    # A mostly unlabelled D_aux: the student reads aux_labels of its labels (the CE term skips
+    # the others; the KL term uses every record).
+    aux_labels = hide_labels(aux["labels"], count=hparams["aux_labels"], seed=hparams["seed"])
+    labelled = aux_labels != IGNORE_LABEL
+    label_counts = {c: int((aux_labels == i).sum()) for i, c in enumerate(classes)}
+    logger.info("D_aux labels read by the student: %d of %d %s", int(labelled.sum()),
+                len(aux_labels), label_counts)  # fmt: skip
     timings = {"data": time.time() - start}
 
     start = time.time()
@@ -196,12 +233,10 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
         student,
         feats=aux["feats"],
         lengths=aux["lengths"],
-        labels=aux["labels"],
+        labels=aux_labels,
         teacher_probs=teacher_probs,
         hparams=hparams,
-        epochs=epochs,
-        max_steps=max_steps,
-        train_logger=hparams["train_logger"],
+        run_opts=run_opts,
     )
     timings["student"] = time.time() - start
     logits = predict_logits(student, test["feats"], test["lengths"])
@@ -247,10 +282,12 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
             "alpha": hparams["alpha"],
             "dsaf": hparams["dsaf"],
             "ce_class_weight": hparams.get("ce_class_weight", "none"),
-            "epochs": epochs,
+            "epochs": info["epochs"],
             "steps": info["steps"],
             "losses": info["losses"],
             "aux_records": len(aux["ids"]),
+            "aux_labels": int(labelled.sum()),
+            "aux_label_counts": label_counts,
         },
         "method": teacher_run["method"],
         "majority_class": classes[majority],

@@ -148,6 +148,7 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
             c.number("noise_multiplier", low=0)  # 0 would add no noise: not private
         c.number("delta", low=0, high=1, high_open=True)
         c.number("clip", low=0)  # 0 clips every gradient to zero: no signal
+        c.number("clip_median_factor", low=0, optional=True)
         c.one_of("accountant", ACCOUNTANTS)
         c.integer("dp_seed", minimum=0, optional=True)
     c.boolean("aw_dp")
@@ -175,6 +176,7 @@ def check_student_hparams(hparams: Mapping, path, overrides: Mapping | None = No
     if not isinstance(hparams.get("teacher_outputs"), str | os.PathLike):
         c.fail("teacher_outputs", "must be the path of the teacher's aux_logits.npz")
     c.integer("aux_subset", minimum=1, optional=True)
+    c.integer("aux_labels", minimum=0, optional=True)
     _common_model(c)
     c.number("temperature", low=0)
     c.number("alpha", low=0, low_open=False, high=1)

@@ -4,6 +4,11 @@
 Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through their
 ``main``) for
 
+* ``repeats`` (``gender_repeats.py``): the paper's claims with their controls, every row for
+  each of ``--seeds`` (default 1-5), mean and spread, paired differences with t-intervals,
+  written to the README's ``repeats-models`` and ``repeats-claims`` tables; resumable (a seed
+  in ``studies.json`` is not rerun; students added to the study since are);
+
 * an epsilon sweep (0.5, 1, 2, 4, 8 and no DP) of the default pipeline;
 * the ablation (base = no DSAF and no AW-DP, +DSAF, +AW-DP, +dropout, all) at epsilon = 1,
   for DP-direct and the student;
@@ -12,11 +17,12 @@ Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through t
 * what the teacher adds: students of that teacher with alpha = 0 (no teacher), 0.5, 0.7, 1,
   and alpha = 0 with class-balanced CE on D_aux (the label-only rebalancing control),
 
-then writes ``<root>/studies.json`` (merged with the studies already there) and replaces the block between ``<!-- studies:begin -->``
-and ``<!-- studies:end -->`` of ``README.md`` with the tables. Each row is ONE run (the DP
+then writes ``<root>/studies.json`` (merged with the studies already there) and the README's
+``studies`` table block (``update_readme_table``). Outside ``repeats`` each row is ONE run (the DP
 noise and the Poisson sampling come from the OS, so a rerun gives other figures): read the
 95% bootstrap intervals, which cover the test-set sampling only, not the training randomness.
 
+    > python recipes/Private-Gender/studies.py --only repeats --seeds 1 2 3 4 5
     > python recipes/Private-Gender/studies.py --root results/Private-Gender/studies
     > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
     > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
@@ -46,11 +52,12 @@ RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 
 import distill_student  # noqa: E402
+import gender_repeats  # noqa: E402
 import train_teacher  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
+from speechbrain_fl.recipe import update_readme_table  # noqa: E402
 
-BEGIN, END = "<!-- studies:begin -->", "<!-- studies:end -->"
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, None)
 ABLATION = {
     "base": ["--dsaf", "False", "--aw_dp", "False", "--modality_dropout", "0.0"],
@@ -113,8 +120,8 @@ def _row(name, res):
 
 HEADER = [
     "Run",
-    "ε (student)",
-    "ε joint (all releases)",
+    "ε (student, RDP)",
+    "ε joint (all releases, RDP)",
     "DP-direct bal. acc.",
     "DP-direct MajPred",
     "Student bal. acc.",
@@ -124,16 +131,43 @@ HEADER = [
 
 
 def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
-    text = readme.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{readme} has no {BEGIN} ... {END} block")
+    """The single-run studies' tables into the README's ``studies`` block."""
     body = [note]
     for title, table in tables.items():
         body += [f"#### {title}", "", table, ""]
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    with atomic_open(readme) as handle:
-        handle.write(head + BEGIN + "\n" + "\n".join(body) + END + tail)
+    update_readme_table(readme, "studies", "\n".join(body))
+
+
+def run_repeats(root: Path, extra: list[str], seeds, store: dict, save) -> None:
+    """The repeated study (``gender_repeats``), one seed at a time, resumable: a seed already
+    in ``store["repeats"]`` is not rerun."""
+    done = store.setdefault("repeats", {})
+    for seed in seeds:
+        if str(seed) in done:  # students added to the study since: run those only
+            if gender_repeats.add_students(
+                seed, root / "repeats", extra, done[str(seed)], distill_student
+            ):
+                save()
+            continue
+        done[str(seed)] = gender_repeats.run_seed(
+            seed, root / "repeats", extra, train_teacher, distill_student
+        )
+        save()
+
+
+def write_repeats(store: dict, readme: Path, minutes) -> dict:
+    summary = gender_repeats.summarise(store["repeats"])
+    built = gender_repeats.tables(summary)
+    note = (
+        f"Seeds {', '.join(summary['seeds'])} ({len(summary['seeds'])} runs of every row; "
+        f"{minutes} min in all on the shared 2-core machine), written by `studies.py --only "
+        "repeats`. Mean ± sd [min, max] over the seeds; every figure on the 394 labelled "
+        "test clips (one per speaker). The label-only and all-labels students read nothing of "
+        "D_priv; the joint ε is that of the teacher run they come with.\n\n"
+    )
+    update_readme_table(readme, "repeats-models", note + built["models"])
+    update_readme_table(readme, "repeats-claims", built["claims"])
+    return summary
 
 
 ALPHAS = (0.0, 0.5, 0.7, 1.0)
@@ -228,7 +262,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", default="results/Private-Gender/studies")
     parser.add_argument(
-        "--only", nargs="*", default=["epsilon", "ablation", "binary", "aux", "alpha"]
+        "--only", nargs="*", default=["repeats", "epsilon", "ablation", "binary", "aux", "alpha"]
     )
     parser.add_argument("--extra", default="", help="overrides passed to both scripts")
     parser.add_argument(
@@ -237,6 +271,7 @@ def main(argv=None):
         help="rows of the epsilon/ablation studies to run "
         "(e.g. 0.5 None, or base +DSAF); the others keep their stored results",
     )
+    parser.add_argument("--seeds", nargs="*", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
@@ -249,13 +284,28 @@ def main(argv=None):
     store = root / "studies.json"
     results = json.loads(store.read_text(encoding="utf-8")) if store.is_file() else {}
     minutes = dict(results.pop("_minutes", {}))
+
+    def save():  # after each study or seed: an interrupted run keeps the others
+        with atomic_open(store) as handle:
+            json.dump({**results, "_minutes": minutes}, handle, indent=2, default=float)
+
     for name in args.only:
         start = time.time()
+        if name == "repeats":
+            run_repeats(root, extra, args.seeds, results, save)
+            minutes[name] = round(minutes.get(name, 0) + (time.time() - start) / 60, 1)
+            save()
+            continue
         new = run_study(name, root, extra, rows=args.rows)
         results[name] = {**results.get(name, {}), **new} if args.rows else new
         minutes[name] = round((time.time() - start) / 60, 1)
-        with atomic_open(store) as handle:  # after each study: an interrupted run keeps the others
-            json.dump({**results, "_minutes": minutes}, handle, indent=2, default=float)
+        save()
+    if "repeats" in results and not args.no_readme:
+        summary = write_repeats(results, Path(args.readme), minutes.get("repeats"))
+        print(json.dumps(summary["claims"], indent=1))
+    results = {k: v for k, v in results.items() if k != "repeats"}
+    if not results:
+        return
     built = tables(results)
     note = (
         "One run per row on the embedded corpus, written by `studies.py` (minutes per study: "

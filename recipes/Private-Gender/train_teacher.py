@@ -30,6 +30,7 @@ Authors
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import time
@@ -115,6 +116,37 @@ def dp_settings(hparams):
     }
 
 
+def _with_clip(dp, rule):
+    """The DP settings with the clip of a median rule (``rule`` None: unchanged)."""
+    return dp if dp is None or rule is None else {**dp, "clip": rule["clip"]}
+
+
+def median_clip(hparams, model, aux, tokens) -> dict:
+    """``C = clip_median_factor * median_i ||g_i||`` of ``model`` at initialisation on D_aux.
+
+    The norms are those of the model about to be trained (its own front-end, DSAF or not), on
+    the public D_aux, so the rule costs no privacy and C sits where clipping binds for about
+    half the records, the regime where DSAF's lower norm dispersion can matter (with C far
+    below every norm, every gradient is clipped with or without DSAF).
+    """
+    n = min(hparams["grad_norm_records"], aux["labels"].numel())
+    norms = per_sample_grad_norms(
+        copy.deepcopy(model),  # the model to be trained keeps its untouched initialisation
+        aux["feats"][:n],
+        aux["lengths"][:n],
+        aux["labels"][:n],
+        tokens=None if tokens is None else tokens[:n],
+    )
+    median = float(np.median(norms))
+    return {
+        "rule": "clip_median_factor * median per-sample gradient norm at init (D_aux)",
+        "factor": hparams["clip_median_factor"],
+        "median_norm": median,
+        "records": int(n),
+        "clip": hparams["clip_median_factor"] * median,
+    }
+
+
 def dsaf_diagnostic(hparams, aux, num_classes, plots):
     """CV of per-sample gradient norms at initialisation, with and without DSAF (on D_aux)."""
     n = min(hparams["grad_norm_records"], aux["labels"].numel())
@@ -133,6 +165,7 @@ def dsaf_diagnostic(hparams, aux, num_classes, plots):
         name: {
             "cv": float(v.std() / v.mean()),
             "mean": float(v.mean()),
+            "median": float(np.median(v)),
             "std": float(v.std()),
             "clipped_share": float((v > hparams["clip"]).mean()),
         }
@@ -231,6 +264,10 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
     teacher = build_model(
         hparams, num_classes=len(classes), privileged=multimodal, init_seed=hparams["seed"]
     )
+    clip_rules = {}
+    if dp and hparams["clip_median_factor"] is not None:
+        clip_rules["teacher"] = median_clip(hparams, teacher, aux, tokens(aux))
+        logger.info("teacher clip from the D_aux median rule: %s", clip_rules["teacher"])
     teacher, teacher_info = train_model(
         teacher,
         feats=priv["feats"],
@@ -238,7 +275,7 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
         tokens=tokens(priv),
         labels=priv["labels"],
         desc="teacher",
-        **common,
+        **{**common, "dp": _with_clip(dp, clip_rules.get("teacher"))},
     )
     timings["teacher"] = time.time() - start
 
@@ -286,6 +323,8 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
             direct = build_model(
                 hparams, num_classes=len(classes), privileged=False, init_seed=hparams["seed"] + 1
             )
+            if dp and hparams["clip_median_factor"] is not None:
+                clip_rules["DP-direct"] = median_clip(hparams, direct, aux, None)
             direct, dp_direct_info = train_model(
                 direct,
                 feats=priv["feats"],
@@ -293,7 +332,7 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
                 tokens=None,
                 labels=priv["labels"],
                 desc="DP-direct",
-                **common,
+                **{**common, "dp": _with_clip(dp, clip_rules.get("DP-direct"))},
             )
         else:  # an audio-only teacher *is* the DP-direct model
             direct, dp_direct_info = teacher, teacher_info
@@ -343,6 +382,7 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
             "epsilon": dp_direct_info["epsilon"],
             "delta": hparams["delta"] if dp else None,
             "noise_multiplier": dp_direct_info.get("noise_multiplier"),
+            "clip": dp_direct_info.get("clip"),
             "steps": dp_direct_info["steps"],
             "note": "a separate release at the same budget (alternative to the teacher-student pipeline)",
         },
@@ -361,6 +401,7 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
             "aw_dp": aw_info,
             "dp": hparams["dp"],
             "target_epsilon": hparams["target_epsilon"] if dp else None,
+            "clip_rules": clip_rules or None,
         },
         "dsaf_diagnostic": diagnostic,
         "data": {

@@ -17,17 +17,22 @@ MPEG layer III); ``audio_format="wav"`` writes WAV instead (the prepare accepts 
 
 **How labels relate to the metadata** (our construction; the paper names no dataset). Each
 speaker first draws a class, male / female / other, with probabilities ``class_shares``
-(default 0.70 / 0.25 / 0.05). The voice then depends on the class only: male and female
-speakers use the male and female espeak-ng variants of :mod:`speechbrain_fl.data.voices` with
-their pitch windows; "other" speakers use a distinct pool of variants (:data:`OTHER_VARIANTS`)
-with an intermediate pitch window. Age and accent are drawn *given the class* from the tables
-:data:`AGE_GIVEN_CLASS` and :data:`ACCENT_GIVEN_CLASS`, so the metadata is informative about the
-label (a privileged input a teacher can lean on) but never determines it; the accent also sets
-the espeak-ng English dialect. Transcripts are drawn independently of everything else. A share
-``unlabeled_share`` of speakers leaves gender empty or "do_not_wish_to_say" (excluded by the
-prepare, and counted). The gender *value* written for a class follows the release style: legacy
+(default 0.70 / 0.25 / 0.05, stratified in every split). The voice then depends on the class
+only: male and female speakers use the male and female espeak-ng variants of
+:mod:`speechbrain_fl.data.voices` with their pitch windows; "other" speakers use a distinct pool
+of variants (:data:`OTHER_VARIANTS`) with an intermediate pitch window. The variants are cycled
+per split and class, so every split with at least as many speakers of a class as the class has
+variants hears all of them (:func:`voice_coverage` reports it). Age and accent are drawn *given
+the class* from the tables :data:`AGE_GIVEN_CLASS` and :data:`ACCENT_GIVEN_CLASS`, so the
+metadata is informative about the label (a privileged input a teacher can lean on) but never
+determines it: metadata alone reaches a balanced accuracy of at most :func:`metadata_ceiling`
+(0.885 with the default tables). The accent also sets the espeak-ng English dialect.
+Transcripts are drawn independently of everything else. A share ``unlabeled_share`` of
+speakers leaves gender empty or "do_not_wish_to_say" (excluded by the prepare, and counted).
+The gender *value* written for a class follows the release style: legacy
 ``male``/``female``/``other``; 2024+ ``male_masculine``/``female_feminine`` and, for "other",
-one of ``non-binary``/``transgender``/``intersex``.
+one of ``non-binary``/``transgender``/``intersex``. One clip per speaker by default
+(``clips_per_speaker``), so that a clip-level DP guarantee is a speaker-level one.
 
 Generation is deterministic for a seed, atomic (a temporary sibling folder renamed at the end)
 and cached by a stamp of its options. A SIGTERM during generation (a scheduler's kill, ``timeout``)
@@ -78,12 +83,14 @@ __all__ = [
     "OTHER_VARIANTS",
     "STAMP_FILE",
     "generate_common_voice_corpus",
+    "metadata_ceiling",
+    "voice_coverage",
 ]
 
 logger = logging.getLogger(__name__)
 
 STAMP_FILE = ".cv_synth.json"
-_VERSION = 1
+_VERSION = 2  # 2: voices cycled per split and class, sharper metadata tables
 CLASSES = ("male", "female", "other")
 SPLITS = ("train", "dev", "test", "validated_only")
 
@@ -118,9 +125,9 @@ _RANGE = (30, 75)
 _AGES = ("teens", "twenties", "thirties", "fourties", "fifties", "sixties")  # CV's spelling
 #: P(age | class), our choice: informative about the class, never a function of it.
 AGE_GIVEN_CLASS = {
-    "male": (0.05, 0.25, 0.25, 0.2, 0.15, 0.1),
-    "female": (0.1, 0.35, 0.25, 0.15, 0.1, 0.05),
-    "other": (0.35, 0.4, 0.15, 0.05, 0.05, 0.0),
+    "male": (0.01, 0.04, 0.10, 0.25, 0.35, 0.25),
+    "female": (0.02, 0.45, 0.43, 0.06, 0.03, 0.01),
+    "other": (0.70, 0.25, 0.02, 0.01, 0.01, 0.01),
 }
 #: Common Voice accent label -> espeak-ng English dialect.
 _ACCENTS = {
@@ -131,10 +138,36 @@ _ACCENTS = {
 }
 #: P(accent | class), our choice (same remark as for the age).
 ACCENT_GIVEN_CLASS = {
-    "male": (0.5, 0.25, 0.15, 0.1),
-    "female": (0.35, 0.35, 0.1, 0.2),
-    "other": (0.2, 0.2, 0.4, 0.2),
+    "male": (0.80, 0.10, 0.07, 0.03),
+    "female": (0.10, 0.78, 0.04, 0.08),
+    "other": (0.04, 0.08, 0.18, 0.70),
 }
+
+
+def metadata_ceiling(
+    age_given_class: dict | None = None, accent_given_class: dict | None = None
+) -> float:
+    """Best balanced accuracy a classifier of the metadata alone (age, accent) can reach.
+
+    Age and accent are drawn independently given the class, so with a uniform class prior
+    (balanced accuracy weighs the classes equally) the Bayes rule predicts
+    ``argmax_c P(age | c) P(accent | c)`` and its balanced accuracy is
+
+        (1 / K) * sum_{age, accent} max_c P(age | c) P(accent | c).
+
+    Example
+    -------
+    >>> round(metadata_ceiling(), 3)
+    0.885
+    """
+    ages = AGE_GIVEN_CLASS if age_given_class is None else age_given_class
+    accents = ACCENT_GIVEN_CLASS if accent_given_class is None else accent_given_class
+    classes = list(ages)
+    total = 0.0
+    for i in range(len(ages[classes[0]])):
+        for j in range(len(accents[classes[0]])):
+            total += max(ages[c][i] * accents[c][j] for c in classes)
+    return total / len(classes)
 
 
 @dataclass(frozen=True)
@@ -179,9 +212,14 @@ def _speakers(options: dict) -> list[_Speaker]:
                     counts[i] = 1
         labels = [c for c, k in zip(CLASSES, counts, strict=True) for _ in range(k)]
         labels = [labels[i] for i in rng.permutation(len(labels))]
+        # Voices cycle through each class's pool *within the split*: every split with at least
+        # len(pool) speakers of a class covers all of that class's voices (D_aux and test hear
+        # the same voices per class; with a global index they did not).
+        seen = dict.fromkeys(CLASSES, 0)
         for label in labels:
             k = len(out)
-            variant = str(pools[label][k % len(pools[label])])
+            variant = str(pools[label][seen[label] % len(pools[label])])
+            seen[label] += 1
             while True:
                 pitch = int(rng.integers(*_PITCH[label], endpoint=True))
                 rate = int(rng.integers(*_RATE, endpoint=True))
@@ -209,6 +247,33 @@ def _speakers(options: dict) -> list[_Speaker]:
                     voice=SpeakerVoice(variant, label, pitch, rate, pitch_range),
                 )
             )
+    return out
+
+
+def voice_coverage(info: dict, *, covered: str = "test", by: str = "dev") -> dict:
+    """Per class, the voices (espeak-ng variants) of split ``covered`` that split ``by`` has.
+
+    ``info`` is what :func:`generate_common_voice_corpus` returns (its ``voices`` block). The
+    student learns from D_aux (``dev``) only, so a test voice D_aux never has caps its recall.
+
+    Returns
+    -------
+    dict
+        ``{class: {"voices": n, "covered": n, "missing": [variants], "min_speakers_by": n}}``,
+        ``min_speakers_by`` the fewest speakers ``by`` has of any of the class's voices there.
+    """
+    voices = info["voices"]
+    out = {}
+    for label in CLASSES:
+        wanted = voices.get(covered, {}).get(label, {})
+        have = voices.get(by, {}).get(label, {})
+        missing = sorted(v for v in wanted if v not in have)
+        out[label] = {
+            "voices": len(wanted),
+            "covered": len(wanted) - len(missing),
+            "missing": missing,
+            "min_speakers_by": min(have.values()) if have else 0,
+        }
     return out
 
 
@@ -274,7 +339,7 @@ def generate_common_voice_corpus(
     out_dir: str,
     *,
     speakers: dict[str, int] | None = None,
-    clips_per_speaker: int = 4,
+    clips_per_speaker: int = 1,
     class_shares: tuple[float, float, float] = (0.70, 0.25, 0.05),
     unlabeled_share: float = 0.03,
     release_style: str = "2024",
@@ -348,6 +413,10 @@ def generate_common_voice_corpus(
     columns = COLUMNS if release_style == "2024" else LEGACY_COLUMNS
     rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
     summary: dict[str, dict[str, int]] = {}
+    voices: dict[str, dict[str, dict[str, int]]] = {}
+    for speaker in spk:  # speakers per split, class and espeak-ng variant
+        per_class = voices.setdefault(speaker.split, {}).setdefault(speaker.voice.gender, {})
+        per_class[speaker.voice.variant] = per_class.get(speaker.voice.variant, 0) + 1
     logger.info("Generating the embedded Common Voice corpus (%d clips) in %s", n_clips, out_dir)
     with _sigterm_checkpoints() as check_terminated, atomic_folder(out_dir) as tmp:
         os.makedirs(tmp / "clips")
@@ -382,6 +451,7 @@ def generate_common_voice_corpus(
             "options": options,
             "seconds": round(time.perf_counter() - start, 2),
             "summary": summary,
+            "voices": voices,
         }
         with open(tmp / STAMP_FILE, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=2)

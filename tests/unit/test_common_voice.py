@@ -209,3 +209,57 @@ def test_sigterm_during_synthesis_leaves_no_temporary_folder(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert not list(tmp_path.glob(".cv_synth.*.tmp")) and not out.exists()
+
+
+def test_voices_cycle_per_split_so_dev_and_test_share_every_voice(tmp_path):
+    """With a global speaker index, D_aux's few "other" speakers missed most test voices."""
+    from speechbrain_fl.data.common_voice_synth import _pool, voice_coverage
+
+    n_other = len(_pool("other"))
+    # shares chosen so that dev and test hold at least a pool of "other" speakers each
+    shares = (0.1, 0.1, 0.8)
+    speakers = {"train": 4, "dev": 3 * n_other, "test": 2 * n_other}
+    from speechbrain_fl.data.common_voice_synth import _speakers
+
+    options = {"seed": 5, "release_style": "2024", "class_shares": list(shares),
+               "speakers": speakers, "unlabeled_share": 0.0}  # fmt: skip
+    spk = _speakers(options)
+    voices: dict = {}
+    for s in spk:
+        per = voices.setdefault(s.split, {}).setdefault(s.voice.gender, {})
+        per[s.voice.variant] = per.get(s.voice.variant, 0) + 1
+    cover = voice_coverage({"voices": voices})
+    assert cover["other"]["voices"] == n_other and cover["other"]["missing"] == []
+    assert cover["other"]["min_speakers_by"] >= 2  # 2.4 * n_other "other" dev speakers
+    for label in ("male", "female"):
+        test_voices = set(voices["test"][label])
+        assert test_voices <= set(voices["dev"][label]), label
+
+
+def test_generated_stamp_records_voices_and_one_clip_per_speaker(tmp_path):
+    out = tmp_path / "cv"
+    info = generate_common_voice_corpus(out, speakers={"train": 3, "dev": 3, "test": 3},
+                                        audio_format="wav", progress=False)  # fmt: skip
+    assert info["options"]["clips_per_speaker"] == 1  # the default: per-clip DP = per-speaker
+    rows = read_tsv(out / "train.tsv")
+    assert len({r["client_id"] for r in rows}) == len(rows) == 3
+    assert sum(sum(v.values()) for v in info["voices"]["dev"].values()) == 3
+
+
+def test_metadata_ceiling_matches_enumeration_and_is_sharp():
+    """The Bayes balanced accuracy of metadata alone, against a brute-force enumeration of all
+    decision rules on a small table, and the default tables' value (0.54 before the redesign)."""
+    import itertools
+
+    from speechbrain_fl.data.common_voice_synth import metadata_ceiling
+
+    ages = {"a": (0.7, 0.3), "b": (0.2, 0.8), "c": (0.5, 0.5)}
+    accents = {"a": (0.6, 0.4), "b": (0.5, 0.5), "c": (0.1, 0.9)}
+    cells = list(itertools.product(range(2), range(2)))
+    best = 0.0
+    for rule in itertools.product("abc", repeat=len(cells)):  # every map cell -> class
+        recall = {c: sum(ages[c][i] * accents[c][j] for (i, j), r in zip(cells, rule, strict=True) if r == c)
+                  for c in "abc"}  # fmt: skip
+        best = max(best, sum(recall.values()) / 3)
+    assert metadata_ceiling(ages, accents) == pytest.approx(best)
+    assert 0.85 <= metadata_ceiling() <= 0.9

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from speechbrain_fl.distill.labels import IGNORE_LABEL, hide_labels
 from speechbrain_fl.distill.loss import kd_loss
 from speechbrain_fl.distill.metrics import collapse_report, confusion_matrix
 from speechbrain_fl.distill.store import read_teacher_outputs, write_teacher_outputs
@@ -62,6 +63,46 @@ def test_kd_loss_matches_formula():
     )
     with pytest.raises(ValueError):
         kd_loss(zs, pt, y, temperature=0.0, alpha=0.5)
+
+
+def test_kd_loss_hidden_labels_enter_the_kl_term_only():
+    """A mostly unlabelled D_aux: CE over the labelled records, weighted mean by hand; KL over
+    all; a batch without labels is KL alone, and its CE part has no gradient."""
+    gen = torch.Generator().manual_seed(1)
+    zs, zt = torch.randn(6, 3, generator=gen), torch.randn(6, 3, generator=gen)
+    tau, alpha = 2.0, 0.5
+    pt = torch.softmax(zt / tau, dim=1)
+    y = torch.tensor([0, IGNORE_LABEL, 2, IGNORE_LABEL, 1, IGNORE_LABEL])
+    w = torch.tensor([0.5, 2.0, 4.0])
+    logp = torch.log_softmax(zs, dim=1)
+    lab = [0, 2, 4]
+    ce = -sum(w[y[i]] * logp[i, y[i]] for i in lab) / sum(w[y[i]] for i in lab)
+    kl = kd_loss(zs, pt, y, temperature=tau, alpha=1.0)
+    got = kd_loss(zs, pt, y, temperature=tau, alpha=alpha, class_weight=w)
+    assert got.item() == pytest.approx((alpha * kl + (1 - alpha) * ce).item(), rel=1e-5)
+    hidden = torch.full((6,), IGNORE_LABEL)
+    z = zs.clone().requires_grad_(True)
+    loss = kd_loss(z, pt, hidden, temperature=tau, alpha=0.0)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(z.grad) == 0
+    assert torch.isfinite(kd_loss(zs, pt, hidden, temperature=tau, alpha=0.5))
+
+
+def test_hide_labels_keeps_a_stratified_seeded_subset():
+    labels = torch.tensor([0] * 70 + [1] * 25 + [2] * 5)
+    kept = hide_labels(labels, count=30, seed=3)
+    shown = kept[kept != IGNORE_LABEL]
+    assert shown.numel() == 30
+    assert torch.bincount(shown, minlength=3).tolist() == [21, 7, 2]  # 30 * (0.7, 0.25, 0.05)
+    assert (kept[kept != IGNORE_LABEL] == labels[kept != IGNORE_LABEL]).all()  # never altered
+    assert torch.equal(kept, hide_labels(labels, count=30, seed=3))
+    assert not torch.equal(kept, hide_labels(labels, count=30, seed=4))
+    # a rare class keeps one label even when its share rounds to 0
+    few = hide_labels(labels, count=5, seed=0)
+    assert sorted(set(few[few != IGNORE_LABEL].tolist())) == [0, 1, 2]
+    assert torch.equal(hide_labels(labels, count=None, seed=0), labels)
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        hide_labels(labels, count=-1, seed=0)
 
 
 def test_collapse_report_values_and_intervals():

@@ -36,11 +36,66 @@ def test_tables_and_readme_block(tmp_path):
     assert studies._row("r", joint)[:3] == ["r", "0.99", "1.43"]
     assert "\\|D_aux\\| = 25" in next(t for k, t in built.items() if k.startswith("|D_aux|"))
     readme = tmp_path / "README.md"
-    readme.write_text(f"head\n{studies.BEGIN}\nold\n{studies.END}\ntail\n")
+    readme.write_text("head\n<!-- studies:start -->\nold\n<!-- studies:end -->\ntail\n")
     studies.write_readme(built, readme, "note\n")
     text = readme.read_text()
     assert text.startswith("head\n") and text.endswith("tail\n") and "old" not in text
     assert text.count("####") == 3
-    with pytest.raises(ValueError, match="no <!-- studies:begin -->"):
+    with pytest.raises(ValueError, match=r"other\.md.*<!-- studies:start -->"):
         (tmp_path / "other.md").write_text("nothing")
         studies.write_readme(built, tmp_path / "other.md", "note")
+
+
+def test_paired_interval_matches_scipy_ttest_rel():
+    from gender_stats import paired, spread
+    from scipy.stats import ttest_rel
+
+    a, b = [0.81, 0.77, 0.90, 0.72, 0.85], [0.70, 0.74, 0.80, 0.73, 0.71]
+    got = paired(a, b)
+    ci = ttest_rel(a, b).confidence_interval(0.95)
+    assert got["ci"] == pytest.approx([ci.low, ci.high], abs=1e-4)
+    assert got["wins"] == 4 and got["n"] == 5
+    assert spread([1.0, 3.0]) == {"n": 2, "mean": 2.0, "sd": 1.4142, "min": 1.0, "max": 3.0}
+    with pytest.raises(ValueError, match="equal-length"):
+        paired([1.0], [2.0])
+
+
+def _block(bacc, other):
+    return {"balanced_accuracy": bacc, "macro_f1": bacc, "majpred": 0.7,
+            "recall": {"male": 0.9, "female": 0.9, "other": other}}  # fmt: skip
+
+
+def _seed(kd, direct, label_only, plain_other):
+    run = {"epsilon": 0.99, "epsilon_joint": 1.43, "accountant": "rdp", "clip": 1.0,
+           "teacher": _block(0.85, 0.8), "dp_direct": _block(direct, 0.5), "students": {}}  # fmt: skip
+    students = {"KD": _block(kd, 0.6), "label-only": _block(label_only, 0.3),
+                "label-only, balanced CE": _block(label_only, 0.4),
+                "all labels": _block(0.95, 0.9)}  # fmt: skip
+    plain = {**run, "teacher": _block(0.6, plain_other), "dp_direct": _block(0.6, plain_other),
+             "students": {"KD": _block(0.6, 0.0)}}  # fmt: skip
+    return {
+        "default": {**run, "students": students},
+        "plain": plain,
+        "plain_nodp": {**plain, "epsilon": None, "epsilon_joint": None},
+        "median_dsaf": {**run, "clip": {"teacher": 1.2, "DP-direct": 1.1}},
+        "median_nodsaf": {**run, "clip": {"teacher": 15.0, "DP-direct": 14.0}},
+    }
+
+
+def test_repeats_summary_claims_and_tables():
+    import gender_repeats
+
+    seeds = {str(k): _seed(0.8 + 0.01 * k, 0.7, 0.65 + 0.02 * k, 0.0) for k in range(1, 6)}
+    summary = gender_repeats.summarise(seeds)
+    claim = summary["claims"]["student (KD) - DP-direct, balanced accuracy"]
+    assert claim["n"] == 5 and claim["mean"] == pytest.approx(0.13) and claim["ci"][0] > 0
+    other = summary["claims"]['stabilised teacher - plain DP-SGD teacher, recall "other"']
+    assert other["differences"] == [0.8] * 5
+    assert summary["models"]["all-labels upper bound (α = 0, ~575 labels)"][
+        "balanced_accuracy"]["mean"] == 0.95  # fmt: skip
+    assert summary["clips"]["median_nodsaf"][0] == {"teacher": 15.0, "DP-direct": 14.0}
+    built = gender_repeats.tables(summary)
+    assert "| student (KD) - DP-direct, balanced accuracy | 5 | +0.130 |" in built["claims"]
+    assert "(**above 0**)" in built["claims"]
+    assert "| teacher, plain, no DP (same steps) | ∞ (no DP) | ∞ (no DP) |" in built["models"]
+    assert "| label-only control (α = 0, 30 labels) | 0 (reads no D_priv) |" in built["models"]
