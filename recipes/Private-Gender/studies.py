@@ -213,7 +213,12 @@ def paired_rows(study: dict, reference: str, metrics) -> list[list[str]]:
             if any(m is None for m in a + b):
                 continue
             c = paired([m["value"] for m in a], [m["value"] for m in b])
-            verdict = "above 0" if c["ci"][0] > 0 else ("below 0" if c["ci"][1] < 0 else "spans 0")
+            if not any(c["differences"]):
+                verdict = "no difference in any seed"
+            elif c["ci"][0] > 0:
+                verdict = "above 0"
+            else:
+                verdict = "below 0" if c["ci"][1] < 0 else "spans 0"
             out.append(
                 [
                     f"{row} − {reference}, {label}",

@@ -134,3 +134,9 @@ def test_seeded_rows_mean_sd_and_paired_differences():
     assert studies.paired_rows({"base": _res(0.5, 0.8), "all": _res(0.6, 0.7)}, "base", [
         ("x", "test", "balanced_accuracy")]) == []  # fmt: skip
     assert studies.paired_rows({"all": full}, "base", []) == []
+
+
+def test_paired_rows_name_a_difference_of_zero_in_every_seed():
+    same = {"seeds": {k: _recall(_res(0.6, 0.8), 0.0) for k in ("1", "2")}}
+    rows = studies.paired_rows({"base": same, "x": same}, "base", [("y", "test", "recall_other")])
+    assert rows[0][3] == "[+0.000, +0.000] (no difference in any seed)"
