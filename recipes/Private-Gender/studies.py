@@ -195,9 +195,10 @@ PAIRED = {
 }
 
 
-def paired_rows(study: dict, reference: str, metrics) -> list[list[str]]:
+def paired_rows(study: dict, reference: str, metrics, name=str) -> list[list[str]]:
     """Rows of the paired table: every row of ``study`` minus ``reference`` over the seeds both
-    have (``gender_stats.paired``: mean, 95% t-interval, wins); empty below two seeds."""
+    have (``gender_stats.paired``: mean, 95% t-interval, wins); empty below two seeds.
+    ``name(row_key)`` labels a row."""
     if reference not in study:
         return []
     ref = seeded(study[reference])
@@ -221,7 +222,7 @@ def paired_rows(study: dict, reference: str, metrics) -> list[list[str]]:
                 verdict = "below 0" if c["ci"][1] < 0 else "spans 0"
             out.append(
                 [
-                    f"{row} − {reference}, {label}",
+                    f"{name(row)} − {name(reference)}, {label}",
                     str(c["n"]),
                     f"{c['mean']:+.3f}",
                     f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] ({verdict})",
@@ -383,10 +384,15 @@ def tables(results: dict) -> dict[str, str]:
         rows = [_row(label(k, next(iter(seeded(r).values()))), r) for k, r in study.items()]
         out[f"{title}; {_seeds_of(study)}"] = _table(HEADER, rows)
         if key in PAIRED:
-            diffs = paired_rows(study, *PAIRED[key])
+            ref, metrics = PAIRED[key]
+
+            def name(k, study=study, label=label):
+                return label(k, next(iter(seeded(study[k]).values())))
+
+            diffs = paired_rows(study, ref, metrics, name=name)
             if diffs:
-                out[f"{title.split(' (')[0].split(':')[0]}: paired differences to "
-                    f"{PAIRED[key][0]!r}"] = _table(PAIRED_HEADER, diffs)  # fmt: skip
+                head = title.split(" (")[0].split(":")[0]
+                out[f"{head}: paired differences to {name(ref)}"] = _table(PAIRED_HEADER, diffs)
     return out
 
 

@@ -123,7 +123,7 @@ def test_seeded_rows_mean_sd_and_paired_differences():
     assert studies._row("one", results["binary"]["binary"])[3] == "0.900 [0.80, 1.00]"
     # Paired differences to the reference row, seed by seed: (0.1, 0.2, 0.3) on bal. acc.
     paired_table = built[titles[1]]
-    assert titles[1] == "Ablation at ε = 1: paired differences to 'base'"
+    assert titles[1] == "Ablation at ε = 1: paired differences to base"
     line = next(x for x in paired_table.splitlines() if "DP-direct bal. acc." in x)
     want = studies.paired([0.7, 0.9, 0.8], [0.6, 0.7, 0.5])
     assert f"| all − base, DP-direct bal. acc. | 3 | {want['mean']:+.3f} |" in line
