@@ -151,7 +151,10 @@ def _row(name, stored):
     """One table row: the bootstrap interval of a single run, mean ± sd over several seeds."""
     runs = list(seeded(stored).values())
     first = runs[0]
-    head = [name, _eps(first["privacy"]["epsilon"]), _joint_eps(first)]
+    # alpha = 0: the student's loss has no teacher term, so it reads nothing of D_priv.
+    no_teacher = (first.get("kd") or {}).get("alpha") == 0
+    own = "0 (reads no D_priv)" if no_teacher else _eps(first["privacy"]["epsilon"])
+    head = [name, own, _joint_eps(first)]
     if len(runs) == 1:
         return head + [_v(first[block], key) for block, key in COLUMNS]
     cells = []

@@ -140,3 +140,11 @@ def test_paired_rows_name_a_difference_of_zero_in_every_seed():
     same = {"seeds": {k: _recall(_res(0.6, 0.8), 0.0) for k in ("1", "2")}}
     rows = studies.paired_rows({"base": same, "x": same}, "base", [("y", "test", "recall_other")])
     assert rows[0][3] == "[+0.000, +0.000] (no difference in any seed)"
+
+
+def test_label_only_student_row_states_no_privacy_cost():
+    res = _res(0.7, 0.7)
+    res["kd"]["alpha"] = 0.0
+    assert studies._row("a0", res)[1] == "0 (reads no D_priv)"
+    res["kd"]["alpha"] = 0.5
+    assert studies._row("a5", res)[1] == "0.99"
