@@ -19,7 +19,7 @@ Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through t
 
 then writes ``<root>/studies.json`` (merged with the studies already there) and the README's
 ``studies`` table block (``update_readme_table``). Outside ``repeats`` each row is one run per
-``--study_seeds`` seed s (``--seed s``: initialisations, the labelled D_aux subset; the DP noise
+``--study_seeds`` seed s (default 1, 2, 3) (``--seed s``: initialisations, the labelled D_aux subset; the DP noise
 and the Poisson sampling come from the OS, so a rerun gives other figures). With one seed the
 tables give the 95% bootstrap intervals, which cover the test-set sampling only, not the
 training randomness; with several, mean ± sd over the seeds, and studies that compare methods
@@ -27,7 +27,7 @@ training randomness; with several, mean ± sd over the seeds, and studies that c
 
     > python recipes/Private-Gender/studies.py --only repeats --seeds 1 2 3 4 5
     > python recipes/Private-Gender/studies.py --root results/Private-Gender/studies
-    > python recipes/Private-Gender/studies.py --only ablation alpha --study_seeds 1 2 3
+    > python recipes/Private-Gender/studies.py --only ablation alpha --study_seeds 1 2 3 4 5
     > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
     > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
 
@@ -418,8 +418,9 @@ def main(argv=None):
         "--study_seeds",
         nargs="*",
         type=int,
-        help="seeds of the other studies (each row once per seed); default: one run per row "
-        "with the hparams' seed",
+        default=[1, 2, 3],
+        help="seeds of the other studies (each row once per seed; default 1 2 3); given "
+        "without a value: one run per row with the hparams' seed",
     )
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
