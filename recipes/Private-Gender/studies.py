@@ -121,7 +121,7 @@ def _table(header, rows):
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-#: The value columns of every single-run study table: (results block, metric).
+#: The value columns of the sweep and ablation tables: (results block, metric).
 COLUMNS = [
     ("dp_direct", "balanced_accuracy"),
     ("dp_direct", "majpred"),
@@ -240,7 +240,7 @@ PAIRED_HEADER = ["Paired difference (A − B)", "Seeds", "Mean", "95% CI (t)", "
 
 
 def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
-    """The single-run studies' tables into the README's ``studies`` block."""
+    """The sweep and ablation tables into the README's ``studies`` block."""
     body = [note]
     for title, table in tables.items():
         body += [f"#### {title}", "", table, ""]
