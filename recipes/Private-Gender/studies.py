@@ -18,12 +18,16 @@ Runs ``train_teacher.py`` and ``distill_student.py`` (in this process, through t
   and alpha = 0 with class-balanced CE on D_aux (the label-only rebalancing control),
 
 then writes ``<root>/studies.json`` (merged with the studies already there) and the README's
-``studies`` table block (``update_readme_table``). Outside ``repeats`` each row is ONE run (the DP
-noise and the Poisson sampling come from the OS, so a rerun gives other figures): read the
-95% bootstrap intervals, which cover the test-set sampling only, not the training randomness.
+``studies`` table block (``update_readme_table``). Outside ``repeats`` each row is one run per
+``--study_seeds`` seed s (default 1, 2, 3) (``--seed s``: initialisations, the labelled D_aux subset; the DP noise
+and the Poisson sampling come from the OS, so a rerun gives other figures). With one seed the
+tables give the 95% bootstrap intervals, which cover the test-set sampling only, not the
+training randomness; with several, mean ± sd over the seeds, and studies that compare methods
+(ablation, alpha) also the paired differences to their reference row (``gender_stats.paired``).
 
     > python recipes/Private-Gender/studies.py --only repeats --seeds 1 2 3 4 5
     > python recipes/Private-Gender/studies.py --root results/Private-Gender/studies
+    > python recipes/Private-Gender/studies.py --only ablation alpha --study_seeds 1 2 3 4 5
     > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
     > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
 
@@ -54,6 +58,7 @@ sys.path.insert(0, str(RECIPE_DIR))
 import distill_student  # noqa: E402
 import gender_repeats  # noqa: E402
 import train_teacher  # noqa: E402
+from gender_stats import paired, spread  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.recipe import update_readme_table  # noqa: E402
@@ -66,7 +71,7 @@ ABLATION = {
     "+dropout": ["--dsaf", "False", "--aw_dp", "False", "--modality_dropout", "0.5"],
     "all": ["--dsaf", "True", "--aw_dp", "True", "--modality_dropout", "0.5"],
 }
-AUX_SIZES = (25, 50, 100, 200, None)
+AUX_SIZES = (50, 100, 200, 400, None)
 TUNING_WARNING = (
     "studies.py: each row is a separate DP training on the same D_priv and its epsilon covers "
     "that row alone; choosing settings by comparing rows on a real D_priv spends privacy that "
@@ -81,10 +86,21 @@ def pipeline(folder: Path, teacher_args, student_args=(), *, extra=()):
     return distill_student.main(["hparams/student.yaml", *common, *student_args])
 
 
+def _metric(block, key):
+    """``{"value", "ci"}`` of ``key`` in a report block (``recall_other``: the recall of
+    "other"), None when absent (no DP-direct, a binary run, results of an older version)."""
+    if not block:
+        return None
+    if key == "recall_other":
+        return (block.get("per_class_recall") or {}).get("other")
+    return block.get(key)
+
+
 def _v(block, key):
-    if not block or key not in block:
+    m = _metric(block, key)
+    if m is None:
         return "-"
-    value, ci = block[key]["value"], block[key]["ci"]
+    value, ci = m["value"], m["ci"]
     return f"{value:.3f} [{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
@@ -105,17 +121,47 @@ def _table(header, rows):
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def _row(name, res):
-    return [
-        name,
-        _eps(res["privacy"]["epsilon"]),
-        _joint_eps(res),
-        _v(res["dp_direct"], "balanced_accuracy"),
-        _v(res["dp_direct"], "majpred"),
-        _v(res["test"], "balanced_accuracy"),
-        _v(res["test"], "macro_f1"),
-        _v(res["test"], "majpred"),
-    ]
+#: The value columns of the sweep and ablation tables: (results block, metric).
+COLUMNS = [
+    ("dp_direct", "balanced_accuracy"),
+    ("dp_direct", "majpred"),
+    ("dp_direct", "recall_other"),
+    ("test", "balanced_accuracy"),
+    ("test", "macro_f1"),
+    ("test", "majpred"),
+    ("test", "recall_other"),
+]
+
+
+def seeded(stored: dict) -> dict[str, dict]:
+    """The per-seed results of one stored row, ``{seed: student results}``; a row of one run
+    without ``--seed`` (stored unwrapped, as before seeds existed) is ``{"-": results}``."""
+    return stored["seeds"] if "seeds" in stored else {"-": stored}
+
+
+def _mean_sd(values) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    s = spread(values)
+    return f"{s['mean']:.3f} ± {s['sd']:.3f}" if s["n"] > 1 else f"{s['mean']:.3f}"
+
+
+def _row(name, stored):
+    """One table row: the bootstrap interval of a single run, mean ± sd over several seeds."""
+    runs = list(seeded(stored).values())
+    first = runs[0]
+    # alpha = 0: the student's loss has no teacher term, so it reads nothing of D_priv.
+    no_teacher = (first.get("kd") or {}).get("alpha") == 0
+    own = "0 (reads no D_priv)" if no_teacher else _eps(first["privacy"]["epsilon"])
+    head = [name, own, _joint_eps(first)]
+    if len(runs) == 1:
+        return head + [_v(first[block], key) for block, key in COLUMNS]
+    cells = []
+    for block, key in COLUMNS:
+        metrics = [_metric(r[block], key) for r in runs]
+        cells.append(_mean_sd([m["value"] if m else None for m in metrics]))
+    return head + cells
 
 
 HEADER = [
@@ -124,14 +170,77 @@ HEADER = [
     "ε joint (all releases, RDP)",
     "DP-direct bal. acc.",
     "DP-direct MajPred",
+    'DP-direct recall "other"',
     "Student bal. acc.",
     "Student macro-F1",
     "Student MajPred",
+    'Student recall "other"',
 ]
+
+#: Studies that compare methods: reference row, and the metrics of the paired differences
+#: (label, results block, metric), each row minus the reference, seed by seed.
+PAIRED = {
+    "ablation": (
+        "base",
+        [
+            ("DP-direct bal. acc.", "dp_direct", "balanced_accuracy"),
+            ('DP-direct recall "other"', "dp_direct", "recall_other"),
+            ("student bal. acc.", "test", "balanced_accuracy"),
+        ],
+    ),
+    "alpha": (
+        "0.0",
+        [
+            ("student bal. acc.", "test", "balanced_accuracy"),
+            ('student recall "other"', "test", "recall_other"),
+        ],
+    ),
+}
+
+
+def paired_rows(study: dict, reference: str, metrics, name=str) -> list[list[str]]:
+    """Rows of the paired table: every row of ``study`` minus ``reference`` over the seeds both
+    have (``gender_stats.paired``: mean, 95% t-interval, wins); empty below two seeds.
+    ``name(row_key)`` labels a row."""
+    if reference not in study:
+        return []
+    ref = seeded(study[reference])
+    out = []
+    for row, stored in study.items():
+        runs = seeded(stored)
+        keys = sorted(set(runs) & set(ref) - {"-"}, key=int)
+        if row == reference or len(keys) < 2:
+            continue
+        for label, block, key in metrics:
+            a = [_metric(runs[k][block], key) for k in keys]
+            b = [_metric(ref[k][block], key) for k in keys]
+            if any(m is None for m in a + b):
+                continue
+            c = paired([m["value"] for m in a], [m["value"] for m in b])
+            if not any(c["differences"]):
+                verdict = "no difference in any seed"
+            elif c["ci"][0] > 0:
+                verdict = "above 0"
+            else:
+                verdict = "below 0" if c["ci"][1] < 0 else "spans 0"
+            out.append(
+                [
+                    f"{name(row)} − {name(reference)}, {label}",
+                    str(c["n"]),
+                    f"{c['mean']:+.3f}",
+                    f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] ({verdict})",
+                    f"{c['wins']}/{c['n']}",
+                    ", ".join(f"{d:+.2f}" for d in c["differences"]),
+                ]
+            )
+    return out
+
+
+PAIRED_HEADER = ["Paired difference (A − B)", "Seeds", "Mean", "95% CI (t)", "A > B in", "Per seed"]
 
 
 def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
-    """The single-run studies' tables into the README's ``studies`` block."""
+    """The sweep and ablation tables into the README's ``studies`` block."""
     body = [note]
     for title, table in tables.items():
         body += [f"#### {title}", "", table, ""]
@@ -173,88 +282,120 @@ def write_repeats(store: dict, readme: Path, minutes) -> dict:
 ALPHAS = (0.0, 0.5, 0.7, 1.0)
 
 
-def run_study(name: str, root: Path, extra: list[str], rows=None) -> dict:
-    """Run one study (only ``rows`` of the epsilon and ablation studies if given); returns
-    ``{row_key: student results}``."""
+def _at(folder: Path, seed) -> Path:
+    return folder if seed is None else folder / f"seed_{seed}"
+
+
+def _seed_args(seed) -> list[str]:
+    return [] if seed is None else ["--seed", str(seed)]
+
+
+def run_study(name: str, root: Path, extra: list[str], rows=None, seeds=(None,)) -> dict:
+    """Run one study (only ``rows`` of the epsilon and ablation studies if given) once per
+    seed in ``seeds`` (None: one run with the hparams' seed); returns ``{row_key: student
+    results}`` for ``seeds=(None,)``, else ``{row_key: {"seeds": {seed: student results}}}``."""
     out = {}
-    if name == "epsilon":
-        for eps in EPSILONS:
-            if rows and str(eps) not in rows:
-                continue
-            targs = ["--dp", "False"] if eps is None else ["--target_epsilon", str(eps)]
-            out[str(eps)] = pipeline(root / f"eps_{eps}", targs, extra=extra)
-    elif name == "ablation":
-        for row, targs in ABLATION.items():
-            if rows and row not in rows:
-                continue
-            sargs = ["--dsaf", "True" if "DSAF" in row or row == "all" else "False"]
-            out[row] = pipeline(root / f"ablation_{row.strip('+')}", targs, sargs, extra=extra)
-    elif name == "binary":
-        targs = [
-            "--classes",
-            "[male, female]",
-            "--aw_source",
-            "prior",
-            "--aw_prior",
-            "[0.74, 0.26]",
-        ]
-        out["binary"] = pipeline(root / "binary", targs, extra=extra)
-    elif name in ("aux", "alpha"):
-        folder = root / "aux"
-        if not (folder / "teacher" / "aux_logits.npz").is_file():
-            train_teacher.main(["hparams/teacher.yaml", "--output_folder", str(folder), *extra])
-        if name == "aux":
-            for size in AUX_SIZES:
-                sargs = ["--aux_subset", "null" if size is None else str(size)]
-                out[str(size)] = distill_student.main(
-                    ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
-                )
-        else:  # alpha = 0: the same student without the teacher (CE on D_aux labels only)
-            for alpha in ALPHAS:
-                sargs = ["--alpha", str(alpha)]
-                out[str(alpha)] = distill_student.main(
-                    ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
-                )
-            # The label-only control that also rebalances the classes (no teacher at all).
-            sargs = ["--alpha", "0.0", "--ce_class_weight", "balanced"]
-            out["0.0, balanced CE"] = distill_student.main(
-                ["hparams/student.yaml", "--output_folder", str(folder), *sargs, *extra]
-            )
-    else:
+
+    def put(row, seed, res):
+        if seed is None:
+            out[row] = res
+        else:
+            out.setdefault(row, {"seeds": {}})["seeds"][str(seed)] = res
+
+    if name not in ("epsilon", "ablation", "binary", "aux", "alpha"):
         raise ValueError(f"unknown study {name!r}")
+    for seed in seeds:
+        sx = [*extra, *_seed_args(seed)]
+        if name == "epsilon":
+            for eps in EPSILONS:
+                if rows and str(eps) not in rows:
+                    continue
+                targs = ["--dp", "False"] if eps is None else ["--target_epsilon", str(eps)]
+                put(str(eps), seed, pipeline(_at(root / f"eps_{eps}", seed), targs, extra=sx))
+        elif name == "ablation":
+            for row, targs in ABLATION.items():
+                if rows and row not in rows:
+                    continue
+                sargs = ["--dsaf", "True" if "DSAF" in row or row == "all" else "False"]
+                folder = _at(root / f"ablation_{row.strip('+')}", seed)
+                put(row, seed, pipeline(folder, targs, sargs, extra=sx))
+        elif name == "binary":
+            targs = ["--classes", "[male, female]", "--aw_source", "prior", "--aw_prior",
+                     "[0.74, 0.26]"]  # fmt: skip
+            put("binary", seed, pipeline(_at(root / "binary", seed), targs, extra=sx))
+        else:  # aux, alpha: students of one teacher per seed
+            folder = _at(root / "aux", seed)
+            common = ["hparams/student.yaml", "--output_folder", str(folder), *sx]
+            if not (folder / "teacher" / "aux_logits.npz").is_file():
+                train_teacher.main(["hparams/teacher.yaml", "--output_folder", str(folder), *sx])
+            if name == "aux":
+                for size in AUX_SIZES:
+                    sargs = ["--aux_subset", "null" if size is None else str(size)]
+                    put(str(size), seed, distill_student.main([*common, *sargs]))
+            else:  # alpha = 0: the same student without the teacher (CE on D_aux labels only)
+                for alpha in ALPHAS:
+                    put(str(alpha), seed, distill_student.main([*common, "--alpha", str(alpha)]))
+                # The label-only control that also rebalances the classes (no teacher at all).
+                sargs = ["--alpha", "0.0", "--ce_class_weight", "balanced"]
+                put("0.0, balanced CE", seed, distill_student.main([*common, *sargs]))
     return out
 
 
+TITLES = {
+    "epsilon": (
+        "Epsilon sweep (δ = 1e-5, all components)",
+        lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}",
+    ),
+    "ablation": (
+        "Ablation at ε = 1 (DP-direct and student use the row's components)",
+        lambda k, r: k,
+    ),
+    "binary": (
+        "Binary variant (male / female, ε computed for this configuration)",
+        lambda k, r: "binary, target ε = 1",
+    ),
+    "aux": (
+        "|D_aux| sweep (one teacher per seed, students on subsets of its D_aux outputs, "
+        "at most 30 of them labelled)",
+        lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}",
+    ),
+    "alpha": (
+        "What the teacher adds: one teacher per seed, students with α = 0 (no teacher: CE on "
+        "the 30 D_aux labels only), 0.5, 0.7, 1 (KD only), and α = 0 with class-balanced CE",
+        lambda k, r: f"α = {k}",
+    ),
+}
+
+
+def _seeds_of(study: dict) -> str:
+    keys = sorted({k for stored in study.values() for k in seeded(stored)} - {"-"}, key=int)
+    if not keys:
+        return "one run per row"
+    return f"seed{'s' if len(keys) > 1 else ''} {', '.join(keys)}"
+
+
 def tables(results: dict) -> dict[str, str]:
-    """Markdown tables of the studies present in ``results``."""
-    titles = {
-        "epsilon": (
-            "Epsilon sweep (δ = 1e-5, all components)",
-            lambda k, r: f"target ε = {_eps(None if k == 'None' else float(k))}",
-        ),
-        "ablation": (
-            "Ablation at ε = 1 (DP-direct and student use the row's components)",
-            lambda k, r: k,
-        ),
-        "binary": (
-            "Binary variant (male / female, ε computed for this configuration)",
-            lambda k, r: "binary, target ε = 1",
-        ),
-        "aux": (
-            "|D_aux| sweep (one teacher, students on subsets of its D_aux outputs)",
-            lambda k, r: f"\\|D_aux\\| = {r['kd']['aux_records']}",
-        ),
-        "alpha": (
-            "What the teacher adds: one teacher, students with α = 0 (no teacher: CE on D_aux only), 0.5, 0.7, 1 (KD only), and α = 0 with class-balanced CE",
-            lambda k, r: f"α = {k}",
-        ),
-    }
+    """Markdown tables of the studies present in ``results`` (their seeds in the title), and
+    for the studies of :data:`PAIRED` run with two seeds or more, the paired differences."""
     out = {}
-    for key, (title, label) in titles.items():
+    for key, (title, label) in TITLES.items():
         if key in results and "privacy" in results[key]:  # one run stored unwrapped
             results = {**results, key: {key: results[key]}}
-        if key in results:
-            out[title] = _table(HEADER, [_row(label(k, r), r) for k, r in results[key].items()])
+        if key not in results:
+            continue
+        study = results[key]
+        rows = [_row(label(k, next(iter(seeded(r).values()))), r) for k, r in study.items()]
+        out[f"{title}; {_seeds_of(study)}"] = _table(HEADER, rows)
+        if key in PAIRED:
+            ref, metrics = PAIRED[key]
+
+            def name(k, study=study, label=label):
+                return label(k, next(iter(seeded(study[k]).values())))
+
+            diffs = paired_rows(study, ref, metrics, name=name)
+            if diffs:
+                head = title.split(" (")[0].split(":")[0]
+                out[f"{head}: paired differences to {name(ref)}"] = _table(PAIRED_HEADER, diffs)
     return out
 
 
@@ -271,7 +412,16 @@ def main(argv=None):
         help="rows of the epsilon/ablation studies to run "
         "(e.g. 0.5 None, or base +DSAF); the others keep their stored results",
     )
-    parser.add_argument("--seeds", nargs="*", type=int, default=[1, 2, 3, 4, 5])
+    parser.add_argument("--seeds", nargs="*", type=int, default=[1, 2, 3, 4, 5],
+                        help="seeds of the repeated study")  # fmt: skip
+    parser.add_argument(
+        "--study_seeds",
+        nargs="*",
+        type=int,
+        default=[1, 2, 3],
+        help="seeds of the other studies (each row once per seed; default 1 2 3); given "
+        "without a value: one run per row with the hparams' seed",
+    )
     parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
@@ -296,7 +446,8 @@ def main(argv=None):
             minutes[name] = round(minutes.get(name, 0) + (time.time() - start) / 60, 1)
             save()
             continue
-        new = run_study(name, root, extra, rows=args.rows)
+        seeds = tuple(args.study_seeds) if args.study_seeds else (None,)
+        new = run_study(name, root, extra, rows=args.rows, seeds=seeds)
         results[name] = {**results.get(name, {}), **new} if args.rows else new
         minutes[name] = round((time.time() - start) / 60, 1)
         save()
@@ -308,10 +459,13 @@ def main(argv=None):
         return
     built = tables(results)
     note = (
-        "One run per row on the embedded corpus, written by `studies.py` (minutes per study: "
-        + ", ".join(f"{k} {v}" for k, v in minutes.items())
-        + "). Intervals: 95% speaker-level bootstrap over the test set, not over the training "
-        "randomness (the DP noise and sampling come from the OS, so a rerun differs).\n"
+        "On the embedded corpus, written by `studies.py` (minutes per study: "
+        + ", ".join(f"{k} {v}" for k, v in minutes.items() if k != "repeats")
+        + "). A row of one run gives the 95% speaker-level bootstrap interval over the test "
+        "set, not over the training randomness (the DP noise and sampling come from the OS, "
+        "so a rerun differs); a row of several seeds gives mean ± sd over the seeds (one "
+        "teacher, DP-direct and student per seed), and the paired differences to a reference "
+        "row use 95% t-intervals over the seeds.\n"
     )
     if not args.no_readme:
         write_readme(built, Path(args.readme), note)

@@ -99,3 +99,52 @@ def test_repeats_summary_claims_and_tables():
     assert "(**above 0**)" in built["claims"]
     assert "| teacher, plain, no DP (same steps) | ∞ (no DP) | ∞ (no DP) |" in built["models"]
     assert "| label-only control (α = 0, 30 labels) | 0 (reads no D_priv) |" in built["models"]
+
+
+def _recall(res, other):
+    for block in ("dp_direct", "test"):
+        res[block]["per_class_recall"] = {"other": {"value": other, "ci": [0.0, 1.0]}}
+    return res
+
+
+def test_seeded_rows_mean_sd_and_paired_differences():
+    base = {"seeds": {"1": _recall(_res(0.60, 0.8), 0.0), "2": _recall(_res(0.70, 0.8), 0.2),
+                      "3": _recall(_res(0.50, 0.8), 0.1)}}  # fmt: skip
+    full = {"seeds": {"1": _recall(_res(0.70, 0.7), 0.5), "2": _recall(_res(0.90, 0.7), 0.4),
+                      "3": _recall(_res(0.80, 0.7), 0.6)}}  # fmt: skip
+    results = {"ablation": {"base": base, "all": full}, "binary": {"binary": {"seeds": {
+        "1": _res(0.9, 0.6)}}}}  # fmt: skip
+    built = studies.tables(results)
+    titles = list(built)
+    assert titles[0].endswith("; seeds 1, 2, 3") and titles[2].endswith("; seed 1")
+    # Mean ± sd (n - 1) over the seeds in every value column; no bootstrap interval.
+    row = studies._row("all", full)
+    assert row[3] == "0.800 ± 0.100" and row[5] == "0.500 ± 0.100" and row[4] == "0.700 ± 0.000"
+    assert studies._row("one", results["binary"]["binary"])[3] == "0.900 [0.80, 1.00]"
+    # Paired differences to the reference row, seed by seed: (0.1, 0.2, 0.3) on bal. acc.
+    paired_table = built[titles[1]]
+    assert titles[1] == "Ablation at ε = 1: paired differences to base"
+    line = next(x for x in paired_table.splitlines() if "DP-direct bal. acc." in x)
+    want = studies.paired([0.7, 0.9, 0.8], [0.6, 0.7, 0.5])
+    assert f"| all − base, DP-direct bal. acc. | 3 | {want['mean']:+.3f} |" in line
+    assert "3/3 | +0.10, +0.20, +0.30 |" in line
+    # +0.50, +0.20, +0.50: 95% t-interval [-0.030, +0.830] spans 0 with 3 seeds.
+    assert "[-0.030, +0.830] (spans 0)" in paired_table
+    # Rows of one unseeded run are not paired; a missing reference gives no paired table.
+    assert studies.paired_rows({"base": _res(0.5, 0.8), "all": _res(0.6, 0.7)}, "base", [
+        ("x", "test", "balanced_accuracy")]) == []  # fmt: skip
+    assert studies.paired_rows({"all": full}, "base", []) == []
+
+
+def test_paired_rows_name_a_difference_of_zero_in_every_seed():
+    same = {"seeds": {k: _recall(_res(0.6, 0.8), 0.0) for k in ("1", "2")}}
+    rows = studies.paired_rows({"base": same, "x": same}, "base", [("y", "test", "recall_other")])
+    assert rows[0][3] == "[+0.000, +0.000] (no difference in any seed)"
+
+
+def test_label_only_student_row_states_no_privacy_cost():
+    res = _res(0.7, 0.7)
+    res["kd"]["alpha"] = 0.0
+    assert studies._row("a0", res)[1] == "0 (reads no D_priv)"
+    res["kd"]["alpha"] = 0.5
+    assert studies._row("a5", res)[1] == "0.99"
