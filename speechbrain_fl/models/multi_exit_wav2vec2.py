@@ -46,6 +46,7 @@ __all__ = [
     "MultiExitWav2Vec2",
     "StatPoolHead",
     "build_multi_exit",
+    "checkpoint_normalizes",
     "create_tiny_wav2vec2",
     "layer_of",
     "resolve_backbone",
@@ -210,6 +211,11 @@ class MultiExitWav2Vec2(nn.Module):
     freeze_feature_encoder : bool
         Keep the CNN feature encoder fixed (our key; default trained, as the paper's memory
         figures suggest).
+    normalize_input : bool
+        Normalise each waveform to zero mean and unit variance over its valid samples before
+        the feature encoder, ``x' = (x - mean) / sqrt(var + 1e-7)`` with padding set to 0, as
+        ``Wav2Vec2FeatureExtractor`` does for checkpoints whose ``preprocessor_config.json``
+        has ``do_normalize: true`` (``wav2vec2-base-100h``); see :func:`checkpoint_normalizes`.
 
     Example
     -------
@@ -231,6 +237,7 @@ class MultiExitWav2Vec2(nn.Module):
         exits: Sequence[int] = (3, 6, 9, 12),
         head: str = "utterance",
         freeze_feature_encoder: bool = False,
+        normalize_input: bool = False,
     ) -> None:
         super().__init__()
         num_layers = len(backbone.encoder.layers)
@@ -250,8 +257,54 @@ class MultiExitWav2Vec2(nn.Module):
         make = StatPoolHead if head == "utterance" else CTCHead
         self.heads = nn.ModuleDict({str(e): make(hidden, num_outputs) for e in exits})
         self.freeze_feature_encoder = bool(freeze_feature_encoder)
+        self.normalize_input = bool(normalize_input)
         if freeze_feature_encoder:
             backbone.freeze_feature_encoder()
+
+    def param_groups(self, lr: float, backbone_lr: float) -> list[dict]:
+        """AdamW parameter groups: the backbone at ``backbone_lr``, the exit heads at ``lr``.
+
+        Only tensors with ``requires_grad`` are listed (a frozen CNN is left out); an empty
+        group is dropped.
+
+        Example
+        -------
+        >>> import tempfile
+        >>> bb = Wav2Vec2Model.from_pretrained(create_tiny_wav2vec2(tempfile.mkdtemp()))
+        >>> groups = MultiExitWav2Vec2(bb, num_outputs=2).param_groups(1e-3, 5e-5)
+        >>> [(g["name"], g["lr"]) for g in groups]
+        [('backbone', 5e-05), ('heads', 0.001)]
+        """
+        groups = [
+            {"name": "backbone", "lr": float(backbone_lr), "params": []},
+            {"name": "heads", "lr": float(lr), "params": []},
+        ]
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                groups[1 if name.startswith("heads.") else 0]["params"].append(param)
+        return [g for g in groups if g["params"]]
+
+    @staticmethod
+    def normalize(wavs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Zero mean, unit variance per utterance over its valid samples; padding -> 0.
+
+        ``x' = (x - mean) / sqrt(var + 1e-7)``, ``Wav2Vec2FeatureExtractor``'s
+        ``zero_mean_unit_var_norm``.
+
+        Example
+        -------
+        >>> x = torch.tensor([[1.0, 3.0, 9.0], [2.0, 4.0, 6.0]])
+        >>> mask = torch.tensor([[True, True, False], [True, True, True]])
+        >>> MultiExitWav2Vec2.normalize(x, mask)[0]
+        tensor([-1.0000,  1.0000,  0.0000])
+        """
+        if mask is None:
+            mask = torch.ones_like(wavs, dtype=torch.bool)
+        weights = mask.to(wavs.dtype)
+        count = weights.sum(dim=1, keepdim=True).clamp(min=1.0)
+        mean = (wavs * weights).sum(dim=1, keepdim=True) / count
+        var = (((wavs - mean) ** 2) * weights).sum(dim=1, keepdim=True) / count
+        return (wavs - mean) / torch.sqrt(var + 1e-7) * weights
 
     @property
     def num_layers(self) -> int:
@@ -299,6 +352,8 @@ class MultiExitWav2Vec2(nn.Module):
         if not 1 <= depth <= self.num_layers:
             raise ValueError(f"depth {depth} outside 1..{self.num_layers}")
         mask = self._attention_mask(wavs, wav_lens)
+        if self.normalize_input:
+            wavs = self.normalize(wavs, mask)
         captured: dict[int, torch.Tensor] = {}
         hooks = []
         for layer in capture:
@@ -381,13 +436,25 @@ def build_multi_exit(
     head: str = "utterance",
     freeze_feature_encoder: bool = False,
     seed: int = 0,
+    config_overrides: dict | None = None,
+    normalize_input: bool | str = "auto",
 ) -> MultiExitWav2Vec2:
     """Load a preset or folder with ``Wav2Vec2Model.from_pretrained`` and add the exit heads.
 
     Heads are initialised with ``seed`` (they are new for every task, as in the paper).
+    ``config_overrides`` replace ``Wav2Vec2Config`` fields at load time (the recipe's
+    ``layerdrop``, ``mask_time_prob``, ``mask_time_length``, ``mask_time_min_masks``); the
+    config's own default LayerDrop (0.1) would otherwise skip layers in training.
+    ``normalize_input``: True, False or ``"auto"`` (:func:`checkpoint_normalizes`).
     """
     source = resolve_backbone(model, cache_dir=cache_dir, seed=seed)
-    backbone = Wav2Vec2Model.from_pretrained(source)
+    overrides = dict(config_overrides or {})
+    unknown = sorted(k for k in overrides if not hasattr(Wav2Vec2Config(), k))
+    if unknown:
+        raise ValueError(f"config_overrides: {unknown} are not Wav2Vec2Config fields")
+    backbone = Wav2Vec2Model.from_pretrained(source, **overrides)
+    if normalize_input == "auto":
+        normalize_input = checkpoint_normalizes(source)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return MultiExitWav2Vec2(
@@ -396,4 +463,35 @@ def build_multi_exit(
             exits=exits,
             head=head,
             freeze_feature_encoder=freeze_feature_encoder,
+            normalize_input=bool(normalize_input),
         )
+
+
+def checkpoint_normalizes(source: str | Path) -> bool:
+    """Whether a checkpoint's feature extractor normalises waveforms (``do_normalize``).
+
+    Reads ``preprocessor_config.json`` of a local folder, or of a hub id through the local
+    ``transformers`` cache only (no download); a checkpoint without one (the tiny preset,
+    ``wav2vec2-base``'s pretraining-only folder) is taken as not normalising.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> checkpoint_normalizes(create_tiny_wav2vec2(tempfile.mkdtemp()))
+    False
+    """
+    path = Path(source) / "preprocessor_config.json"
+    if not path.is_file() and not Path(source).is_dir():
+        try:
+            from transformers.utils import cached_file
+
+            found = cached_file(
+                str(source), "preprocessor_config.json", local_files_only=True,
+                _raise_exceptions_for_missing_entries=False,
+            )  # fmt: skip
+        except (OSError, ValueError):
+            found = None
+        path = Path(found) if found else path
+    if not path.is_file():
+        return False
+    return bool(json.loads(path.read_text(encoding="utf-8")).get("do_normalize", False))
