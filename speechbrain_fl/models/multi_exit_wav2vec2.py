@@ -295,8 +295,8 @@ class MultiExitWav2Vec2(nn.Module):
         -------
         >>> x = torch.tensor([[1.0, 3.0, 9.0], [2.0, 4.0, 6.0]])
         >>> mask = torch.tensor([[True, True, False], [True, True, True]])
-        >>> MultiExitWav2Vec2.normalize(x, mask)[0]
-        tensor([-1.0000,  1.0000,  0.0000])
+        >>> MultiExitWav2Vec2.normalize(x, mask)[0].tolist()
+        [-1.0, 1.0, 0.0]
         """
         if mask is None:
             mask = torch.ones_like(wavs, dtype=torch.bool)
