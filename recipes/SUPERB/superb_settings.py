@@ -186,6 +186,10 @@ def _check_training(hparams):
         raise ValueError(
             f"normalize_input: {hparams['normalize_input']!r} must be True, False or 'auto'"
         )
+    if hparams["pooling"] not in ("stat", "mean"):
+        raise ValueError(f"pooling: {hparams['pooling']!r} must be 'stat' or 'mean'")
+    if hparams["upstream"] not in ("finetune", "frozen"):
+        raise ValueError(f"upstream: {hparams['upstream']!r} must be 'finetune' or 'frozen'")
     if hparams["balanced_sampling"] and TASKS[hparams["task"]]["head"] == "ctc":
         raise ValueError("balanced_sampling: True needs a classification task; asr has no classes")
     if hparams["shallow_clients"] not in SHALLOW_CLIENTS:
@@ -391,6 +395,8 @@ def make_settings(hparams, run_opts):
             "seed": hparams["seed"],
             "config_overrides": {k: hparams[k] for k in CONFIG_KEYS},
             "normalize_input": hparams["normalize_input"],
+            "pooling": hparams["pooling"],
+            "upstream": hparams["upstream"],
         },
         timings=timings,
     )

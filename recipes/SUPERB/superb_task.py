@@ -232,6 +232,8 @@ def build_model(settings):
             seed=options["seed"],
             config_overrides=options.get("config_overrides"),
             normalize_input=options.get("normalize_input", "auto"),
+            pooling=options.get("pooling", "stat"),
+            upstream=options.get("upstream", "finetune"),
         ).to(settings.device),
     )
 

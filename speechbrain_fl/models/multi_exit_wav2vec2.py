@@ -45,6 +45,7 @@ __all__ = [
     "TINY_CONFIG",
     "MultiExitWav2Vec2",
     "StatPoolHead",
+    "WeightedSumHead",
     "build_multi_exit",
     "checkpoint_normalizes",
     "create_tiny_wav2vec2",
@@ -164,9 +165,12 @@ class StatPoolHead(nn.Module):
     torch.Size([2, 3])
     """
 
-    def __init__(self, hidden_size: int, num_outputs: int) -> None:
+    def __init__(self, hidden_size: int, num_outputs: int, pooling: str = "stat") -> None:
         super().__init__()
-        self.linear = nn.Linear(2 * hidden_size, num_outputs)
+        if pooling not in ("stat", "mean"):
+            raise ValueError(f"pooling: {pooling!r} must be 'stat' or 'mean'")
+        self.pooling = pooling
+        self.linear = nn.Linear((2 if pooling == "stat" else 1) * hidden_size, num_outputs)
 
     @staticmethod
     def pool(frames: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -178,8 +182,36 @@ class StatPoolHead(nn.Module):
         return torch.cat([mean, torch.sqrt(var + eps)], dim=-1)
 
     def forward(self, frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits (B, num_outputs)."""
-        return self.linear(self.pool(frames, mask))
+        """Logits (B, num_outputs): ``[mean, std]`` (``stat``) or the masked mean (``mean``)."""
+        pooled = self.pool(frames, mask)
+        if self.pooling == "mean":
+            pooled = pooled[:, : frames.shape[-1]]
+        return self.linear(pooled)
+
+
+class WeightedSumHead(nn.Module):
+    """SUPERB's frozen-upstream protocol: a learned softmax-weighted sum of hidden states.
+
+    ``h = sum_{l=0}^{L} softmax(w)_l * h_l`` over the hidden states 0..L of the exit's depth L
+    (``hidden_states`` of ``Wav2Vec2Model``: 0 is the input of layer 1), then the exit's head.
+
+    Example
+    -------
+    >>> head = WeightedSumHead(StatPoolHead(4, 3), num_states=4)
+    >>> states = torch.randn(4, 2, 5, 4)  # (L + 1, B, T, H)
+    >>> head(states, torch.ones(2, 5, dtype=torch.bool)).shape
+    torch.Size([2, 3])
+    """
+
+    def __init__(self, head: nn.Module, num_states: int) -> None:
+        super().__init__()
+        self.weights = nn.Parameter(torch.zeros(num_states))
+        self.head = head
+
+    def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``states`` (L + 1, B, T, H) -> the head's output of their weighted sum."""
+        weights = torch.softmax(self.weights, dim=0).to(states.dtype)
+        return self.head((weights[:, None, None, None] * states).sum(dim=0), mask)
 
 
 class CTCHead(nn.Module):
@@ -211,6 +243,12 @@ class MultiExitWav2Vec2(nn.Module):
     freeze_feature_encoder : bool
         Keep the CNN feature encoder fixed (our key; default trained, as the paper's memory
         figures suggest).
+    pooling : str
+        Utterance heads: ``stat`` (mean and standard deviation) or ``mean``.
+    upstream : str
+        ``finetune`` (the paper: the backbone is trained up to the exit) or ``frozen`` (the
+        SUPERB protocol: the backbone is fixed and each exit learns a weighted sum of the
+        hidden states 0..L, :class:`WeightedSumHead`; clients then train and send heads only).
     normalize_input : bool
         Normalise each waveform to zero mean and unit variance over its valid samples before
         the feature encoder, ``x' = (x - mean) / sqrt(var + 1e-7)`` with padding set to 0, as
@@ -238,6 +276,8 @@ class MultiExitWav2Vec2(nn.Module):
         head: str = "utterance",
         freeze_feature_encoder: bool = False,
         normalize_input: bool = False,
+        pooling: str = "stat",
+        upstream: str = "finetune",
     ) -> None:
         super().__init__()
         num_layers = len(backbone.encoder.layers)
@@ -254,8 +294,21 @@ class MultiExitWav2Vec2(nn.Module):
         self.exits = exits
         self.head_type = head
         hidden = backbone.config.hidden_size
-        make = StatPoolHead if head == "utterance" else CTCHead
-        self.heads = nn.ModuleDict({str(e): make(hidden, num_outputs) for e in exits})
+        if upstream not in ("finetune", "frozen"):
+            raise ValueError(f"upstream: {upstream!r} must be 'finetune' or 'frozen'")
+        self.upstream = upstream
+
+        def make(exit_):
+            if head == "utterance":
+                module = StatPoolHead(hidden, num_outputs, pooling=pooling)
+            else:
+                module = CTCHead(hidden, num_outputs)
+            return WeightedSumHead(module, exit_ + 1) if upstream == "frozen" else module
+
+        self.heads = nn.ModuleDict({str(e): make(e) for e in exits})
+        if upstream == "frozen":
+            for param in backbone.parameters():
+                param.requires_grad_(False)
         self.freeze_feature_encoder = bool(freeze_feature_encoder)
         self.normalize_input = bool(normalize_input)
         if freeze_feature_encoder:
@@ -363,12 +416,17 @@ class MultiExitWav2Vec2(nn.Module):
                     captured[layer] = output[0] if isinstance(output, tuple) else output
 
                 hooks.append(self.backbone.encoder.layers[layer - 1].register_forward_hook(hook))
+        weighted = self.upstream == "frozen"
+        stack = None
         try:
             with self._truncated(depth):
-                out = self.backbone(wavs, attention_mask=mask)
+                out = self.backbone(wavs, attention_mask=mask, output_hidden_states=weighted)
         finally:
             for handle in hooks:
                 handle.remove()
+        if weighted:  # every exit reads the stack of hidden states 0..exit
+            stack = torch.stack(out.hidden_states, dim=0)
+            captured = {layer: stack[: layer + 1] for layer in capture if layer < depth}
         frames = out.last_hidden_state
         if mask is None:
             frame_mask = torch.ones(frames.shape[:2], dtype=torch.bool, device=frames.device)
@@ -376,7 +434,7 @@ class MultiExitWav2Vec2(nn.Module):
             frame_mask = self.backbone._get_feature_vector_attention_mask(
                 frames.shape[1], mask
             ).bool()
-        captured[depth] = frames
+        captured[depth] = stack if weighted else frames
         return frames, frame_mask, captured
 
     def forward(
@@ -384,8 +442,8 @@ class MultiExitWav2Vec2(nn.Module):
     ) -> torch.Tensor:
         """The output of exit ``depth`` (the training path: layers past ``depth`` never run)."""
         depth = self.check_depth(depth)
-        frames, frame_mask, _ = self.hidden(wavs, wav_lens, depth=depth)
-        return self.heads[str(depth)](frames, frame_mask)
+        _, frame_mask, captured = self.hidden(wavs, wav_lens, depth=depth)
+        return self.heads[str(depth)](captured[depth], frame_mask)
 
     def forward_exits(
         self, wavs: torch.Tensor, wav_lens: torch.Tensor | None, *, exits: Iterable[int]
@@ -438,6 +496,8 @@ def build_multi_exit(
     seed: int = 0,
     config_overrides: dict | None = None,
     normalize_input: bool | str = "auto",
+    pooling: str = "stat",
+    upstream: str = "finetune",
 ) -> MultiExitWav2Vec2:
     """Load a preset or folder with ``Wav2Vec2Model.from_pretrained`` and add the exit heads.
 
@@ -464,6 +524,8 @@ def build_multi_exit(
             head=head,
             freeze_feature_encoder=freeze_feature_encoder,
             normalize_input=bool(normalize_input),
+            pooling=pooling,
+            upstream=upstream,
         )
 
 

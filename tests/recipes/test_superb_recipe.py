@@ -89,6 +89,8 @@ def test_centralized_and_homogeneous_scenarios(tmp_path, recipe_cache):
         ({"mask_time_length": 0}, "mask_time_length: 0 must be an integer >= 1"),
         ({"normalize_input": "yes"}, "normalize_input: 'yes' must be True, False or 'auto'"),
         ({"pretrain_objective": "mse"}, "must be 'none', 'bag_of_words' or 'ctc'"),
+        ({"pooling": "max"}, "pooling: 'max' must be 'stat' or 'mean'"),
+        ({"upstream": "lora"}, "upstream: 'lora' must be 'finetune' or 'frozen'"),
     ],
 )
 def test_bad_input_fails_before_anything_heavy(override, message):
