@@ -5,12 +5,18 @@ Layout of the paper's tables (their bodies were lost from the paper's text; the 
 are ours, on the embedded espeak-ng corpus):
 
 - Table 1: metric by exit (3, 6, 9, 12) x scenario (centralized, homogeneous FL);
-- Table 2: homogeneous FL at the task's best exit vs heterogeneous FL (50% of clients at exit
-  3, 50% at the best exit) with ``fedavg_full`` vs with layer-wise aggregation under each
-  weighting (depth_aware, samples, uniform), reported at both trained exits.
+- Table 2: heterogeneous FL (50% of clients at exit 3, 50% at the best exit) with
+  ``fedavg_full`` and with layer-wise aggregation under each weighting (depth_aware, samples,
+  uniform), reported at both trained exits, beside the baselines that show what heterogeneous
+  depth is for: everyone at the weakest depth (homogeneous FL at exit 3), deep clients only
+  (``shallow_clients: drop``: the weak devices are left out) and homogeneous FL at the best
+  exit (every client deep, an upper reference); then layer-wise (depth_aware) at the deep exit
+  minus each of them (paired speaker bootstrap).
 
-Each cell is one ``train_fl.py`` run (a subprocess; runs whose ``results.json`` exists are
-reused, so an interrupted grid resumes). The tables go between the markers
+Each cell is one ``train_fl.py`` run per seed (``--seeds``; a subprocess; runs whose
+``results.json`` exists are reused, so an interrupted grid resumes). With several seeds a cell
+is the accuracy pooled over the seeds' test clips (each seed generates its own corpus), its
+interval and every paired difference a bootstrap over (seed, speaker) units. The tables go between the markers
 ``<!-- results:<task>:start -->`` and ``<!-- results:<task>:end -->`` of the README, and a
 figure of the metric per exit per scenario to ``<grid_folder>/metric_by_exit.png``.
 
@@ -40,8 +46,8 @@ ROOT = RECIPE_DIR.parents[1]
 EXITS = (3, 6, 9, 12)
 
 
-def grid(best_exit, tables):
-    """``[(name, overrides)]`` of the runs the tables need."""
+def grid(best_exit, tables, shallow=3):
+    """``[(name, overrides)]`` of the runs the tables need (one seed)."""
     runs = []
     if 1 in tables:
         for e in EXITS:
@@ -52,10 +58,18 @@ def grid(best_exit, tables):
             runs.append(
                 (f"homogeneous_{best_exit}", {"scenario": "homogeneous", "exit": best_exit})
             )
+            runs.append((f"homogeneous_{shallow}", {"scenario": "homogeneous", "exit": shallow}))
+        runs.append(("heterogeneous_deep_only", {"shallow_clients": "drop"}))
         runs.append(("heterogeneous_fedavg_full", {"aggregation": "fedavg_full"}))
         for weighting in ("depth_aware", "samples", "uniform"):
             runs.append((f"heterogeneous_layerwise_{weighting}", {"weighting": weighting}))
     return runs
+
+
+def seeded(runs, seeds):
+    """``[(folder name, overrides)]``: every run once per seed (``<name>/s<seed>``)."""
+    return [(f"{name}/s{seed}", {**overrides, "seed": seed}) for name, overrides in runs
+            for seed in seeds]  # fmt: skip
 
 
 def run(hparams, name, overrides, folder, extra):
@@ -75,18 +89,73 @@ def run(hparams, name, overrides, folder, extra):
     return {**json.loads(results.read_text()), "_folder": str(out)}
 
 
+def _runs(results):
+    """A cell's runs: one results.json, or a list of them (one per seed)."""
+    return list(results) if isinstance(results, (list, tuple)) else [results]
+
+
 def _cell(results, exit_):
-    entry = results["test"].get(str(exit_))
-    if entry is None:
+    runs = _runs(results)
+    entries = [r["test"].get(str(exit_)) for r in runs]
+    if any(e is None for e in entries):
         return "-"
-    metric = "WER" if "WER" in entry else "accuracy"
-    lo, hi = entry["ci95"]
-    return f"{entry[metric]:.3f} [{lo:.3f}, {hi:.3f}]"
+    metric = "WER" if "WER" in entries[0] else "accuracy"
+    if len(runs) == 1:
+        lo, hi = entries[0]["ci95"]
+        return f"{entries[0][metric]:.3f} [{lo:.3f}, {hi:.3f}]"
+    pooled = pooled_accuracy(runs, exit_)
+    if pooled is None:  # no per-clip predictions (ASR): the mean and the seeds' range
+        values = [e[metric] for e in entries]
+        return f"{np.mean(values):.3f} (seeds {min(values):.3f}-{max(values):.3f})"
+    value, (lo, hi) = pooled
+    return f"{value:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def _value(results, exit_):
-    entry = results["test"].get(str(exit_))
-    return None if entry is None else entry["WER" if "WER" in entry else "accuracy"]
+    runs = _runs(results)
+    entries = [r["test"].get(str(exit_)) for r in runs]
+    if any(e is None for e in entries):
+        return None
+    metric = "WER" if "WER" in entries[0] else "accuracy"
+    if len(runs) > 1:
+        pooled = pooled_accuracy(runs, exit_)
+        if pooled is not None:
+            return pooled[0]
+    return float(np.mean([e[metric] for e in entries]))
+
+
+def _unit_predictions(results, exit_):
+    """``{(run index, clip id): ((run index, speaker), correct)}`` over a cell's runs, or None."""
+    out = {}
+    for k, run in enumerate(_runs(results)):
+        preds = _predictions(run, exit_)
+        if preds is None:
+            return None
+        out.update({(k, i): ((k, spk), ok) for i, (spk, ok) in preds.items()})
+    return out
+
+
+def pooled_accuracy(runs, exit_, *, num_resamples=2000, seed=0):
+    """Accuracy over the clips of several runs (seeds), CI by a (seed, speaker) bootstrap.
+
+    ``acc = sum_u c_u / sum_u n_u`` over units u = (seed, speaker) with c_u correct clips of
+    n_u; a replicate draws the units with replacement. Returns ``(acc, (lo, hi))`` or None
+    when a run has no per-clip predictions.
+    """
+    from speechbrain_fl.metrics.resampling import speaker_bootstrap, speaker_totals
+
+    preds = _unit_predictions(runs, exit_)
+    if preds is None:
+        return None
+    keys = sorted(preds)
+    _, totals = speaker_totals(
+        speakers=[str(preds[k][0]) for k in keys],
+        correct=[preds[k][1] for k in keys],
+        clips=[1.0] * len(keys),
+    )
+    table = np.stack([totals["correct"], totals["clips"]], axis=1)
+    boot = speaker_bootstrap(table, lambda t: t[0] / t[1], num_resamples=num_resamples, seed=seed)
+    return float(table[:, 0].sum() / table[:, 1].sum()), (float(boot.ci_low), float(boot.ci_high))
 
 
 def _predictions(results, exit_):
@@ -107,20 +176,21 @@ def paired_difference(run_a, exit_a, run_b, exit_b, *, num_resamples=2000, seed=
     speaker-level bootstrap 95% CI (one speaker draw per replicate for both).
 
     Two runs' marginal intervals overlap easily on a small test split; the paired interval
-    tells whether the *difference* is beyond speaker sampling noise (it does not cover the
-    training-run variance: one run per cell). Returns ``(difference, (lo, hi))`` or None when a
-    run has no per-clip predictions (ASR).
+    tells whether the *difference* is beyond speaker sampling noise. ``run_a`` and ``run_b``
+    may be lists of runs, one per seed, in the same seed order: the units are then (seed,
+    speaker), so the interval also spans the seeds' training variance. Returns
+    ``(difference, (lo, hi))`` or None when a run has no per-clip predictions (ASR).
     """
     from speechbrain_fl.metrics.resampling import speaker_bootstrap, speaker_totals
 
-    a, b = _predictions(run_a, exit_a), _predictions(run_b, exit_b)
+    a, b = _unit_predictions(run_a, exit_a), _unit_predictions(run_b, exit_b)
     if a is None or b is None:
         return None
     if set(a) != set(b):
         raise ValueError("the two runs were tested on different clips; cannot pair them")
     ids = sorted(a)
     _, totals = speaker_totals(
-        speakers=[a[i][0] for i in ids],
+        speakers=[str(a[i][0]) for i in ids],
         correct_a=[a[i][1] for i in ids],
         correct_b=[b[i][1] for i in ids],
         clips=[1.0] * len(ids),
@@ -150,7 +220,7 @@ def tables_markdown(results, best_exit, shallow=3):
     Table 2: the heterogeneous settings at both trained exits, then layer-wise (depth-aware)
     against ``fedavg_full`` (paired).
     """
-    first = next(iter(results.values()))
+    first = _runs(next(iter(results.values())))[0]
     metric = "WER" if first["task"] == "asr" else "accuracy"
     better = min if metric == "WER" else max
     lines = []
@@ -164,7 +234,11 @@ def tables_markdown(results, best_exit, shallow=3):
             columns.append(
                 (
                     f"heterogeneous FL (exits {shallow}+{best_exit}, layer-wise depth-aware)",
-                    {e: results[hetero] for e in EXITS if str(e) in results[hetero]["test"]},
+                    {
+                        e: results[hetero]
+                        for e in EXITS
+                        if str(e) in _runs(results[hetero])[0]["test"]
+                    },
                 )
             )
         best = {}
@@ -187,48 +261,81 @@ def tables_markdown(results, best_exit, shallow=3):
                 cell = _cell(run, e) if run is not None else "-"
                 cells.append(f"**{cell}**" if e in best[name] and cell != "-" else cell)
             lines.append(f"| {e} | " + " | ".join(cells) + " |")
-        lines += ["", "Best exit minus exit 12, same test clips (paired speaker bootstrap 95% CI):"]
+        against_12 = []
         for scenario in ("centralized", "homogeneous"):
             name = "centralized" if scenario == "centralized" else "homogeneous FL"
             tops = best.get(name) or []
             if not tops or f"{scenario}_12" not in results:
                 continue
             if tops == [12]:
-                lines.append(f"- {name}: exit 12 is the best exit")
+                against_12.append(f"- {name}: exit 12 is the best exit")
                 continue
             e_best = tops[0]
             tie = " (tied best)" if 12 in tops else ""
             diff = paired_difference(
                 results[f"{scenario}_{e_best}"], e_best, results[f"{scenario}_12"], 12
             )
-            lines.append(f"- {name}: exit {e_best} - exit 12{tie} = {_difference_text(diff)}")
+            against_12.append(f"- {name}: exit {e_best} - exit 12{tie} = {_difference_text(diff)}")
+        if against_12:
+            lines += ["", "Best exit minus exit 12, same test clips (paired speaker bootstrap "
+                      "95% CI):"] + against_12  # fmt: skip
         lines.append("")
-    if "heterogeneous_fedavg_full" in results:
+    if hetero in results or "heterogeneous_fedavg_full" in results:
         lines += [
             f"Table 2: test {metric} [95% CI]; heterogeneous = 50% of clients at exit {shallow}, "
             f"50% at exit {best_exit}",
             "",
             f"| Setting | exit {shallow} | exit {best_exit} |",
             "|---|---|---|",
-            f"| homogeneous FL (exit {best_exit}) | - | "
-            f"{_cell(results[f'homogeneous_{best_exit}'], best_exit)} |",
         ]
-        names = [("heterogeneous_fedavg_full", "heterogeneous + fedavg_full")] + [
-            (f"heterogeneous_layerwise_{w}", f"heterogeneous + layer-wise ({w})")
-            for w in ("depth_aware", "samples", "uniform")
-        ]
+        names = (
+            [
+                (
+                    f"homogeneous_{shallow}",
+                    f"everyone at the weakest depth (homogeneous FL, exit {shallow})",
+                ),
+                (
+                    "heterogeneous_deep_only",
+                    f"deep clients only (the exit-{shallow} clients dropped)",
+                ),
+                ("heterogeneous_fedavg_full", "heterogeneous + fedavg_full"),
+            ]
+            + [
+                (f"heterogeneous_layerwise_{w}", f"heterogeneous + layer-wise ({w})")
+                for w in ("depth_aware", "samples", "uniform")
+            ]
+            + [
+                (
+                    f"homogeneous_{best_exit}",
+                    f"every client deep (homogeneous FL, exit {best_exit})",
+                )
+            ]
+        )
         for key, label in names:
             if key in results:
                 r = results[key]
                 lines.append(f"| {label} | {_cell(r, shallow)} | {_cell(r, best_exit)} |")
         if hetero in results:
-            lines += ["", "Layer-wise (depth_aware) minus fedavg_full, same test clips (paired "
-                      "speaker bootstrap 95% CI):"]  # fmt: skip
-            for e in (shallow, best_exit):
+            lines += ["", f"Layer-wise (depth_aware) at exit {best_exit} minus each baseline, "
+                      "same test clips (paired speaker bootstrap 95% CI):"]  # fmt: skip
+            against = [
+                (
+                    f"homogeneous_{shallow}",
+                    shallow,
+                    f"everyone at exit {shallow} (its exit {shallow})",
+                ),
+                ("heterogeneous_deep_only", best_exit, "deep clients only"),
+                ("heterogeneous_fedavg_full", best_exit, "fedavg_full"),
+            ]
+            for key, e, label in against:
+                if key in results:
+                    diff = paired_difference(results[hetero], best_exit, results[key], e)
+                    lines.append(f"- minus {label}: {_difference_text(diff)}")
+            if "heterogeneous_fedavg_full" in results:
                 diff = paired_difference(
-                    results[hetero], e, results["heterogeneous_fedavg_full"], e
+                    results[hetero], shallow, results["heterogeneous_fedavg_full"], shallow
                 )
-                lines.append(f"- exit {e}: {_difference_text(diff)}")
+                lines.append(f"- at exit {shallow}, minus fedavg_full: {_difference_text(diff)}")
     return "\n".join(lines)
 
 
@@ -247,8 +354,8 @@ def plot(results, path):
     fig = Figure(figsize=(6.5, 4))
     ax = fig.add_subplot()
     for name, r in sorted(results.items()):
-        exits = sorted(int(e) for e in r["test"])
-        values = [next(iter(r["test"][str(e)].values())) for e in exits]
+        exits = sorted(int(e) for e in _runs(r)[0]["test"])
+        values = [_value(r, e) for e in exits]
         ax.plot(exits, values, "-o", label=name)
     ax.set_xlabel("exit (Transformer layer)")
     ax.set_ylabel("test metric")
@@ -266,6 +373,19 @@ def main(argv=None):
     parser.add_argument("--tables", nargs="+", type=int, default=[1, 2], choices=[1, 2])
     parser.add_argument("--grid_folder", default=None)
     parser.add_argument("--rounds", type=int, default=None, help="number_of_rounds override")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one run per seed per cell (default: the hparams seed, one run)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="run only these cells of the grid (names as in the tables)",
+    )
     parser.add_argument("--best_exit", type=int, default=None, help="default: the task file's")
     parser.add_argument("--cache_folder", default=None, help="cache_folder override")
     parser.add_argument("--no_readme", action="store_true")
@@ -283,11 +403,16 @@ def main(argv=None):
         extra["number_of_rounds"] = args.rounds
     if args.cache_folder:
         extra["cache_folder"] = args.cache_folder
-    results = {
-        name: run(args.hparams, name, overrides, folder, extra)
-        for name, overrides in grid(best, args.tables)
-    }
-    markdown = tables_markdown(results, best, int(hparams["shallow_exit"]))
+    shallow = int(hparams["shallow_exit"])
+    cells = [c for c in grid(best, args.tables, shallow) if not args.only or c[0] in args.only]
+    seeds = args.seeds or [int(hparams["seed"])]
+    results = {}
+    for name, overrides in cells:
+        runs = [
+            run(args.hparams, n, o, folder, extra) for n, o in seeded([(name, overrides)], seeds)
+        ]
+        results[name] = runs[0] if len(runs) == 1 else runs
+    markdown = tables_markdown(results, best, shallow)
     plot(results, Path(folder) / "metric_by_exit.png")
     print("\n" + markdown)
     if not args.no_readme:

@@ -185,7 +185,7 @@ def prepare_task(hparams):
             path = os.path.join(hparams["save_folder"], "partition", path)
         clients.append(path)
     public = None
-    if hparams["model"] == "tiny":
+    if hparams["model"] == "tiny" and hparams["pretrain_objective"] != "none":
         from librispeech_prepare import prepare_librispeech
 
         public_folder = os.path.join(hparams["cache_folder"], "public_librispeech_synth")

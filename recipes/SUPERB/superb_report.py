@@ -67,36 +67,45 @@ def evaluate_test(brain, test, settings, hparams):
 def memory_by_exit(settings, hparams):
     """Peak training memory (MiB) per trained exit for this task's batch shape.
 
-    Returns ``(peak, step)``: ``peak`` is CUDA ``max_memory_allocated`` or, on CPU, the peak RSS
-    of a fresh process per exit (interpreter and all weights included); ``step`` is what the
-    training step raised the peak (see ``speechbrain_fl/models/exit_memory.py``).
+    The batch is ``batch_size`` clips of the 95th-percentile duration of the training
+    manifests (:func:`~speechbrain_fl.models.exit_memory.manifest_seconds`), with the run's
+    LayerDrop and SpecAugment settings. Returns ``{"peak", "step", "model", "seconds"}``:
+    ``peak`` is CUDA ``max_memory_allocated`` or, on CPU, the peak RSS of a fresh process per
+    exit (interpreter and imports included); ``model`` the same less what the process held
+    before the model was built (weights, activations, gradients, optimiser state); ``step``
+    what the training step raised the peak (see ``speechbrain_fl/models/exit_memory.py``).
     """
     if not hparams["measure_memory"]:
-        return {}, {}
-    from speechbrain_fl.models.exit_memory import peak_training_memory
+        return {"peak": {}, "step": {}, "model": {}, "seconds": None}
+    from speechbrain_fl.models.exit_memory import manifest_seconds, peak_training_memory
 
     options = settings.model
-    peak, step = {}, {}
+    seconds = manifest_seconds(settings.clients, quantile=0.95)
+    out = {"peak": {}, "step": {}, "model": {}, "seconds": seconds}
     for e in settings.eval_exits:
         m = peak_training_memory(
             options["source"],
             depth=e,
             batch_size=hparams["batch_size"],
-            seconds=TASKS[hparams["task"]]["seconds"],
+            seconds=seconds,
             head=options["head"],
             num_outputs=options["num_outputs"],
             freeze_feature_encoder=options["freeze_feature_encoder"],
             device=settings.device,
+            config_overrides=options.get("config_overrides"),
         )
-        peak[str(e)], step[str(e)] = m["peak_mb"], m["step_mb"]
-    return peak, step
+        for key in ("peak", "step", "model"):
+            out[key][str(e)] = m[f"{key}_mb"]
+    return out
 
 
 def results_table(results):
     """The end-of-run results table (text): the metric, its CI and memory per exit."""
     metric = "WER" if results["task"] == "asr" else "accuracy"
     asv = "asv" in results
-    header = ["exit", metric, "95% CI", "memory MB", "step MB"] + (["EER", "minDCF"] if asv else [])
+    header = ["exit", metric, "95% CI", "memory MB", "model MB", "step MB"] + (
+        ["EER", "minDCF"] if asv else []
+    )
     rows = []
     for e, entry in results["test"].items():
         lo, hi = entry["ci95"]
@@ -106,6 +115,7 @@ def results_table(results):
             f"{entry[metric]:.4f}",
             f"[{lo:.4f}, {hi:.4f}]",
             str(mem if mem is None else round(mem, 1)),
+            str(results.get("memory_model_mb", {}).get(e, "-")),
             str(results["memory_step_mb"].get(e, "-")),
         ]
         if asv:
@@ -142,7 +152,7 @@ def report_run(settings, hparams, result, *, brain, test_set, timings, start):
     if rows:
         write_rows(os.path.join(hparams["output_folder"], "test_predictions.csv"), rows)
     t0 = time.time()
-    memory, memory_step = memory_by_exit(settings, hparams)
+    memory = memory_by_exit(settings, hparams)
     timings["memory"] = time.time() - t0
     timings["total"] = time.time() - start
     results = {
@@ -153,8 +163,10 @@ def report_run(settings, hparams, result, *, brain, test_set, timings, start):
         "checkpoint": str(hparams["model"]),
         "checkpoint_source": settings.model["source"],
         "test": test,
-        "memory_mb": memory,
-        "memory_step_mb": {k: round(v, 1) for k, v in memory_step.items()},
+        "memory_mb": memory["peak"],
+        "memory_step_mb": {k: round(v, 1) for k, v in memory["step"].items()},
+        "memory_model_mb": {k: round(v, 1) for k, v in memory["model"].items()},
+        "memory_input_seconds": memory["seconds"],
         **extra,
         "depths": settings.depths,
         "depth_decisions": settings.depth_decisions,

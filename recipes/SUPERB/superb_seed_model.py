@@ -33,7 +33,9 @@ def seed_model_folder(hparams, public):
     ``save_pretrained`` into the cache (keyed by the options and the split's content) and loaded
     back by ``Wav2Vec2Model.from_pretrained``. ``pretrain_objective`` (ours):
 
-    - ``bag_of_words`` (default): predict which words of the sentence vocabulary occur
+    - ``none`` (default): the random tiny model, no pretraining (random initialisation
+      everywhere; the bag-of-words seed was measured to transfer nothing, issue 23);
+    - ``bag_of_words``: predict which words of the sentence vocabulary occur
       (multi-label BCE) from the stat-pooled hidden state of *every* exit, losses summed, so
       each exit's representation becomes content-aware;
     - ``ctc``: character CTC after layer 12, the objective of the paper's initialisation
@@ -50,8 +52,12 @@ def seed_model_folder(hparams, public):
     if hparams["model"] != "tiny":
         return resolve_backbone(hparams["model"], cache_dir=hparams["cache_folder"]), {}
     objective = hparams["pretrain_objective"]
+    if objective == "none":  # random initialisation (the default: see the README)
+        return resolve_backbone("tiny", cache_dir=hparams["cache_folder"], seed=hparams["seed"]), {}
     if objective not in ("bag_of_words", "ctc"):
-        raise ValueError(f"pretrain_objective: {objective!r} must be 'bag_of_words' or 'ctc'")
+        raise ValueError(
+            f"pretrain_objective: {objective!r} must be 'none', 'bag_of_words' or 'ctc'"
+        )
     csv_path, data_folder = public
     key = {
         "tiny": tiny_config_tag(),

@@ -29,7 +29,20 @@ from speechbrain_fl.recipe import RunSettings
 logger = logging.getLogger("superb_task")
 
 SCENARIOS = ("centralized", "homogeneous", "heterogeneous")
-BRAIN_KEYS = ("seed", "lr", "weight_decay", "dataloader_options", "eval_dataloader_options")
+BRAIN_KEYS = (
+    "seed",
+    "lr",
+    "backbone_lr_multiplier",
+    "lr_warmup_fraction",
+    "lr_min_ratio",
+    "weight_decay",
+    "balanced_sampling",
+    "dataloader_options",
+    "eval_dataloader_options",
+)
+#: hparams keys passed to ``Wav2Vec2Config`` at load time (LayerDrop, SpecAugment's time masks)
+CONFIG_KEYS = ("layerdrop", "mask_time_prob", "mask_time_length", "mask_time_min_masks")
+SHALLOW_CLIENTS = ("train", "drop")
 
 
 @dataclass
@@ -131,17 +144,76 @@ def check_hparams(hparams):
                 "one depth group empty; the heterogeneous scenario needs clients at both exits "
                 "(at least 2 clients), or use scenario: homogeneous"
             )
-    if hparams["pretrain_objective"] not in ("bag_of_words", "ctc"):
+    if hparams["pretrain_objective"] not in ("none", "bag_of_words", "ctc"):
         raise ValueError(
-            f"pretrain_objective: {hparams['pretrain_objective']!r} must be 'bag_of_words' or 'ctc'"
+            f"pretrain_objective: {hparams['pretrain_objective']!r} must be 'none', "
+            "'bag_of_words' or 'ctc'"
         )
+    _check_training(hparams)
     # the engine config's own checks (rounds, sampling, timeouts, ...), before any work
     fl_config(hparams)
 
 
+def _check_training(hparams):
+    """The optimiser, schedule, model-option and sampling keys (ours), with the value named."""
+    # key: (low, high, high included)
+    ranges = {
+        "lr_warmup_fraction": (0.0, 1.0, False),
+        "lr_min_ratio": (0.0, 1.0, True),
+        "layerdrop": (0.0, 1.0, False),
+        "mask_time_prob": (0.0, 1.0, True),
+    }
+    for key, (low, high, closed) in ranges.items():
+        value = hparams[key]
+        inside = isinstance(value, (int, float)) and (
+            low <= value <= high if closed else low <= value < high
+        )
+        if not inside:
+            raise ValueError(
+                f"{key}: {value!r} must be a number in [{low}, {high}{']' if closed else ')'}"
+            )
+    if not (
+        isinstance(hparams["backbone_lr_multiplier"], (int, float))
+        and hparams["backbone_lr_multiplier"] >= 0
+    ):
+        raise ValueError(
+            f"backbone_lr_multiplier: {hparams['backbone_lr_multiplier']!r} must be a number >= 0"
+        )
+    for key, low in (("mask_time_length", 1), ("mask_time_min_masks", 0)):
+        if not isinstance(hparams[key], int) or hparams[key] < low:
+            raise ValueError(f"{key}: {hparams[key]!r} must be an integer >= {low}")
+    if hparams["normalize_input"] not in (True, False, "auto"):
+        raise ValueError(
+            f"normalize_input: {hparams['normalize_input']!r} must be True, False or 'auto'"
+        )
+    if hparams["pooling"] not in ("stat", "mean"):
+        raise ValueError(f"pooling: {hparams['pooling']!r} must be 'stat' or 'mean'")
+    if hparams["upstream"] not in ("finetune", "frozen"):
+        raise ValueError(f"upstream: {hparams['upstream']!r} must be 'finetune' or 'frozen'")
+    if hparams["balanced_sampling"] and TASKS[hparams["task"]]["head"] == "ctc":
+        raise ValueError("balanced_sampling: True needs a classification task; asr has no classes")
+    if hparams["shallow_clients"] not in SHALLOW_CLIENTS:
+        raise ValueError(
+            f"shallow_clients: {hparams['shallow_clients']!r} must be one of {list(SHALLOW_CLIENTS)}"
+        )
+    if hparams["shallow_clients"] == "drop" and (
+        hparams["scenario"] != "heterogeneous" or hparams["depth_policy"] != "groups"
+    ):
+        raise ValueError(
+            "shallow_clients: drop (the deep-clients-only baseline) needs scenario: "
+            "heterogeneous with depth_policy: groups"
+        )
+
+
 def trained_exits(hparams):
-    """The exits a scenario trains (and reports)."""
+    """The exits a scenario trains (and reports).
+
+    Heterogeneous with ``shallow_clients: drop`` (the deep-clients-only baseline) trains the
+    deep exit only.
+    """
     deep = int(hparams["exit"] or hparams["best_exit"])
+    if hparams["scenario"] == "heterogeneous" and hparams.get("shallow_clients") == "drop":
+        return [deep]
     if hparams["scenario"] == "heterogeneous":
         return sorted({int(hparams["shallow_exit"]), deep})
     return [deep]
@@ -321,12 +393,36 @@ def make_settings(hparams, run_opts):
             "head": spec["head"],
             "freeze_feature_encoder": hparams["freeze_feature_encoder"],
             "seed": hparams["seed"],
+            "config_overrides": {k: hparams[k] for k in CONFIG_KEYS},
+            "normalize_input": hparams["normalize_input"],
+            "pooling": hparams["pooling"],
+            "upstream": hparams["upstream"],
         },
         timings=timings,
     )
+    if hparams["scenario"] == "heterogeneous" and hparams["shallow_clients"] == "drop":
+        drop_shallow_clients(settings, int(hparams["shallow_exit"]))
     if hparams["depth_policy"] == "memory_budget":
         settings.depth_decisions = apply_memory_budgets(hparams, settings)
     return settings.to_dict()
+
+
+def drop_shallow_clients(settings, shallow_exit):
+    """The deep-clients-only baseline: the clients of the shallow group are left out.
+
+    They model weak devices a depth-homogeneous federation at the deep exit cannot use; the
+    remaining clients keep their partitions (the run trains on less data, which is the point
+    of the comparison).
+    """
+    kept = [i for i, d in enumerate(settings.depths) if d != shallow_exit]
+    logger.info(
+        "shallow_clients: drop: %d of %d clients (those at exit %d) left out",
+        len(settings.depths) - len(kept),
+        len(settings.depths),
+        shallow_exit,
+    )
+    settings.clients = [settings.clients[i] for i in kept]
+    settings.depths = [settings.depths[i] for i in kept]
 
 
 def default_rounds(hparams):

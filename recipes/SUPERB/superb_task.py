@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
 import logging
 import os
 import sys
@@ -40,6 +41,7 @@ from superb_data import (  # noqa: E402, F401 (make_dataset, decode/encode: the 
     encode_chars,
     make_dataset,
 )
+from superb_optim import balanced_sampler, build_optimizer, lr_factor  # noqa: E402
 from superb_report import report_run  # noqa: E402
 from superb_settings import (  # noqa: E402, F401 (re-exported: the recipe's API)
     SCENARIOS,
@@ -139,12 +141,42 @@ class SuperbBrain(sb.Brain):
         super().on_fit_start()
 
     def init_optimizers(self):
-        """AdamW over the trainable tensors (tensors without a gradient are skipped)."""
-        params = [p for p in self.modules.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
-        )
+        """AdamW (backbone and heads in their own groups) at this round's lr.
+
+        Federated: the client's lr in round t of T is the peak times
+        :func:`superb_optim.lr_factor` (t, T) (warmup, cosine over rounds; the engine sets
+        ``fl_round`` / ``fl_num_rounds`` before each local training). Centralized
+        (``total_steps`` set): the same schedule per optimiser step, by a ``LambdaLR``
+        stepped after every batch; optimiser and scheduler are registered with the
+        checkpointer, so a resumed run continues both.
+        """
+        hp = self.hparams
+        schedule = {
+            "warmup_fraction": getattr(hp, "lr_warmup_fraction", 0.0),
+            "min_ratio": getattr(hp, "lr_min_ratio", 1.0),
+        }
+        total_steps = getattr(self, "total_steps", None)
+        if total_steps:
+            self.optimizer = build_optimizer(self.modules.model, hp)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda done: lr_factor(done + 1, total_steps, **schedule)
+            )
+        else:
+            factor = lr_factor(
+                getattr(self, "fl_round", 1), getattr(self, "fl_num_rounds", 1), **schedule
+            )
+            self.optimizer = build_optimizer(self.modules.model, hp, factor)
+            self.scheduler = None
         self.optimizers_dict = {"optimizer": self.optimizer}
+        if self.checkpointer is not None:
+            self.checkpointer.add_recoverable("optimizer", self.optimizer)
+            if self.scheduler is not None:
+                self.checkpointer.add_recoverable("scheduler", self.scheduler)
+
+    def on_fit_batch_end(self, batch, outputs, loss, should_step):
+        """Step the centralized run's per-step scheduler."""
+        if should_step and getattr(self, "scheduler", None) is not None:
+            self.scheduler.step()
 
     def on_stage_start(self, stage, epoch=None):
         """Fresh per-exit accumulators for evaluation stages."""
@@ -156,6 +188,8 @@ class SuperbBrain(sb.Brain):
     def on_stage_end(self, stage, stage_loss, epoch=None):
         """Store the stage's metrics per exit in ``last_stats``."""
         stats = {"loss": stage_loss}
+        if stage == sb.Stage.TRAIN:
+            self.epoch_train_loss = float(stage_loss)
         if stage != sb.Stage.TRAIN:
             for e in self.eval_exits:
                 if self.modules.model.head_type == "ctc":
@@ -164,6 +198,15 @@ class SuperbBrain(sb.Brain):
                     labels = np.array([r[2] for r in self.records])
                     stats[f"acc_{e}"] = float((np.array(self.predictions[e]) == labels).mean())
         self.last_stats = stats
+        history = getattr(self, "history", None)
+        if history is not None and stage == sb.Stage.VALID:
+            # the centralized run: one rounds.csv row per epoch, then a checkpoint of the
+            # model, optimiser, scheduler, epoch counter and these rows
+            history.rows.append({"round": epoch, **{k: v for k, v in stats.items() if k != "loss"}})
+            history.rows[-1]["train_loss"] = getattr(self, "epoch_train_loss", float("nan"))
+            logger.info("centralized epoch %d: %s", epoch, history.rows[-1])
+            if self.checkpointer is not None:
+                self.checkpointer.save_and_keep_only(meta={"epoch": epoch}, num_to_keep=1)
 
 
 # ##########################################################################################
@@ -187,11 +230,15 @@ def build_model(settings):
             head=options["head"],
             freeze_feature_encoder=options["freeze_feature_encoder"],
             seed=options["seed"],
+            config_overrides=options.get("config_overrides"),
+            normalize_input=options.get("normalize_input", "auto"),
+            pooling=options.get("pooling", "stat"),
+            upstream=options.get("upstream", "finetune"),
         ).to(settings.device),
     )
 
 
-def build_brain(settings, *, depth=None):
+def build_brain(settings, *, depth=None, checkpointer=None):
     """A SuperbBrain training exit ``depth`` and evaluating ``settings.eval_exits``.
 
     ``settings`` is a :class:`SuperbSettings` (or a mapping of its fields).
@@ -201,7 +248,7 @@ def build_brain(settings, *, depth=None):
         modules={"model": build_model(settings)},
         hparams=settings.hparams,
         run_opts=dict(settings.run_opts),
-        checkpointer=None,
+        checkpointer=checkpointer,
     )
     brain.depth = int(depth or max(settings.eval_exits))
     brain.eval_exits = tuple(settings.eval_exits)
@@ -228,14 +275,21 @@ def build_client(context, *, settings):
         brain.depth_rule = functools.partial(
             budget_depth, budget_mb=budget, budget_settings=settings.budget_settings
         )
+    manifest = settings.clients[partition_id]
     return ClientTask(
         brain=brain,
-        train_set=make_dataset(
-            settings.clients[partition_id], settings.data_folder, **settings.data_kw
-        ),
-        train_loader_kwargs=dict(settings.hparams["dataloader_options"]),
+        train_set=make_dataset(manifest, settings.data_folder, **settings.data_kw),
+        train_loader_kwargs=train_loader_kwargs(settings, manifest),
         partial=_reply_partial,
     )
+
+
+def train_loader_kwargs(settings, manifest):
+    """``dataloader_options``, with a class-balanced sampler if ``balanced_sampling``."""
+    kwargs = dict(settings.hparams["dataloader_options"])
+    if settings.hparams.get("balanced_sampling"):
+        kwargs.update(shuffle=False, sampler=balanced_sampler(manifest))
+    return kwargs
 
 
 def evaluate_exits(brain, dataset, settings):
@@ -387,34 +441,73 @@ def run_federated(spec, hparams):
 def run_centralized(settings, hparams):
     """Centralized upper bound: all clients' data pooled, ``centralized_epochs`` at one exit.
 
-    Writes ``rounds.csv`` with one row per epoch (``round`` = epoch) so the plots and the
-    results table read it like a federated run.
+    One ``fit`` over an :class:`~speechbrain.utils.epoch_loop.EpochCounter`: one optimiser and
+    one per-step lr schedule (warmup, cosine; :func:`superb_optim.lr_factor`) for the whole
+    run, validated after every epoch. A checkpoint (model, optimiser, scheduler, epoch counter,
+    the rows so far) is kept in ``<save_folder>/centralized``, so an interrupted run resumes
+    where it stopped. Writes ``rounds.csv`` with one row per epoch (``round`` = epoch) so the
+    plots and the results table read it like a federated run.
     """
+    from speechbrain.utils.checkpoints import Checkpointer
+    from speechbrain.utils.epoch_loop import EpochCounter
+
     depth = settings.eval_exits[0]
-    brain = build_brain(settings, depth=depth)
+    epochs = int(hparams["centralized_epochs"])
     pooled = os.path.join(hparams["save_folder"], "centralized_train.csv")
     _concat_csv(settings.clients, pooled)
     train = make_dataset(pooled, settings.data_folder, **settings.data_kw)
     valid = make_dataset(settings.valid_csv, settings.data_folder, **settings.data_kw)
-    path = os.path.join(hparams["output_folder"], "rounds.csv")
-    rows = [{"round": 0, **evaluate_exits(brain, valid, settings)}]
-    for epoch in range(1, hparams["centralized_epochs"] + 1):
-        brain.fit(
-            [epoch],
-            train,
-            progressbar=False,
-            train_loader_kwargs=dict(settings.hparams["dataloader_options"]),
+    counter = EpochCounter(epochs)
+    history = RowLog()
+    checkpointer = Checkpointer(
+        os.path.join(hparams["save_folder"], "centralized"),
+        recoverables={"counter": counter, "history": history},
+    )
+    brain = build_brain(settings, depth=depth, checkpointer=checkpointer)
+    checkpointer.add_recoverable("model", brain.modules)
+    loader_kwargs = train_loader_kwargs(settings, pooled)
+    batch_size = int(loader_kwargs.get("batch_size", 1))
+    brain.total_steps = epochs * -(-len(train) // batch_size)
+    brain.history = history
+    if not checkpointer.find_checkpoints():
+        history.rows.append(
+            {"round": 0, **evaluate_exits(brain, valid, settings), "train_loss": ""}
         )
-        rows.append({"round": epoch, **evaluate_exits(brain, valid, settings)})
-        logger.info("centralized epoch %d: %s", epoch, rows[-1])
-    write_rows(path, rows)
+    brain.fit(
+        counter,
+        train,
+        valid,
+        progressbar=False,
+        train_loader_kwargs=loader_kwargs,
+        valid_loader_kwargs=dict(settings.hparams["eval_dataloader_options"]),
+    )
+    write_rows(os.path.join(hparams["output_folder"], "rounds.csv"), history.rows)
 
     class Result:
         params = {n: p.detach().clone() for n, p in trainable_parameters(brain.modules).items()}
         epsilon = None
-        last_round = hparams["centralized_epochs"]
+        last_round = epochs
 
     return Result()
+
+
+@sb.utils.checkpoints.register_checkpoint_hooks
+class RowLog:
+    """The centralized run's per-epoch rows, saved with its checkpoint (resume keeps them)."""
+
+    def __init__(self):
+        self.rows = []
+
+    @sb.utils.checkpoints.mark_as_saver
+    def _save(self, path):
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.rows, handle)
+
+    @sb.utils.checkpoints.mark_as_loader
+    def _load(self, path, end_of_epoch=False):
+        del end_of_epoch
+        with open(path, encoding="utf-8") as handle:
+            self.rows = json.load(handle)
 
 
 def _concat_csv(paths, out):

@@ -14,9 +14,9 @@ model scored on VoxCeleb1 trials), er (IEMOCAP, 4 classes), asr (LibriSpeech). S
 exit) and heterogeneous (half the clients at exit 3, half at the task's best exit).
 
 Without ``data_folder`` the recipe generates the task's corpus with espeak-ng in the real
-layout, pretrains the tiny seed model on a generated LibriSpeech-style ``public`` split (the
-analogue of the paper's LibriSpeech-100h initialisation; ``pretrain_objective``) and runs on
-CPU. Federated scenarios run the task factory ``superb_task.py:superb_task`` (the one ``flwr
+layout, starts the tiny model from random weights (``pretrain_objective: none``; a
+pretraining on a generated LibriSpeech-style ``public`` split, ``bag_of_words`` or ``ctc``,
+is an option whose benefit was not shown) and runs on CPU. Federated scenarios run the task factory ``superb_task.py:superb_task`` (the one ``flwr
 run`` loads) on the Simulation Engine.
 
 To run this recipe (from the repository root or from recipes/SUPERB/):

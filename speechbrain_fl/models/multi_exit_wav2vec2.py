@@ -45,7 +45,9 @@ __all__ = [
     "TINY_CONFIG",
     "MultiExitWav2Vec2",
     "StatPoolHead",
+    "WeightedSumHead",
     "build_multi_exit",
+    "checkpoint_normalizes",
     "create_tiny_wav2vec2",
     "layer_of",
     "resolve_backbone",
@@ -163,9 +165,12 @@ class StatPoolHead(nn.Module):
     torch.Size([2, 3])
     """
 
-    def __init__(self, hidden_size: int, num_outputs: int) -> None:
+    def __init__(self, hidden_size: int, num_outputs: int, pooling: str = "stat") -> None:
         super().__init__()
-        self.linear = nn.Linear(2 * hidden_size, num_outputs)
+        if pooling not in ("stat", "mean"):
+            raise ValueError(f"pooling: {pooling!r} must be 'stat' or 'mean'")
+        self.pooling = pooling
+        self.linear = nn.Linear((2 if pooling == "stat" else 1) * hidden_size, num_outputs)
 
     @staticmethod
     def pool(frames: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -177,8 +182,36 @@ class StatPoolHead(nn.Module):
         return torch.cat([mean, torch.sqrt(var + eps)], dim=-1)
 
     def forward(self, frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Logits (B, num_outputs)."""
-        return self.linear(self.pool(frames, mask))
+        """Logits (B, num_outputs): ``[mean, std]`` (``stat``) or the masked mean (``mean``)."""
+        pooled = self.pool(frames, mask)
+        if self.pooling == "mean":
+            pooled = pooled[:, : frames.shape[-1]]
+        return self.linear(pooled)
+
+
+class WeightedSumHead(nn.Module):
+    """SUPERB's frozen-upstream protocol: a learned softmax-weighted sum of hidden states.
+
+    ``h = sum_{l=0}^{L} softmax(w)_l * h_l`` over the hidden states 0..L of the exit's depth L
+    (``hidden_states`` of ``Wav2Vec2Model``: 0 is the input of layer 1), then the exit's head.
+
+    Example
+    -------
+    >>> head = WeightedSumHead(StatPoolHead(4, 3), num_states=4)
+    >>> states = torch.randn(4, 2, 5, 4)  # (L + 1, B, T, H)
+    >>> head(states, torch.ones(2, 5, dtype=torch.bool)).shape
+    torch.Size([2, 3])
+    """
+
+    def __init__(self, head: nn.Module, num_states: int) -> None:
+        super().__init__()
+        self.weights = nn.Parameter(torch.zeros(num_states))
+        self.head = head
+
+    def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``states`` (L + 1, B, T, H) -> the head's output of their weighted sum."""
+        weights = torch.softmax(self.weights, dim=0).to(states.dtype)
+        return self.head((weights[:, None, None, None] * states).sum(dim=0), mask)
 
 
 class CTCHead(nn.Module):
@@ -210,6 +243,17 @@ class MultiExitWav2Vec2(nn.Module):
     freeze_feature_encoder : bool
         Keep the CNN feature encoder fixed (our key; default trained, as the paper's memory
         figures suggest).
+    pooling : str
+        Utterance heads: ``stat`` (mean and standard deviation) or ``mean``.
+    upstream : str
+        ``finetune`` (the paper: the backbone is trained up to the exit) or ``frozen`` (the
+        SUPERB protocol: the backbone is fixed and each exit learns a weighted sum of the
+        hidden states 0..L, :class:`WeightedSumHead`; clients then train and send heads only).
+    normalize_input : bool
+        Normalise each waveform to zero mean and unit variance over its valid samples before
+        the feature encoder, ``x' = (x - mean) / sqrt(var + 1e-7)`` with padding set to 0, as
+        ``Wav2Vec2FeatureExtractor`` does for checkpoints whose ``preprocessor_config.json``
+        has ``do_normalize: true`` (``wav2vec2-base-100h``); see :func:`checkpoint_normalizes`.
 
     Example
     -------
@@ -231,6 +275,9 @@ class MultiExitWav2Vec2(nn.Module):
         exits: Sequence[int] = (3, 6, 9, 12),
         head: str = "utterance",
         freeze_feature_encoder: bool = False,
+        normalize_input: bool = False,
+        pooling: str = "stat",
+        upstream: str = "finetune",
     ) -> None:
         super().__init__()
         num_layers = len(backbone.encoder.layers)
@@ -247,11 +294,70 @@ class MultiExitWav2Vec2(nn.Module):
         self.exits = exits
         self.head_type = head
         hidden = backbone.config.hidden_size
-        make = StatPoolHead if head == "utterance" else CTCHead
-        self.heads = nn.ModuleDict({str(e): make(hidden, num_outputs) for e in exits})
+        if upstream not in ("finetune", "frozen"):
+            raise ValueError(f"upstream: {upstream!r} must be 'finetune' or 'frozen'")
+        self.upstream = upstream
+
+        def make(exit_):
+            if head == "utterance":
+                module = StatPoolHead(hidden, num_outputs, pooling=pooling)
+            else:
+                module = CTCHead(hidden, num_outputs)
+            return WeightedSumHead(module, exit_ + 1) if upstream == "frozen" else module
+
+        self.heads = nn.ModuleDict({str(e): make(e) for e in exits})
+        if upstream == "frozen":
+            for param in backbone.parameters():
+                param.requires_grad_(False)
         self.freeze_feature_encoder = bool(freeze_feature_encoder)
+        self.normalize_input = bool(normalize_input)
         if freeze_feature_encoder:
             backbone.freeze_feature_encoder()
+
+    def param_groups(self, lr: float, backbone_lr: float) -> list[dict]:
+        """AdamW parameter groups: the backbone at ``backbone_lr``, the exit heads at ``lr``.
+
+        Only tensors with ``requires_grad`` are listed (a frozen CNN is left out); an empty
+        group is dropped.
+
+        Example
+        -------
+        >>> import tempfile
+        >>> bb = Wav2Vec2Model.from_pretrained(create_tiny_wav2vec2(tempfile.mkdtemp()))
+        >>> groups = MultiExitWav2Vec2(bb, num_outputs=2).param_groups(1e-3, 5e-5)
+        >>> [(g["name"], g["lr"]) for g in groups]
+        [('backbone', 5e-05), ('heads', 0.001)]
+        """
+        groups = [
+            {"name": "backbone", "lr": float(backbone_lr), "params": []},
+            {"name": "heads", "lr": float(lr), "params": []},
+        ]
+        for name, param in self.named_parameters():
+            if param.requires_grad:
+                groups[1 if name.startswith("heads.") else 0]["params"].append(param)
+        return [g for g in groups if g["params"]]
+
+    @staticmethod
+    def normalize(wavs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Zero mean, unit variance per utterance over its valid samples; padding -> 0.
+
+        ``x' = (x - mean) / sqrt(var + 1e-7)``, ``Wav2Vec2FeatureExtractor``'s
+        ``zero_mean_unit_var_norm``.
+
+        Example
+        -------
+        >>> x = torch.tensor([[1.0, 3.0, 9.0], [2.0, 4.0, 6.0]])
+        >>> mask = torch.tensor([[True, True, False], [True, True, True]])
+        >>> MultiExitWav2Vec2.normalize(x, mask)[0].tolist()
+        [-1.0, 1.0, 0.0]
+        """
+        if mask is None:
+            mask = torch.ones_like(wavs, dtype=torch.bool)
+        weights = mask.to(wavs.dtype)
+        count = weights.sum(dim=1, keepdim=True).clamp(min=1.0)
+        mean = (wavs * weights).sum(dim=1, keepdim=True) / count
+        var = (((wavs - mean) ** 2) * weights).sum(dim=1, keepdim=True) / count
+        return (wavs - mean) / torch.sqrt(var + 1e-7) * weights
 
     @property
     def num_layers(self) -> int:
@@ -299,6 +405,8 @@ class MultiExitWav2Vec2(nn.Module):
         if not 1 <= depth <= self.num_layers:
             raise ValueError(f"depth {depth} outside 1..{self.num_layers}")
         mask = self._attention_mask(wavs, wav_lens)
+        if self.normalize_input:
+            wavs = self.normalize(wavs, mask)
         captured: dict[int, torch.Tensor] = {}
         hooks = []
         for layer in capture:
@@ -308,12 +416,17 @@ class MultiExitWav2Vec2(nn.Module):
                     captured[layer] = output[0] if isinstance(output, tuple) else output
 
                 hooks.append(self.backbone.encoder.layers[layer - 1].register_forward_hook(hook))
+        weighted = self.upstream == "frozen"
+        stack = None
         try:
             with self._truncated(depth):
-                out = self.backbone(wavs, attention_mask=mask)
+                out = self.backbone(wavs, attention_mask=mask, output_hidden_states=weighted)
         finally:
             for handle in hooks:
                 handle.remove()
+        if weighted:  # every exit reads the stack of hidden states 0..exit
+            stack = torch.stack(out.hidden_states, dim=0)
+            captured = {layer: stack[: layer + 1] for layer in capture if layer < depth}
         frames = out.last_hidden_state
         if mask is None:
             frame_mask = torch.ones(frames.shape[:2], dtype=torch.bool, device=frames.device)
@@ -321,7 +434,7 @@ class MultiExitWav2Vec2(nn.Module):
             frame_mask = self.backbone._get_feature_vector_attention_mask(
                 frames.shape[1], mask
             ).bool()
-        captured[depth] = frames
+        captured[depth] = stack if weighted else frames
         return frames, frame_mask, captured
 
     def forward(
@@ -329,8 +442,8 @@ class MultiExitWav2Vec2(nn.Module):
     ) -> torch.Tensor:
         """The output of exit ``depth`` (the training path: layers past ``depth`` never run)."""
         depth = self.check_depth(depth)
-        frames, frame_mask, _ = self.hidden(wavs, wav_lens, depth=depth)
-        return self.heads[str(depth)](frames, frame_mask)
+        _, frame_mask, captured = self.hidden(wavs, wav_lens, depth=depth)
+        return self.heads[str(depth)](captured[depth], frame_mask)
 
     def forward_exits(
         self, wavs: torch.Tensor, wav_lens: torch.Tensor | None, *, exits: Iterable[int]
@@ -381,13 +494,27 @@ def build_multi_exit(
     head: str = "utterance",
     freeze_feature_encoder: bool = False,
     seed: int = 0,
+    config_overrides: dict | None = None,
+    normalize_input: bool | str = "auto",
+    pooling: str = "stat",
+    upstream: str = "finetune",
 ) -> MultiExitWav2Vec2:
     """Load a preset or folder with ``Wav2Vec2Model.from_pretrained`` and add the exit heads.
 
     Heads are initialised with ``seed`` (they are new for every task, as in the paper).
+    ``config_overrides`` replace ``Wav2Vec2Config`` fields at load time (the recipe's
+    ``layerdrop``, ``mask_time_prob``, ``mask_time_length``, ``mask_time_min_masks``); the
+    config's own default LayerDrop (0.1) would otherwise skip layers in training.
+    ``normalize_input``: True, False or ``"auto"`` (:func:`checkpoint_normalizes`).
     """
     source = resolve_backbone(model, cache_dir=cache_dir, seed=seed)
-    backbone = Wav2Vec2Model.from_pretrained(source)
+    overrides = dict(config_overrides or {})
+    unknown = sorted(k for k in overrides if not hasattr(Wav2Vec2Config(), k))
+    if unknown:
+        raise ValueError(f"config_overrides: {unknown} are not Wav2Vec2Config fields")
+    backbone = Wav2Vec2Model.from_pretrained(source, **overrides)
+    if normalize_input == "auto":
+        normalize_input = checkpoint_normalizes(source)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return MultiExitWav2Vec2(
@@ -396,4 +523,37 @@ def build_multi_exit(
             exits=exits,
             head=head,
             freeze_feature_encoder=freeze_feature_encoder,
+            normalize_input=bool(normalize_input),
+            pooling=pooling,
+            upstream=upstream,
         )
+
+
+def checkpoint_normalizes(source: str | Path) -> bool:
+    """Whether a checkpoint's feature extractor normalises waveforms (``do_normalize``).
+
+    Reads ``preprocessor_config.json`` of a local folder, or of a hub id through the local
+    ``transformers`` cache only (no download); a checkpoint without one (the tiny preset,
+    ``wav2vec2-base``'s pretraining-only folder) is taken as not normalising.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> checkpoint_normalizes(create_tiny_wav2vec2(tempfile.mkdtemp()))
+    False
+    """
+    path = Path(source) / "preprocessor_config.json"
+    if not path.is_file() and not Path(source).is_dir():
+        try:
+            from transformers.utils import cached_file
+
+            found = cached_file(
+                str(source), "preprocessor_config.json", local_files_only=True,
+                _raise_exceptions_for_missing_entries=False,
+            )  # fmt: skip
+        except (OSError, ValueError):
+            found = None
+        path = Path(found) if found else path
+    if not path.is_file():
+        return False
+    return bool(json.loads(path.read_text(encoding="utf-8")).get("do_normalize", False))

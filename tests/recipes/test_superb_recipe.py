@@ -81,6 +81,16 @@ def test_centralized_and_homogeneous_scenarios(tmp_path, recipe_cache):
         ({"aggregation": "median"}, "aggregation"),
         ({"weighting": "depth"}, "weighting"),
         ({"noise_multiplier": 1.0}, "private run is refused.*sensitivity"),
+        ({"shallow_clients": "all"}, "shallow_clients: 'all' must be one of"),
+        ({"shallow_clients": "drop", "scenario": "centralized"}, "needs scenario: heterogeneous"),
+        ({"lr_min_ratio": 1.5}, r"lr_min_ratio: 1.5 must be a number in \[0.0, 1.0\]"),
+        ({"lr_warmup_fraction": 1.0}, r"lr_warmup_fraction: 1.0 must be a number in"),
+        ({"backbone_lr_multiplier": -1}, "backbone_lr_multiplier: -1 must be a number >= 0"),
+        ({"mask_time_length": 0}, "mask_time_length: 0 must be an integer >= 1"),
+        ({"normalize_input": "yes"}, "normalize_input: 'yes' must be True, False or 'auto'"),
+        ({"pretrain_objective": "mse"}, "must be 'none', 'bag_of_words' or 'ctc'"),
+        ({"pooling": "max"}, "pooling: 'max' must be 'stat' or 'mean'"),
+        ({"upstream": "lora"}, "upstream: 'lora' must be 'finetune' or 'frozen'"),
     ],
 )
 def test_bad_input_fails_before_anything_heavy(override, message):

@@ -111,3 +111,37 @@ def test_presets_resolve(tmp_path):
     assert model.exits == [3, 6, 9, 12]
     with pytest.raises(ValueError, match="neither a preset"):
         resolve_backbone("nope", cache_dir=tmp_path)
+
+
+def test_mean_pooling_head_reads_the_masked_mean(tiny_folder):
+    model = _model(tiny_folder, pooling="mean").eval()
+    head = model.heads["3"]
+    assert head.linear.in_features == model.backbone.config.hidden_size
+    frames, mask = torch.randn(2, 5, 64), torch.tensor([[1, 1, 1, 0, 0], [1] * 5]).bool()
+    expected = head.linear(frames[0, :3].mean(dim=0))
+    torch.testing.assert_close(head(frames, mask)[0], expected)
+    with pytest.raises(ValueError, match="pooling"):
+        _model(tiny_folder, pooling="max")
+
+
+def test_frozen_upstream_learns_a_weighted_sum_of_hidden_states(tiny_folder):
+    model = _model(tiny_folder, upstream="frozen").train()
+    assert not any(p.requires_grad for p in model.backbone.parameters())
+    names = model.trained_parameter_names(6)
+    assert names and all(n.startswith("heads.6.") for n in names)  # heads only travel
+    assert model.heads["6"].weights.shape == (7,)  # hidden states 0..6
+    wavs, lens = torch.randn(2, 8000), torch.ones(2)
+    logits = model(wavs, lens, depth=6)
+    logits.sum().backward()
+    assert model.heads["6"].weights.grad is not None
+    model.eval()
+    with torch.no_grad():
+        full = model.backbone(wavs, attention_mask=model._attention_mask(wavs, lens),
+                              output_hidden_states=True)  # fmt: skip
+        mask = model._attention_mask(wavs, lens)
+        frame_mask = model.backbone._get_feature_vector_attention_mask(
+            full.hidden_states[0].shape[1], mask
+        ).bool()
+        # zero weights: the plain mean of hidden states 0..3
+        expected = model.heads["3"].head(torch.stack(full.hidden_states[:4]).mean(0), frame_mask)
+        torch.testing.assert_close(model.forward_exits(wavs, lens, exits=[3, 6])[3], expected)

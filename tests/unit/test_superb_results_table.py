@@ -10,7 +10,14 @@ import pytest
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB"
 sys.path.insert(0, str(RECIPE))
 
-from results_table import grid, paired_difference, tables_markdown, write_readme  # noqa: E402
+from results_table import (  # noqa: E402
+    grid,
+    paired_difference,
+    pooled_accuracy,
+    seeded,
+    tables_markdown,
+    write_readme,
+)
 
 
 def _result(values):
@@ -27,6 +34,8 @@ def test_grid_covers_both_tables():
     assert "heterogeneous_fedavg_full" in names
     assert {n for n, _ in grid(6, [2])} == {
         "homogeneous_6",
+        "homogeneous_3",
+        "heterogeneous_deep_only",
         "heterogeneous_fedavg_full",
         "heterogeneous_layerwise_depth_aware",
         "heterogeneous_layerwise_samples",
@@ -48,6 +57,14 @@ def test_tables_markdown_and_readme_markers(tmp_path):
     assert "- centralized: exit 6 - exit 12 = n/a" in text  # no per-clip predictions here
     assert "| heterogeneous + fedavg_full | 0.300 [0.200, 0.400] | 0.400 [0.300, 0.500] |" in text
     assert "layer-wise (depth_aware) | 0.600" in text and "uniform" not in text
+    # the baselines of heterogeneous depth, when their runs exist
+    results["heterogeneous_deep_only"] = _result({6: 0.45})
+    text = tables_markdown(results, 6)
+    assert (
+        "| everyone at the weakest depth (homogeneous FL, exit 3) | 0.450 [0.350, 0.550] |" in text
+    )
+    assert "| deep clients only (the exit-3 clients dropped) | - | 0.450 [0.350, 0.550] |" in text
+    assert "- minus deep clients only: n/a" in text
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- results:kws12:start -->\nold\n<!-- results:kws12:end -->\nb\n")
     write_readme("kws12", text, readme)
@@ -78,3 +95,30 @@ def test_paired_difference_against_hand_values(tmp_path):
     c = _predictions_run(tmp_path / "c", 3, [1] * 8)
     with pytest.raises(ValueError, match="different clips"):
         paired_difference(a, 3, c, 3)
+
+
+def test_seeded_grid_names_and_overrides():
+    cells = seeded([("heterogeneous_deep_only", {"shallow_clients": "drop"})], [1, 2])
+    assert cells == [
+        ("heterogeneous_deep_only/s1", {"shallow_clients": "drop", "seed": 1}),
+        ("heterogeneous_deep_only/s2", {"shallow_clients": "drop", "seed": 2}),
+    ]
+    assert dict(grid(6, [2]))["heterogeneous_deep_only"] == {"shallow_clients": "drop"}
+
+
+def test_several_seeds_pool_clips_and_pair_by_seed_and_speaker(tmp_path):
+    # seed 1: A right on 8 of 8 clips, B on 4; seed 2: A on 4 of 8, B on 4 (2 speakers each)
+    a = [
+        _predictions_run(tmp_path / "a1", 6, [1] * 8),
+        _predictions_run(tmp_path / "a2", 6, [1, 1, 0, 0, 1, 1, 0, 0]),
+    ]
+    b = [_predictions_run(tmp_path / "b1", 6, [1, 1, 0, 0, 1, 1, 0, 0]),
+         _predictions_run(tmp_path / "b2", 6, [1, 1, 0, 0, 1, 1, 0, 0])]  # fmt: skip
+    value, (lo, hi) = pooled_accuracy(a, 6, num_resamples=300)
+    assert value == pytest.approx(12 / 16) and 0.5 <= lo <= value <= hi <= 1.0
+    diff, (lo, hi) = paired_difference(a, 6, b, 6, num_resamples=300)
+    # per (seed, speaker) unit differences: 2/4, 2/4, 0, 0 -> mean 4/16; resamples in [0, 0.5]
+    assert diff == pytest.approx(4 / 16) and 0.0 <= lo <= diff <= hi <= 0.5
+    # the same clip ids in two seeds are two units, not one
+    with pytest.raises(ValueError, match="different clips"):
+        paired_difference(a, 6, b[:1], 6)
