@@ -68,6 +68,8 @@ DEFAULT_ACCOUNTANT = "pld"
 #: Width of the PLD's privacy-loss grid (dp-accounting's default): epsilon is pessimistic, i.e.
 #: rounded up, by at most about this much per composition (our tests bound it at q=1).
 PLD_DISCRETIZATION = 1e-4
+#: RDP epsilon above which the PLD grid widens in proportion (see :func:`_pld_epsilon`).
+PLD_COARSE_ABOVE = 20.0
 LARGE_EPSILON = 10.0
 
 
@@ -116,16 +118,34 @@ def _pld_epsilon(sampling_rate: float, noise_multiplier: float, rounds: int, del
 
     The event is ``SelfComposed(PoissonSampled(q, Gaussian(sigma)), T)`` under add/remove
     adjacency (``NeighboringRelation.ADD_OR_REMOVE_ONE``), the adjacency of the guarantee.
+
+    Decisions (ours): the PLD's grid is :data:`PLD_DISCRETIZATION` wide while the guarantee is
+    meaningful; where the RDP figure exceeds :data:`PLD_COARSE_ABOVE` the grid widens in
+    proportion (``interval * eps_rdp / PLD_COARSE_ABOVE``: the PLD's cost grows with the
+    privacy loss's range, and a guarantee that weak needs no fourth digit). If the PLD cannot be
+    computed (a noise multiplier so small that its grid does not fit in memory), the RDP figure,
+    also an upper bound, is returned with a warning.
     """
-    acc = pld_privacy_accountant.PLDAccountant(
-        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-        value_discretization_interval=PLD_DISCRETIZATION,
-    )
-    step = dp_accounting.PoissonSampledDpEvent(
-        sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
-    )
-    acc.compose(dp_accounting.SelfComposedDpEvent(step, rounds))
-    return float(acc.get_epsilon(delta))
+    eps_rdp = _epsilon(sampling_rate, noise_multiplier, rounds, delta, "rdp")
+    interval = PLD_DISCRETIZATION * max(1.0, eps_rdp / PLD_COARSE_ABOVE)
+    try:
+        acc = pld_privacy_accountant.PLDAccountant(
+            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+            value_discretization_interval=interval,
+        )
+        step = dp_accounting.PoissonSampledDpEvent(
+            sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
+        )
+        acc.compose(dp_accounting.SelfComposedDpEvent(step, rounds))
+        return float(acc.get_epsilon(delta))
+    except (ValueError, MemoryError, OverflowError) as err:
+        msg = (
+            f"PLD accountant failed at q={sampling_rate}, sigma={noise_multiplier}, "
+            f"T={rounds} ({type(err).__name__}); reporting the RDP upper bound {eps_rdp:.4g}"
+        )
+        logger.warning(msg)
+        warnings.warn(msg, UserWarning, stacklevel=4)
+        return eps_rdp
 
 
 @functools.lru_cache(maxsize=4096)
