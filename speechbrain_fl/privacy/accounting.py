@@ -50,6 +50,7 @@ from .layout import Layout
 __all__ = [
     "ACCOUNTANTS",
     "DEFAULT_ACCOUNTANT",
+    "OPACUS_ACCOUNTANTS",
     "PrivacyAccountant",
     "REPORT_POOLS",
     "compute_epsilon",
@@ -64,6 +65,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ACCOUNTANTS = ("pld", "rdp", "prv")
+#: The accountants Opacus's ``PrivacyEngine`` knows (DP-SGD paths that account with it).
+OPACUS_ACCOUNTANTS = ("rdp", "prv")
 DEFAULT_ACCOUNTANT = "pld"
 #: Width of the PLD's privacy-loss grid (dp-accounting's default): epsilon is pessimistic, i.e.
 #: rounded up, by at most about this much per composition (our tests bound it at q=1).

@@ -208,3 +208,11 @@ def test_audit_summary_of_no_signal_reports_zero_bound():
     member = rng.random(400) < 0.5
     out = audit_summary(rng.normal(0, 1, 400), member, delta=1e-5, accountant_epsilon=1.0, rounds=3)
     assert out["epsilon_lower_bound"] < 0.5 and out["inserted"] == int(member.sum())
+
+
+def test_a_non_private_hparams_file_ignores_audit_canaries(caplog):
+    base = {"output_folder": "o", "method": "flat", "clip": 1.0, "audit_canaries": 64}
+    with caplog.at_level(logging.WARNING):
+        cfg = FLConfig.from_hparams({**base, "noise_multiplier": 0})
+    assert cfg.audit_canaries == 0 and "audit_canaries: 64 is ignored" in caplog.text
+    assert FLConfig.from_hparams({**base, "noise_multiplier": 1.0}).audit_canaries == 64
