@@ -26,14 +26,10 @@ One round, for replies u_1..u_m of a cohort drawn with rate q from the declared 
    with ``ema_signal="raw"``, from the clients' reported norms (outside the DP guarantee);
 7. theta <- theta + update; a non-finite result raises instead of being applied.
 
-Audit (``audit_canaries: m`` > 0, private runs; :mod:`speechbrain_fl.privacy.audit`): at the
-first round this process runs, ``m`` canary directions and their inserted/held-out split are
-drawn from the OS (memory only). Every round, each inserted canary is drawn by the run's own
-Poisson sampler (rate q, its own draw key) and a drawn one adds an update at the clip bound,
-re-clipped and summed with the replies by the same code (steps 3-5); the noise stays calibrated
-to n = qK real clients, so the real clients' epsilon is unchanged. :meth:`DPFedAvg.audit_report`
-scores the canaries against the model delta since that first round. A resumed run audits the
-rounds since the resume with fresh canaries.
+Audit (``audit_canaries: m`` > 0, private runs; :mod:`.canaries`): each inserted canary is
+drawn every round by the run's own Poisson sampler; a drawn one adds a re-clipped update at the
+clip bound to the sum of step 4, before the noise of step 5 (calibrated to n = qK real clients,
+so the real clients' epsilon is unchanged). :meth:`DPFedAvg.audit_report` scores them.
 
 Randomness (docs/design.md "Privacy invariants"): a private run draws the cohort sampler's and the
 noise's seeds from the OS and keeps them in memory only; ``seed`` seeds the clients' training
@@ -64,7 +60,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from speechbrain_fl.privacy import (
-    CanarySet,
     EMABudgetState,
     GaussianNoise,
     Layout,
@@ -72,12 +67,11 @@ from speechbrain_fl.privacy import (
     clip_update,
     component_budgets,
     compute_budgets,
-    compute_epsilon,
     noisy_norm_signal,
 )
-from speechbrain_fl.privacy.audit import audit_summary
 
 from .aggregation import ClientUpdate, get_rule
+from .canaries import FederatedAudit
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
 from .replies import ReplyLimits, ReplyRejected, parse_train_reply
@@ -303,11 +297,11 @@ class DPFedAvg(FedAvg):
         self.population = 0
         self.node_order: dict[int, int] = {}
         self.last_report: RoundReport | None = None
-        # the audit's canaries (docs in the module docstring); built at the first round
-        self.canaries: CanarySet | None = None
-        self._audit_start: dict[str, torch.Tensor] | None = None
-        self.audit_rounds = 0
-        self.audit_insertions = 0
+        self.audit = (
+            FederatedAudit(config, layout, self.sampler)
+            if config.private and config.audit_canaries
+            else None
+        )
 
     # ------------------------------------------------------------------ budgets, state
     def budgets(self) -> float | dict[str, float] | None:
@@ -668,9 +662,9 @@ class DPFedAvg(FedAvg):
             # released all the same): the privacy report's per-pool sigma_eff reads them
             self._client_statistics(updates, budgets, report)
         n = self.expected_cohort_size() if private else float(len(updates))
-        if private and self.config.audit_canaries:
+        if self.audit is not None:
             # canaries join the sum after the clients' statistics: they are not users
-            updates = updates + self._canary_updates(server_round, global_params, budgets)
+            updates = updates + self.audit.updates(server_round, global_params, budgets)
         try:
             aggregate = self.rule(updates, expected_cohort_size=n) if updates else {}
         except Exception as err:
@@ -713,82 +707,16 @@ class DPFedAvg(FedAvg):
         return ArrayRecord(new_params), metrics
 
     # ------------------------------------------------------------------ audit
-    def _canary_updates(
-        self, server_round: int, global_params: Mapping[str, torch.Tensor], budgets
-    ) -> list[ClientUpdate]:
-        """This round's Poisson-drawn inserted canaries, each at the clip bound, re-clipped."""
-        if self.canaries is None:
-            shapes = {k: tuple(v.shape) for k, v in global_params.items()}
-            self.canaries = CanarySet(self.config.audit_canaries, shapes)
-            self._audit_start = {
-                k: v.detach().to(torch.float64).clone() for k, v in global_params.items()
-            }
-            log(
-                INFO,
-                "audit: %d canaries (%d inserted, split and directions from the OS, in memory "
-                "only) from round %d",
-                self.canaries.num_canaries,
-                len(self.canaries.inserted),
-                server_round,
-            )
-        drawn = self.sampler.sample(self.canaries.inserted, order={}, draw=(server_round, 0, 1))
-        out = []
-        for index in drawn:
-            delta = {
-                k: v.to(global_params[k].dtype)
-                for k, v in self.canaries.update(index, budgets, layout=self.layout).items()
-            }
-            delta, _ = clip_update(delta, budgets, layout=self.layout, inplace=True)
-            out.append(ClientUpdate(-1 - index, delta, {}))
-        self.audit_rounds += 1
-        self.audit_insertions += len(out)
-        return out
+    def audit_report(self, params: Mapping[str, torch.Tensor], *, confidence: float = 0.95):
+        """The canary audit of the rounds run (:meth:`.canaries.FederatedAudit.report`).
 
-    def audit_report(
-        self, params: Mapping[str, torch.Tensor], *, confidence: float = 0.95
-    ) -> tuple[dict[str, Any], Any, Any] | None:
-        """Score the canaries against the model delta of the audited rounds.
-
-        Arguments
-        ---------
-        params : mapping of str to Tensor
-            The global trainable tensors after the last round.
-        confidence : float
-            Of the one-run lower bound.
-
-        Returns
-        -------
-        tuple or None
-            ``(summary, cosines, is_inserted)``: :func:`speechbrain_fl.privacy.audit.audit_summary`
-            beside the accountant's epsilon for the audited rounds, and the in-memory scores for
-            the plot; ``None`` when no round was audited.
+        ``None`` without ``audit_canaries`` or before any audited round.
         """
-        if self.canaries is None or self._audit_start is None or not self.audit_rounds:
+        if self.audit is None:
             return None
-        delta_model = {
-            k: params[k].detach().to(torch.float64) - v for k, v in self._audit_start.items()
-        }
-        cosines = self.canaries.cosines(delta_model)
-        eps = compute_epsilon(
-            sampling_rate=self.config.sampling_rate,
-            noise_multiplier=self.config.noise_multiplier,
-            rounds=self.audit_rounds,
-            delta=self.config.delta,
-            accountant=self.config.accountant,
-            warn=False,
+        return self.audit.report(
+            params, expected_cohort_size=self.expected_cohort_size(), confidence=confidence
         )
-        summary = audit_summary(
-            cosines,
-            self.canaries.is_inserted,
-            delta=self.config.delta,
-            accountant_epsilon=eps,
-            rounds=self.audit_rounds,
-            confidence=confidence,
-            insertions=self.audit_insertions,
-        )
-        summary["accountant"] = self.config.accountant
-        summary["expected_cohort_size"] = self.expected_cohort_size()
-        return summary, cosines, self.canaries.is_inserted
 
     def _failed(self, report: RoundReport, reason: str) -> AggregateFailed:
         """Record ``reason`` in ``report`` and return the :class:`AggregateFailed` to raise."""

@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord
 from scipy import stats
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
+from speechbrain_fl.fl import canaries as canaries_module
 from speechbrain_fl.fl import strategy as strategy_module
 from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
 from speechbrain_fl.privacy import METHODS, CanarySet, Group, Layout, compute_epsilon
@@ -125,7 +126,7 @@ def run_canaries_only(method, *, noise_scale=1.0, canaries=CANARIES):
         strategy.cohort, strategy.population = [], K
         arrays, _ = strategy.aggregate_train(server_round, [])
         params = arrays.to_torch_state_dict()
-    assert strategy.accountant.rounds == ROUNDS and strategy.audit_rounds == ROUNDS
+    assert strategy.accountant.rounds == ROUNDS and strategy.audit.rounds == ROUNDS
     return strategy, strategy.audit_report(params)
 
 
@@ -160,9 +161,12 @@ def test_audit_catches_a_removed_server_reclip(method, monkeypatch):
     accountant = compute_epsilon(sampling_rate=Q, noise_multiplier=SIGMA, rounds=ROUNDS, delta=1e-5)
     _, (reclipped, _, _) = run_canaries_only(method)
     assert reclipped["epsilon_one_shot"] < accountant
-    monkeypatch.setattr(
-        strategy_module, "clip_update", lambda update, budgets, **kw: (update, None)
-    )
+
+    def no_clip(update, budgets, **kw):
+        return update, None
+
+    monkeypatch.setattr(strategy_module, "clip_update", no_clip)  # replies
+    monkeypatch.setattr(canaries_module, "clip_update", no_clip)  # canary replies
     _, (unclipped, _, _) = run_canaries_only(method)
     assert unclipped["epsilon_one_shot"] > accountant
     # the provable bound rises too, but with 2000 canaries and delta = 1e-5 its 2 m delta term
