@@ -28,6 +28,7 @@ from pathlib import Path
 
 from speechbrain_fl.privacy.accounting import (
     ACCOUNTANTS,
+    DEFAULT_ACCOUNTANT,
     compute_epsilon,
     effective_noise_multiplier,
     noise_multiplier_for_epsilon,
@@ -67,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epsilon", type=float, help="target epsilon; prints the sigma needed")
     p.add_argument("--rounds", type=int, required=True, help="number of FL rounds T")
     p.add_argument("--delta", type=float, required=True)
-    p.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp")
+    p.add_argument(
+        "--accountant",
+        choices=ACCOUNTANTS,
+        default=DEFAULT_ACCOUNTANT,
+        help=f"accountant of the reported epsilon (default {DEFAULT_ACCOUNTANT}; Opacus's RDP "
+        "is printed beside it as a cross-check)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(subparser=p)
     return parser
@@ -167,11 +174,20 @@ def _privacy(args, parser) -> str:
                     delta=args.delta,
                     accountant=args.accountant,
                 )
+            eps_rdp = compute_epsilon(
+                sampling_rate=args.sampling_rate,
+                noise_multiplier=sigma,
+                rounds=args.rounds,
+                delta=args.delta,
+                accountant="rdp",
+                warn=False,
+            )
     except ValueError as err:
         parser.error(str(err))
     notes = sorted({str(w.message) for w in caught})
     result = {
         "epsilon": eps,
+        "epsilon_rdp": eps_rdp,
         "delta": args.delta,
         "accountant": args.accountant,
         "sampling_rate": args.sampling_rate,
@@ -192,6 +208,8 @@ def _privacy(args, parser) -> str:
         f"delta             {args.delta:g}",
         f"epsilon           {eps:.6g}",
     ]
+    if args.accountant != "rdp":
+        lines.append(f"epsilon (RDP)     {eps_rdp:.6g}  (cross-check: Opacus's RDP accountant)")
     lines += [f"warning: {n}" for n in notes]
     return "\n".join(lines)
 

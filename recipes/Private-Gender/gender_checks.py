@@ -92,7 +92,7 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
     """Every value ``train_teacher.py`` uses (module docstring); raises :class:`HparamsError`."""
     from gender_data import check_privileged_fields
 
-    from speechbrain_fl.privacy.accounting import ACCOUNTANTS
+    from speechbrain_fl.privacy.accounting import OPACUS_ACCOUNTANTS as ACCOUNTANTS
 
     c = _Checker(hparams, path, overrides)
     classes = hparams.get("classes")

@@ -98,7 +98,13 @@ class FLConfig:
     delta : float
         Target delta of the accountant.
     accountant : str
-        Accountant name passed to :class:`speechbrain_fl.privacy.PrivacyAccountant`.
+        Accountant name passed to :class:`speechbrain_fl.privacy.PrivacyAccountant`: ``pld``
+        (default, dp-accounting's PLD), ``rdp`` (Opacus; always reported beside it as
+        ``epsilon_rdp``) or ``prv``.
+    audit_canaries : int
+        Canary clients of the empirical privacy audit (:mod:`speechbrain_fl.privacy.audit`);
+        0 (default) is off. Private runs only: each canary is drawn by the run's Poisson
+        sampler and, when inserted, adds a fixed random direction of norm ``C``.
     max_epsilon : float, optional
         The run stops before a round that would exceed it.
     aggregation : str or callable, optional
@@ -161,7 +167,8 @@ class FLConfig:
     ema_warmup_rounds: int = 3
     ema_signal: str = "noisy"
     delta: float = 1e-5
-    accountant: str = "rdp"
+    accountant: str = "pld"
+    audit_canaries: int = 0
     max_epsilon: float | None = None
     aggregation: Any = None
     eval_every: int = 1
@@ -263,6 +270,13 @@ class FLConfig:
                     "a non-private run (no epsilon is reported)",
                     method,
                 )
+        if not sigma and values.get("audit_canaries"):
+            logger.warning(
+                "audit_canaries: %s is ignored: the audit checks a private run's epsilon and "
+                "this run (noise_multiplier: 0) has none",
+                values["audit_canaries"],
+            )
+            values["audit_canaries"] = 0
         values.update(changes)
         return cls(**values)
 

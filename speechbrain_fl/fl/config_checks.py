@@ -130,6 +130,11 @@ def check_config(cfg: Any) -> None:
         raise bad("delta", "must be in (0, 1)")
     if cfg.accountant not in ACCOUNTANTS:
         raise bad("accountant", f"must be one of {list(ACCOUNTANTS)}")
+    integer("audit_canaries", 0)
+    if cfg.audit_canaries and cfg.noise_multiplier <= 0:
+        raise bad("audit_canaries", "audits a private run: set noise_multiplier > 0 or 0 canaries")
+    if cfg.audit_canaries == 1:
+        raise bad("audit_canaries", "needs at least 2 (inserted and held-out canaries)")
     if cfg.max_epsilon is not None and not (_is_real(cfg.max_epsilon) and cfg.max_epsilon > 0):
         raise bad("max_epsilon", "must be a number > 0 (or null for no limit)")
     if cfg.aggregation is not None and not (

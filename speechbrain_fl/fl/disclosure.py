@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from speechbrain_fl.privacy.audit import AUDIT_NOTE
+
 from .config import FLConfig, ema_base_of
 
 __all__ = [
     "EPSILON_PER_COMPONENT_NOTE",
     "GUARANTEE",
     "OUTSIDE_GUARANTEE",
+    "format_audit",
     "format_disclosure",
     "privacy_disclosure",
 ]
@@ -81,7 +84,8 @@ def privacy_disclosure(
         ``guarantee`` (``None`` for a non-private run), ``epsilon_covers_everything`` (False
         when anything below voids or bypasses the guarantee), ``caveats`` (list of str),
         ``ema_signal`` (``None`` or ``{"signal", "private", "note"}``),
-        ``epsilon_per_component_note`` and ``outside_guarantee`` (file -> what in it).
+        ``epsilon_per_component_note``, ``outside_guarantee`` (file -> what in it) and, with
+        ``audit_canaries`` > 0, ``audit_note`` (what the canary audit shows and does not show).
 
     Example
     -------
@@ -117,7 +121,7 @@ def privacy_disclosure(
             caveats.append(PROFILE_NOTE)
     if alpha_from_profile and private:
         caveats.append(ALPHA_NOTE)
-    return {
+    out = {
         "guarantee": GUARANTEE if private else None,
         "epsilon_covers_everything": private and not caveats,
         "caveats": caveats,
@@ -125,6 +129,41 @@ def privacy_disclosure(
         "epsilon_per_component_note": EPSILON_PER_COMPONENT_NOTE,
         "outside_guarantee": outside,
     }
+    if private and config.audit_canaries:
+        out["audit_note"] = AUDIT_NOTE
+    return out
+
+
+def format_audit(audit: dict[str, Any]) -> list[str]:
+    """Lines for the canary audit's figures beside the accountant's epsilon.
+
+    Example
+    -------
+    >>> lines = format_audit({"canaries": 64, "inserted": 30, "held_out": 34, "rounds": 5,
+    ...     "epsilon_one_shot": 0.41, "epsilon_lower_bound": 0.0, "confidence": 0.95,
+    ...     "accountant_epsilon": 2.5, "accountant": "pld", "exceeds_accountant": False})
+    >>> lines[0]
+    '  Audit (64 canaries: 30 inserted, 34 held out; 5 rounds; final model only):'
+    """
+    one_shot = audit.get("epsilon_one_shot")
+    lines = [
+        f"  Audit ({audit['canaries']} canaries: {audit['inserted']} inserted, "
+        f"{audit['held_out']} held out; {audit['rounds']} rounds; final model only):",
+        f"    accountant ({audit.get('accountant', '?')}) epsilon {audit['accountant_epsilon']:.3g}"
+        f"  |  one-shot estimate {'n/a' if one_shot is None else f'{one_shot:.3g}'}"
+        f"  |  lower bound {audit['epsilon_lower_bound']:.3g} at "
+        f"{100 * audit['confidence']:.0f}% confidence",
+    ]
+    if audit.get("exceeds_accountant"):
+        lines.append(
+            "    WARNING: an audited epsilon exceeds the accountant's: a bug in clipping, noise "
+            "or sampling is likely"
+        )
+    lines.append(
+        "    (an estimate and a lower bound for an adversary who sees the final model; they do "
+        "not prove the accountant tight or the code correct; canaries are not users)"
+    )
+    return lines
 
 
 def format_disclosure(disclosure: dict[str, Any]) -> str:
@@ -147,4 +186,14 @@ def format_disclosure(disclosure: dict[str, Any]) -> str:
         + ", ".join(disclosure["outside_guarantee"])
     )
     lines.append(f"  epsilon_per_component {disclosure['epsilon_per_component_note']}.")
+    if disclosure.get("epsilon_rdp") is not None and disclosure.get("accountant") != "rdp":
+        lines.append(
+            f"  epsilon {disclosure['epsilon']:.4g} ({disclosure.get('accountant')}); "
+            f"Opacus RDP gives {disclosure['epsilon_rdp']:.4g} for the same mechanism "
+            "(a looser upper bound, printed as a cross-check)."
+        )
+    if disclosure.get("audit"):
+        lines += format_audit(disclosure["audit"])
+    elif disclosure.get("audit_note"):
+        lines.append("  Audit: canaries were requested but no round was audited.")
     return "\n".join(lines)

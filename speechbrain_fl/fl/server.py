@@ -44,6 +44,7 @@ from speechbrain.utils.train_logger import FileTrainLogger
 
 from speechbrain_fl.privacy import Group, Layout
 from speechbrain_fl.privacy.accounting import privacy_report
+from speechbrain_fl.privacy.audit import plot_audit_cosines
 from speechbrain_fl.utils.atomic import sweep_stale_temporaries
 from speechbrain_fl.utils.run_lock import hold_run_lock
 
@@ -438,15 +439,8 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 rounds_done_here=server_round - start,
             ),
         )
-    return ServerResult(
-        params=params,
-        epsilon=strategy.epsilon(),
-        last_round=done,
-        stopped_early=stopped_early,
-        round_seconds=round_seconds,
-        round_budgets=round_budgets,
-        reports=reports,
-        privacy=privacy_report(
+    privacy = (
+        privacy_report(
             layout,
             round_budgets,
             noise_multiplier=cfg.noise_multiplier,
@@ -457,8 +451,49 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
             accountant=cfg.accountant,
         )
         if strategy.accountant is not None
-        else None,
+        else None
     )
+    if privacy is not None and cfg.audit_canaries:
+        privacy["audit"] = _audit(strategy, params, cfg.output_folder)
+    return ServerResult(
+        params=params,
+        epsilon=strategy.epsilon(),
+        last_round=done,
+        stopped_early=stopped_early,
+        round_seconds=round_seconds,
+        round_budgets=round_budgets,
+        reports=reports,
+        privacy=privacy,
+    )
+
+
+def _audit(strategy: DPFedAvg, params, output_folder) -> dict[str, Any] | None:
+    """The canary audit's summary (results.json ``privacy.audit``) and its plot.
+
+    ``plots/audit_cosines.png`` shows the two cosine distributions, drawn from memory; the
+    canaries' directions, split and per-canary scores are never written.
+    """
+    audited = strategy.audit_report(params)
+    if audited is None:
+        return None
+    summary, cosines, inserted = audited
+    plot = Path(output_folder) / "plots" / "audit_cosines.png"
+    plot_audit_cosines(cosines, inserted, summary, plot)
+    summary["plot"] = str(plot)
+    log(
+        INFO,
+        "audit: accountant epsilon %.4g (%d rounds), one-shot estimate %s, lower bound %.4g "
+        "at %.0f%% (%d canaries)",
+        summary["accountant_epsilon"],
+        summary["rounds"],
+        "n/a" if summary["epsilon_one_shot"] is None else f"{summary['epsilon_one_shot']:.4g}",
+        summary["epsilon_lower_bound"],
+        100 * summary["confidence"],
+        summary["canaries"],
+    )
+    if summary["exceeds_accountant"]:
+        log(WARNING, "audit: an audited epsilon exceeds the accountant's: check the mechanism")
+    return summary
 
 
 def _restore_outputs(task, state, telemetry, log_path, write_outputs) -> None:

@@ -26,6 +26,11 @@ One round, for replies u_1..u_m of a cohort drawn with rate q from the declared 
    with ``ema_signal="raw"``, from the clients' reported norms (outside the DP guarantee);
 7. theta <- theta + update; a non-finite result raises instead of being applied.
 
+Audit (``audit_canaries: m`` > 0, private runs; :mod:`.canaries`): each inserted canary is
+drawn every round by the run's own Poisson sampler; a drawn one adds a re-clipped update at the
+clip bound to the sum of step 4, before the noise of step 5 (calibrated to n = qK real clients,
+so the real clients' epsilon is unchanged). :meth:`DPFedAvg.audit_report` scores them.
+
 Randomness (docs/design.md "Privacy invariants"): a private run draws the cohort sampler's and the
 noise's seeds from the OS and keeps them in memory only; ``seed`` seeds the clients' training
 only. :meth:`DPFedAvg.state_dict` holds the accountant, the EMA budgets and the privacy settings,
@@ -66,6 +71,7 @@ from speechbrain_fl.privacy import (
 )
 
 from .aggregation import ClientUpdate, get_rule
+from .canaries import FederatedAudit
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
 from .replies import ReplyLimits, ReplyRejected, parse_train_reply
@@ -291,6 +297,11 @@ class DPFedAvg(FedAvg):
         self.population = 0
         self.node_order: dict[int, int] = {}
         self.last_report: RoundReport | None = None
+        self.audit = (
+            FederatedAudit(config, layout, self.sampler)
+            if config.private and config.audit_canaries
+            else None
+        )
 
     # ------------------------------------------------------------------ budgets, state
     def budgets(self) -> float | dict[str, float] | None:
@@ -651,6 +662,9 @@ class DPFedAvg(FedAvg):
             # released all the same): the privacy report's per-pool sigma_eff reads them
             self._client_statistics(updates, budgets, report)
         n = self.expected_cohort_size() if private else float(len(updates))
+        if self.audit is not None:
+            # canaries join the sum after the clients' statistics: they are not users
+            updates = updates + self.audit.updates(server_round, global_params, budgets)
         try:
             aggregate = self.rule(updates, expected_cohort_size=n) if updates else {}
         except Exception as err:
@@ -691,6 +705,18 @@ class DPFedAvg(FedAvg):
         if self.accountant is not None:
             metrics["epsilon"] = float(self.accountant.epsilon())
         return ArrayRecord(new_params), metrics
+
+    # ------------------------------------------------------------------ audit
+    def audit_report(self, params: Mapping[str, torch.Tensor], *, confidence: float = 0.95):
+        """The canary audit of the rounds run (:meth:`.canaries.FederatedAudit.report`).
+
+        ``None`` without ``audit_canaries`` or before any audited round.
+        """
+        if self.audit is None:
+            return None
+        return self.audit.report(
+            params, expected_cohort_size=self.expected_cohort_size(), confidence=confidence
+        )
 
     def _failed(self, report: RoundReport, reason: str) -> AggregateFailed:
         """Record ``reason`` in ``report`` and return the :class:`AggregateFailed` to raise."""

@@ -1,8 +1,9 @@
-"""Component-aware differential privacy for federated speech models (torch + Opacus only).
+"""Component-aware differential privacy for federated speech models (no Flower, no SpeechBrain).
 
 Layouts of trainable groups, per-group clip budgets (flat, PFL-Uniform, PFL-Dim, their EMA
 variants and N-pool alpha-split), vectorised clipping with statistics, the Gaussian mechanism on
-the aggregate and (epsilon, delta) accounting with Opacus. See ``docs/api.md`` for the
+the aggregate, (epsilon, delta) accounting (dp-accounting's PLD by default, Opacus's RDP and
+PRV) and the empirical canary audit (:mod:`.audit`, torch/numpy/scipy). See ``docs/api.md`` for the
 contracts and the alpha-split paper (Section IV) for the formulas.
 """
 
@@ -14,6 +15,7 @@ from .accounting import (
     extrapolate_privacy,
     noise_multiplier_for_epsilon,
 )
+from .audit import CanarySet, one_run_lower_bound, one_shot_epsilon
 from .budgets import (
     METHODS,
     BudgetMethod,
@@ -57,4 +59,7 @@ __all__ = [
     "effective_noise_multipliers",
     "component_privacy",
     "extrapolate_privacy",
+    "CanarySet",
+    "one_shot_epsilon",
+    "one_run_lower_bound",
 ]

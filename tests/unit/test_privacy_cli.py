@@ -80,8 +80,15 @@ def test_privacy_subprocess_and_main(capsys):
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["epsilon"] == pytest.approx(7.32911117143, abs=5e-8)
-    assert out["delta"] == 1e-5 and out["accountant"] == "rdp"
+    # PLD by default, Opacus's published RDP figure beside it
+    assert out["accountant"] == "pld" and out["delta"] == 1e-5
+    assert out["epsilon_rdp"] == pytest.approx(7.32911117143, abs=5e-8)
+    assert out["epsilon"] == compute_epsilon(
+        sampling_rate=0.04, noise_multiplier=1.5, rounds=2250, delta=1e-5, accountant="pld"
+    )
+    assert 0.85 * out["epsilon_rdp"] < out["epsilon"] < out["epsilon_rdp"]
+    rdp = json.loads(run_cli(*args, "--accountant", "rdp").stdout)
+    assert rdp["accountant"] == "rdp" and rdp["epsilon"] == out["epsilon_rdp"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["epsilon"] == out["epsilon"]
 
@@ -99,13 +106,19 @@ def test_privacy_inverse(capsys):
             "--delta",
             "1e-5",
             "--json",
+            "--accountant",
+            "rdp",
         ]
     )
     out = json.loads(capsys.readouterr().out)
     assert out["noise_multiplier"] == pytest.approx(1.3562, abs=5e-5)
     assert out["epsilon"] <= 8.0
     assert out["epsilon"] == compute_epsilon(
-        sampling_rate=0.04, noise_multiplier=out["noise_multiplier"], rounds=2000, delta=1e-5
+        sampling_rate=0.04,
+        noise_multiplier=out["noise_multiplier"],
+        rounds=2000,
+        delta=1e-5,
+        accountant="rdp",
     )
 
 

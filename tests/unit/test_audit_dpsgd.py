@@ -1,0 +1,81 @@
+"""Gradient canaries in Opacus's DP-SGD: below Opacus's epsilon, above it with halved noise.
+
+A tiny linear model trained by Opacus (``PrivacyEngine.make_private``: Poisson batches,
+per-sample clipping, noise) with the audit's canary gradients appended to the per-sample
+gradients before each step (q = 0.5, 8 steps, sigma = 1.5). Canaries come from the OS; the
+settings leave wide margins (measured twice: Opacus's RDP epsilon 5.78, one-shot estimate
+3.76-3.80 on the real code and 6.92-7.14 with the noise halved; lower bound 1.13-1.26 and
+2.22-2.43).
+"""
+
+import logging
+
+import pytest
+import torch
+from opacus import PrivacyEngine
+from opacus.optimizers import optimizer as opacus_optimizer
+
+from speechbrain_fl.privacy.dpsgd_audit import GradientCanaries
+
+DIM, N, BATCH, EPOCHS, SIGMA, CLIP, CANARIES = 4000, 64, 32, 4, 1.5, 1.0, 1000
+
+
+def _train(noise_scale=1.0, monkeypatch=None):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, DIM, generator=gen)
+    y = torch.randn(N, 1, generator=gen)
+    model = torch.nn.Linear(DIM, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=SIGMA,
+        max_grad_norm=CLIP,
+        poisson_sampling=True,
+    )
+    canaries = GradientCanaries(
+        model.named_parameters(), CANARIES, clip=CLIP, sampling_rate=BATCH / N
+    )
+    if noise_scale != 1.0:  # deliberately mis-scaled noise; the accountant still sees SIGMA
+        real = opacus_optimizer._generate_noise
+
+        def scaled(std, reference, *args, **kwargs):
+            return real(std * noise_scale, reference, *args, **kwargs)
+
+        monkeypatch.setattr(opacus_optimizer, "_generate_noise", scaled)
+    for _ in range(EPOCHS):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            if len(xb):
+                torch.nn.functional.mse_loss(model(xb), yb).backward()
+            else:  # an empty Poisson batch: Opacus still steps (noise only)
+                for p in model.parameters():
+                    p.grad_sample = torch.zeros((0, *p.shape))
+            canaries.insert()
+            optimizer.step()
+    eps = engine.get_epsilon(1e-5)
+    return canaries.audit(delta=1e-5, accountant_epsilon=eps), eps
+
+
+def test_dpsgd_audit_below_opacus_epsilon_and_catches_halved_noise(caplog, monkeypatch):
+    caplog.set_level(logging.ERROR)
+    honest, eps = _train()
+    assert honest["steps"] == EPOCHS * N // BATCH and honest["insertions"] > 0
+    assert honest["epsilon_lower_bound"] <= eps  # provable, at 95%
+    assert honest["epsilon_one_shot"] < eps and not honest["exceeds_accountant"]
+    broken, eps_broken = _train(noise_scale=0.5, monkeypatch=monkeypatch)
+    assert eps_broken == pytest.approx(eps)  # the accountant does not see the bug
+    assert broken["epsilon_one_shot"] > eps and broken["exceeds_accountant"]
+
+
+def test_insert_needs_per_sample_gradients():
+    model = torch.nn.Linear(3, 1)
+    canaries = GradientCanaries(
+        model.named_parameters(), 8, clip=1.0, sampling_rate=1.0, seed=0
+    )  # a fixed seed: tests only
+    assert canaries.canaries.inserted  # this seed inserts some, drawn at q = 1
+    with pytest.raises(RuntimeError, match="no grad_sample"):
+        canaries.insert()
