@@ -22,7 +22,7 @@ import os
 import time
 
 from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
-from speechbrain_fl.fl.profile import norm_profile
+from speechbrain_fl.fl.profile import norm_profile, pool_norms, pool_retention
 from speechbrain_fl.metrics import (
     paired_bootstrap_details,
     utterance_errors_from_stats,
@@ -157,6 +157,55 @@ def noise_vs_update(reports, layout, *, noise_multiplier, clip, expected_cohort_
     return out
 
 
+def pool_summary(reports, layout):
+    """Per-run pool statistics: update-norm ratios and clipped-signal retention (Fig. 5).
+
+    Over the rounds with client statistics: the mean pre-clip norm of each group, turned into
+    alpha-split's two pools by :func:`speechbrain_fl.fl.profile.pool_norms` (per-matrix and
+    per-coordinate norms and the (LLM + connector)/encoder ratios), and the mean over rounds of
+    each pool's retention, post-clip / pre-clip norm (:func:`~speechbrain_fl.fl.profile.pool_retention`;
+    1.0 = nothing clipped). Telemetry from the clients' raw norms: outside the DP guarantee.
+    """
+    rows = [r for r in reports if getattr(r, "group_norms", None)]
+    if not rows:
+        return None
+    names = {name for r in rows for name in r.group_norms}
+    mean_norms = {}
+    for name in names:
+        values = [r.group_norms[name] for r in rows if r.group_norms.get(name) is not None]
+        if values:
+            mean_norms[name] = sum(values) / len(values)
+    out = {"rounds": len(rows), **pool_norms(mean_norms, layout)}
+    per_round = [x for x in (pool_retention(r, layout) for r in rows) if x]
+    out["retention"] = {
+        pool: sum(x[pool] for x in per_round) / len(per_round)
+        for pool in sorted({k for x in per_round for k in x})
+    } if per_round else None  # fmt: skip
+    out["retention_by_round"] = per_round
+    out["note"] = (
+        "pools: encoder, llm = LLM + connector; per_coordinate_norm = pool norm / sqrt(p); "
+        "retention = post-clip / pre-clip pool norm, mean over rounds (exact for one joint "
+        "clip, estimated from the mean group norms for per-group budgets); telemetry outside "
+        "the DP guarantee"
+    )
+    return out
+
+
+def log_pool_summary(pools):
+    """One log line: per-matrix and per-coordinate ratios, and each pool's retention."""
+    if not pools:
+        return
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f}x"  # noqa: E731
+    retention = pools.get("retention") or {}
+    logger.info(
+        "Pools (encoder | LLM + connector): (LLM + connector)/encoder update-norm ratio per "
+        "matrix %s, per coordinate %s; clipped-signal retention %s",
+        fmt(pools["ratio_per_matrix"]),
+        fmt(pools["ratio_per_coordinate"]),
+        ", ".join(f"{k} {v:.3f}" for k, v in retention.items()) or "n/a",
+    )
+
+
 def log_noise_ratio(ratio):
     """One log line: noise norm / mean update norm, and the LLM/encoder per-matrix ratio."""
     if ratio["ratio"] is None:
@@ -179,7 +228,7 @@ _log_noise_ratio = log_noise_ratio  # the older name
 
 def results_summary(
     *, hparams, settings, info, config, result, test, test_round0, change, ratio, profile,
-    alpha_from_profile, timings,
+    alpha_from_profile, timings, pools=None,
 ):  # fmt: skip
     """The ``results.json`` mapping of a run (its schema is in recipes/MLS/README.md)."""
     return {
@@ -201,6 +250,7 @@ def results_summary(
         },
         "profile": profile,
         "noise_vs_update": ratio,
+        "pools": pools,
         "stopped_early": result.stopped_early,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
@@ -242,11 +292,13 @@ def report_run(
         expected_cohort_size=cohort,
     )
     log_noise_ratio(ratio)
+    pools = pool_summary(result.reports, layout)
+    log_pool_summary(pools)
     timings["total"] = time.time() - start
     results = results_summary(
         hparams=hparams, settings=settings, info=info, config=config, result=result,
         test=test_report, test_round0=test_round0, change=change, ratio=ratio, profile=profile,
-        alpha_from_profile=alpha_from_profile, timings=timings,
+        alpha_from_profile=alpha_from_profile, timings=timings, pools=pools,
     )  # fmt: skip
     write_results(hparams["output_folder"], results)
     plots = write_run_plots(
