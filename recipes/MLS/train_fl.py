@@ -253,6 +253,9 @@ def dataio_prepare(hparams, *, progressbar=True):
         max_utts_per_split=hparams["max_utts_per_split"],
         public_speaker_share=None if embedded else hparams["public_speaker_share"],
         seed=hparams["seed"],
+        # a real MLS folder: durations from segments.txt (no audio opened); the embedded
+        # corpus's segments.txt rounds to 10 ms, and its few files are read instead
+        durations="audio" if embedded else "segments",
     )
     partition = partition_manifest(
         os.path.join(manifests, "train.csv"),
