@@ -21,6 +21,9 @@ import math
 import os
 import time
 
+import speechbrain as sb
+import torch
+
 from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
 from speechbrain_fl.fl.profile import norm_profile, pool_norms, pool_retention
 from speechbrain_fl.metrics import (
@@ -46,6 +49,43 @@ def evaluate_test(brain, test_set, test_rows, hparams):
     )
     report = wer_report(details, num_resamples=hparams["bootstrap_resamples"], seed=hparams["seed"])
     return report, details
+
+
+def audio_reliance(brain, test_set, hparams):
+    """Audio-reliance probe: transcript CE with the true audio against another utterance's.
+
+    Teacher-forced cross-entropy (Eq. 2, token mean) of the test transcripts, once with their
+    own audio and once with the audio of the next utterance in the batch (rolled by one). A
+    decoder that reads the audio has ``swapped`` well above ``true``; one that has learned to
+    continue the (templated) text from its history has the two close (exposure bias: the
+    reason the LLM adapters of an earlier default stayed frozen). ``gap = swapped - true``.
+    """
+    model = brain.modules.model
+    loader = sb.dataio.dataloader.make_dataloader(
+        test_set, **dict(hparams["eval_dataloader_options"])
+    )
+    was_training = model.training
+    model.eval()
+    totals = {"true": 0.0, "swapped": 0.0}
+    count = 0
+    with torch.no_grad():
+        for batch in loader:
+            batch = batch.to(brain.device)
+            wavs, lens = batch.sig
+            if wavs.shape[0] < 2:
+                continue
+            words, languages = list(batch.wrd), list(batch.language)
+            n = wavs.shape[0]
+            totals["true"] += n * float(model(wavs, lens, words, languages).ce_loss)
+            rolled = torch.roll(wavs, 1, dims=0), torch.roll(lens, 1, dims=0)
+            totals["swapped"] += n * float(model(*rolled, words, languages).ce_loss)
+            count += n
+    model.train(was_training)
+    if not count:
+        return None
+    out = {k: v / count for k, v in totals.items()}
+    out["gap"] = out["swapped"] - out["true"]
+    return out
 
 
 def federated_change(details, details_round0, hparams):
@@ -228,7 +268,7 @@ _log_noise_ratio = log_noise_ratio  # the older name
 
 def results_summary(
     *, hparams, settings, info, config, result, test, test_round0, change, ratio, profile,
-    alpha_from_profile, timings, pools=None,
+    alpha_from_profile, timings, pools=None, reliance=None,
 ):  # fmt: skip
     """The ``results.json`` mapping of a run (its schema is in recipes/MLS/README.md)."""
     return {
@@ -251,6 +291,7 @@ def results_summary(
         "profile": profile,
         "noise_vs_update": ratio,
         "pools": pools,
+        "audio_reliance": reliance,
         "stopped_early": result.stopped_early,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
@@ -267,6 +308,7 @@ def report_run(
     logs and prints the results table. Returns the results mapping.
     """
     test_round0, details_round0 = round0
+    reliance = {"round0": test_round0.pop("audio_reliance", None)}
     final_model = os.path.join(hparams["output_folder"], "final_model")
     t0 = time.time()
     test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
@@ -276,6 +318,13 @@ def report_run(
         os.path.join(hparams["output_folder"], "test_utterances_round0.csv"), details_round0
     )
     change = federated_change(details, details_round0, hparams)
+    reliance["final"] = audio_reliance(brain, test_set, hparams)
+    for when, probe in reliance.items():
+        if probe:
+            logger.info(
+                "Audio reliance (%s): test CE %.3f with the true audio, %.3f with another "
+                "utterance's (gap %.3f)", when, probe["true"], probe["swapped"], probe["gap"],
+            )  # fmt: skip
     logger.info(
         "Test WER change over the federated stage: %+.4f [%+.4f, %+.4f] (paired speaker "
         "bootstrap, %s)",
@@ -299,6 +348,7 @@ def report_run(
         hparams=hparams, settings=settings, info=info, config=config, result=result,
         test=test_report, test_round0=test_round0, change=change, ratio=ratio, profile=profile,
         alpha_from_profile=alpha_from_profile, timings=timings, pools=pools,
+        reliance=reliance,
     )  # fmt: skip
     write_results(hparams["output_folder"], results)
     plots = write_run_plots(

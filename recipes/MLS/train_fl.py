@@ -73,6 +73,7 @@ from mls_prepare import prepare_mls  # noqa: E402
 from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis API)
     PAPER_SIGMA,
     _log_noise_ratio,
+    audio_reliance,
     evaluate_test,
     federated_change,
     log_noise_ratio,
@@ -507,6 +508,7 @@ def main(run):
     brain = build_brain(settings)
     start = time.time()
     test_round0, details_round0 = evaluate_test(brain, test_set, test_rows, hparams)
+    test_round0["audio_reliance"] = audio_reliance(brain, test_set, hparams)
     timings["evaluation"] = time.time() - start
     logger.info("Round-0 (seed model) test WER %.4f", test_round0["WER"])
     hparams["train_logger"].log_stats(
