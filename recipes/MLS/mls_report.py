@@ -139,7 +139,8 @@ def privacy_section(hparams, config, result, *, alpha_from_profile=False):
         }
     report = dict(result.privacy)
     report["accountant"] = f"opacus-{report['accountant']}"
-    return {**report, **disclosure, "alpha": config.alpha}
+    # alpha-split with a frozen encoder runs as the paper's alpha = 0 row (mls_settings.engine_hparams)
+    return {**report, **disclosure, "alpha": config.alpha, "clip_method": config.clip_method}
 
 
 PAPER_SIGMA = 0.1  # the alpha-split paper's noise multiplier (Sec. II-D)

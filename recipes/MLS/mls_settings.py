@@ -91,6 +91,29 @@ PREPARATION_KEYS = (
 )  # fmt: skip
 
 
+def engine_hparams(hparams):
+    """The hparams the federated engine is configured from (:class:`FLConfig`).
+
+    One change (ours, following the paper): alpha-split with the encoder frozen. Its encoder
+    pool is then empty, and budgets C*sqrt(alpha) / C*sqrt(1 - alpha) would leave alpha*C^2
+    unused. The paper's frozen row is Table II's alpha = 0 ("Enc. frozen": the LLM pool gets
+    C, 1.020x Flat-e's per-layer budget), and alpha = 0 is alpha-split's LLM pool alone with
+    size-proportional budgets: PFL-Dim over the LLM + connector groups, which is what the engine
+    runs (``alpha`` None). results.json keeps ``method: alpha_split``; its privacy section
+    records the engine's clip method.
+
+    Example
+    -------
+    >>> engine_hparams({"method": "alpha_split", "freeze_encoder": True, "alpha": 0.05})
+    {'method': 'pfl_dim', 'freeze_encoder': True, 'alpha': None}
+    >>> engine_hparams({"method": "alpha_split", "freeze_encoder": False, "alpha": 0.05})["method"]
+    'alpha_split'
+    """
+    if hparams["method"] == "alpha_split" and hparams["freeze_encoder"]:
+        return {**hparams, "method": "pfl_dim", "alpha": None}
+    return hparams
+
+
 def check_hparams(hparams):
     """Fail fast, before any heavy work, on values the run cannot use."""
     model = hparams["model"]
@@ -139,4 +162,6 @@ def check_hparams(hparams):
         raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
     # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
     # by the profiling, so any valid alpha stands in for it here)
-    FLConfig.from_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})
+    FLConfig.from_hparams(
+        engine_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})
+    )

@@ -86,6 +86,7 @@ from mls_settings import (  # noqa: E402
     BRAIN_KEYS,
     PREPARATION_KEYS,
     check_hparams,
+    engine_hparams,
     make_local_optimizer,
     model_options,
 )
@@ -419,7 +420,7 @@ def mls_task(hparams_path=None, overrides=None):
         raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
     settings, info = prepare_run(hparams, run_opts)
     if stage == "train":
-        config = FLConfig.from_hparams(hparams)
+        config = FLConfig.from_hparams(engine_hparams(hparams))
         on_result = functools.partial(
             save_final_model,
             settings=settings,
@@ -545,7 +546,7 @@ def main(run):
             logger.info("alpha: auto -> %.4f (from the norm profile)", hparams["alpha"])
 
     start = time.time()
-    config = FLConfig.from_hparams(hparams)
+    config = FLConfig.from_hparams(engine_hparams(hparams))
     result = RECIPE.simulate(RECIPE.spec(run), hparams)
     timings["federated"] = time.time() - start
 
