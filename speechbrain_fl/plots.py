@@ -4,7 +4,9 @@ They reproduce the diagnostic figures of the alpha-split paper from one run's ow
 (``rounds.csv`` and ``group_norms.csv``, formats in ``docs/api.md``, "Run outputs"):
 
 - ``group_norms.png`` (Fig. 2): mean update norm per trainable group, sorted descending, log
-  scale, colored by component, with the Gaussian noise floor ``sigma * C / sqrt(n)``.
+  scale, colored by component, with the norm of the Gaussian noise each matrix receives,
+  ``sigma * C * sqrt(p_h) / n`` (Eq. 4 over its p_h values; one mark per bar), beside the band
+  the paper draws, ``sigma * C / sqrt(n)``.
 - ``clipping_dynamics.png`` (Fig. 3): mean joint update norm (left axis) with the clip ``C``,
   client clip rate and mean clip ratio ``r_bar = mean_i min(1, C / ||Delta theta_i||)`` (right
   axis); second panel: mean update norm per component per round.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -89,17 +91,33 @@ def _save(fig: Figure, path: Path, *, integer_x: bool = True) -> Path:
     return path
 
 
-def noise_floor(*, noise_multiplier: float, clip: float, expected_cohort_size: float) -> float:
-    """The paper's noise floor ``sigma * C / sqrt(n)`` (Fig. 2).
+def noise_floor(
+    *,
+    noise_multiplier: float,
+    clip: float,
+    expected_cohort_size: float,
+    numel: float | None = None,
+) -> float:
+    """Noise floor of Fig. 2: the paper's ``sigma C / sqrt(n)``, or one matrix's noise norm.
+
+    The server adds N(0, (sigma C / n)^2 I) to the mean update (Eq. 4), so a matrix of
+    ``numel`` = p values receives noise of norm about ``sigma C sqrt(p) / n``: what its mean
+    update norm must exceed to survive. Without ``numel`` this returns the band the paper's
+    Fig. 2 draws, ``sigma C / sqrt(n)`` (~10x lower for Table I's matrices: sqrt(p) / sqrt(n)).
 
     Example
     -------
     >>> round(noise_floor(noise_multiplier=0.1, clip=1.0, expected_cohort_size=94), 4)
     0.0103
+    >>> round(noise_floor(noise_multiplier=0.1, clip=1.0, expected_cohort_size=94,
+    ...                   numel=10_240), 4)
+    0.1077
     """
     if expected_cohort_size <= 0:
         raise ValueError(f"expected_cohort_size must be > 0, got {expected_cohort_size}")
-    return noise_multiplier * clip / math.sqrt(expected_cohort_size)
+    if numel is None:
+        return noise_multiplier * clip / math.sqrt(expected_cohort_size)
+    return noise_multiplier * clip * math.sqrt(numel) / expected_cohort_size
 
 
 def effective_noise_curve(
@@ -143,6 +161,7 @@ def plot_group_norms(
     path: Path,
     *,
     floor: float | None = None,
+    noise: Mapping[str, float] | None = None,
 ) -> Path:
     """Fig. 2: mean update norm per group over the rounds, sorted descending, log scale.
 
@@ -153,7 +172,10 @@ def plot_group_norms(
     path : Path
         The PNG to write.
     floor : float, optional
-        Noise floor ``sigma * C / sqrt(n)`` drawn as a band below it.
+        The paper's noise floor ``sigma * C / sqrt(n)``, drawn as a band below it.
+    noise : dict of str to float, optional
+        Each group's noise norm ``sigma * C * sqrt(p_h) / n`` (:func:`noise_floor` with
+        ``numel``), drawn as a black mark on its bar.
 
     Returns
     -------
@@ -180,8 +202,16 @@ def plot_group_norms(
     if floor is not None and floor > 0:
         ax.axhspan(min(heights.min(), floor) / 2, floor, color="pink", alpha=0.5, zorder=0)
         handles.append(
-            ax.axhline(floor, color="deeppink", lw=1, label=f"noise floor σC/√n = {floor:.3g}")
+            ax.axhline(floor, color="deeppink", lw=1, label=f"paper's floor σC/√n = {floor:.3g}")
         )
+    if noise:
+        marks = [noise.get(names[i], np.nan) for i in order]
+        handles.append(
+            ax.scatter(
+                np.arange(len(order)), marks, marker="_", s=120, color="black", zorder=3,
+                label="noise norm per matrix σC√p/n",
+            )
+        )  # fmt: skip
     ax.set_yscale("log")
     ax.set_xlabel("trainable group (sorted by mean norm)")
     ax.set_ylabel("mean update norm ‖Δθ_h‖₂")
@@ -440,7 +470,19 @@ def write_run_plots(
             )
         else:
             _skip("noise floor band", "needs noise_multiplier, clip and a cohort size")
-        written.append(plot_group_norms(table, plots / "group_norms.png", floor=floor))
+        noise = None
+        if floor is not None and "numel" in table:
+            noise = {
+                str(name): noise_floor(
+                    noise_multiplier=noise_multiplier,
+                    clip=clip,
+                    expected_cohort_size=expected_cohort_size,
+                    numel=float(numel),
+                )
+                for name, numel in zip(table["group"], table["numel"], strict=True)
+                if np.isfinite(numel)
+            }
+        written.append(plot_group_norms(table, plots / "group_norms.png", floor=floor, noise=noise))
 
     if rounds is not None:
         if has_values(rounds, "joint_norm_mean"):

@@ -386,34 +386,44 @@ def _ratio_cell(results: Mapping | None) -> str:
     return cell + (" (σ 0.1)" if ratio.get("sigma_source", "").startswith("paper") else "")
 
 
-def _norm_ratio_cell(results: Mapping | None) -> str:
-    value = (
-        _get(results, "noise_vs_update", "norm_profile", "llm_encoder_ratio") if results else None
-    )
-    return _MISSING if value is None else f"{value:.2f}x"
+def _pool_cells(results: Mapping | None) -> list[str]:
+    """Per-matrix and per-coordinate (LLM + connector)/encoder ratios, and pool retention."""
+    pools = _get(results, "pools") if results else None
+    if not pools:
+        return [_MISSING, _MISSING, _MISSING]
+    fmt = lambda v: _MISSING if v is None else f"{v:.2f}x"  # noqa: E731
+    retention = pools.get("retention") or {}
+    kept = " / ".join(f"{retention[k]:.2f}" if k in retention else _MISSING
+                      for k in ("encoder", "llm"))  # fmt: skip
+    return [fmt(pools.get("ratio_per_matrix")), fmt(pools.get("ratio_per_coordinate")), kept]
 
 
 def format_change_table(results: Mapping[tuple[str, str], Mapping]) -> str:
-    """Per run: final - round-0 test WER with its paired CI, noise/update norms, LLM/encoder ratio.
+    """Per run: final - round-0 WER (paired CI), noise/update norms, pool ratios and retention.
+
+    The pool columns come from results.json's ``pools``: the (LLM + connector)/encoder
+    update-norm ratio per matrix and per coordinate (norm / sqrt(p) per pool), and each pool's
+    clipped-signal retention, post-clip / pre-clip norm, encoder / LLM (the paper's Fig. 5).
 
     Example
     -------
     >>> runs = {("fedavg", "unfrozen"): {"test": {"WER": 0.3}, "test_round0": {"WER": 0.5},
     ...     "test_change_from_round0": {"difference": -0.2, "ci95": [-0.25, -0.15]}}}
     >>> print(format_change_table(runs).splitlines()[2])
-    | FedAvg (no DP) | unfrozen | -0.2000 [-0.2500, -0.1500] (-40%) | - | - |
+    | FedAvg (no DP) | unfrozen | -0.2000 [-0.2500, -0.1500] (-40%) | - | - | - | - |
     """
     lines = [
         "| Method | Encoder | Test WER change from round 0 [paired 95% CI] (relative) "
-        "| noise norm / mean client update norm = ratio | LLM/encoder per-matrix norm ratio |",
-        "|---|---|---|---|---:|",
+        "| noise norm / mean client update norm = ratio | LLM/encoder norm ratio per matrix "
+        "| per coordinate | retention enc / LLM |",
+        "|---|---|---|---|---:|---:|---:|",
     ]
     for method, name in METHODS.items():
         for variant in VARIANTS:
             run = results.get((method, variant))
             if run is None:
                 continue
-            cells = [name, variant, _change_cell(run), _ratio_cell(run), _norm_ratio_cell(run)]
+            cells = [name, variant, _change_cell(run), _ratio_cell(run), *_pool_cells(run)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

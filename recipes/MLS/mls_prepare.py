@@ -79,6 +79,7 @@ def prepare_mls(
     max_utts_per_split: int | None = None,
     public_speaker_share: float | None = None,
     seed: int = 1234,
+    durations: str = "segments",
 ) -> dict:
     """Prepare CSV manifests, the Table VI statistics and the overlap report for MLS.
 
@@ -102,6 +103,13 @@ def prepare_mls(
         (:func:`carve_public_split`). None: such a language is an error naming this key.
     seed : int
         Seed of the speaker choice of :func:`carve_public_split`.
+    durations : str
+        ``segments``: each utterance's duration is ``end - start`` of its line in the split's
+        ``segments.txt`` (``<id> <url> <start> <end>``), so no audio file is opened (at full MLS
+        size, ~50k hours, opening every header takes hours); an utterance without a segment
+        line falls back to its audio header, and an unreadable file is found only when it is
+        loaded. ``audio``: every header is read (``soundfile.info``), which also lists
+        unreadable audio in ``skipped.json``.
 
     Returns
     -------
@@ -126,6 +134,8 @@ def prepare_mls(
     """
     if skip_prep:
         return {}
+    if durations not in ("segments", "audio"):
+        raise ValueError(f"durations: {durations!r} must be 'segments' or 'audio'")
     if public_speaker_share is not None and not 0.0 < public_speaker_share < 1.0:
         raise ValueError(f"public_speaker_share must be in (0, 1), got {public_speaker_share}")
     data_folder = os.path.abspath(data_folder)
@@ -139,6 +149,7 @@ def prepare_mls(
         "public_speaker_share": public_speaker_share if carve else None,
         "seed": seed if carve else None,
         "transcripts": _transcripts_fingerprint(data_folder, language_dirs, splits),
+        "durations": durations,
     }
     os.makedirs(save_folder, exist_ok=True)
     if skip(save_folder, options):
@@ -156,7 +167,13 @@ def prepare_mls(
     for language, lang_dir in sorted(language_dirs.items()):
         rows = {
             split: _prepare_split(
-                data_folder, lang_dir, language, split, skipped, max_utts=max_utts_per_split
+                data_folder,
+                lang_dir,
+                language,
+                split,
+                skipped,
+                max_utts=max_utts_per_split,
+                durations=durations,
             )
             for split in splits
             if not (split == "public" and language in carve)
@@ -340,9 +357,50 @@ def _read_transcripts(path: str) -> dict[str, str]:
     return out
 
 
-def _prepare_split(data_folder, lang_dir, language, split, skipped, *, max_utts):
+def read_segment_durations(path: str) -> dict[str, float]:
+    """Durations ``end - start`` (seconds) from an MLS ``segments.txt``; {} if it is absent.
+
+    Each line is ``<spk>_<book>_<utt>\t<source url>\t<start>\t<end>``. A line that does not
+    parse raises ``ValueError`` naming the file and line.
+
+    Example
+    -------
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "segments.txt")
+    >>> _ = open(path, "w").write("1_2_3\thttp://x\t10.5\t12.25\n")
+    >>> read_segment_durations(path)
+    {'1_2_3': 1.75}
+    """
+    if not os.path.isfile(path):
+        return {}
+    out = {}
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            fields = line.rstrip("\n").split("\t")
+            try:
+                start, end = float(fields[-2]), float(fields[-1])
+            except (IndexError, ValueError):
+                raise ValueError(
+                    f"{path}:{number}: expected '<id>\t<url>\t<start>\t<end>', got {line!r}"
+                ) from None
+            if len(fields) < 3 or end < start:
+                raise ValueError(f"{path}:{number}: end {end} before start {start}")
+            out[fields[0]] = end - start
+    return out
+
+
+def _prepare_split(
+    data_folder, lang_dir, language, split, skipped, *, max_utts, durations="segments"
+):
     split_dir = os.path.join(data_folder, lang_dir, split)
     transcripts = _read_transcripts(os.path.join(split_dir, "transcripts.txt"))
+    segments = (
+        read_segment_durations(os.path.join(split_dir, "segments.txt"))
+        if durations == "segments"
+        else {}
+    )
     audio = {}
     audio_root = os.path.join(split_dir, "audio")
     for folder, _, files in os.walk(audio_root):
@@ -364,7 +422,7 @@ def _prepare_split(data_folder, lang_dir, language, split, skipped, *, max_utts)
             continue
         path = audio[utt_id]
         try:
-            duration = sf.info(path).duration
+            duration = segments[utt_id] if utt_id in segments else sf.info(path).duration
         except (RuntimeError, sf.LibsndfileError) as err:
             logger.warning("Unreadable audio (skipped): %s (%s)", path, err)
             skipped["unreadable_audio"].append(os.path.relpath(path, data_folder))

@@ -21,8 +21,11 @@ import math
 import os
 import time
 
+import speechbrain as sb
+import torch
+
 from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
-from speechbrain_fl.fl.profile import norm_profile
+from speechbrain_fl.fl.profile import norm_profile, pool_norms, pool_retention
 from speechbrain_fl.metrics import (
     paired_bootstrap_details,
     utterance_errors_from_stats,
@@ -46,6 +49,43 @@ def evaluate_test(brain, test_set, test_rows, hparams):
     )
     report = wer_report(details, num_resamples=hparams["bootstrap_resamples"], seed=hparams["seed"])
     return report, details
+
+
+def audio_reliance(brain, test_set, hparams):
+    """Audio-reliance probe: transcript CE with the true audio against another utterance's.
+
+    Teacher-forced cross-entropy (Eq. 2, token mean) of the test transcripts, once with their
+    own audio and once with the audio of the next utterance in the batch (rolled by one). A
+    decoder that reads the audio has ``swapped`` well above ``true``; one that has learned to
+    continue the (templated) text from its history has the two close (exposure bias: the
+    reason the LLM adapters of an earlier default stayed frozen). ``gap = swapped - true``.
+    """
+    model = brain.modules.model
+    loader = sb.dataio.dataloader.make_dataloader(
+        test_set, **dict(hparams["eval_dataloader_options"])
+    )
+    was_training = model.training
+    model.eval()
+    totals = {"true": 0.0, "swapped": 0.0}
+    count = 0
+    with torch.no_grad():
+        for batch in loader:
+            batch = batch.to(brain.device)
+            wavs, lens = batch.sig
+            if wavs.shape[0] < 2:
+                continue
+            words, languages = list(batch.wrd), list(batch.language)
+            n = wavs.shape[0]
+            totals["true"] += n * float(model(wavs, lens, words, languages).ce_loss)
+            rolled = torch.roll(wavs, 1, dims=0), torch.roll(lens, 1, dims=0)
+            totals["swapped"] += n * float(model(*rolled, words, languages).ce_loss)
+            count += n
+    model.train(was_training)
+    if not count:
+        return None
+    out = {k: v / count for k, v in totals.items()}
+    out["gap"] = out["swapped"] - out["true"]
+    return out
 
 
 def federated_change(details, details_round0, hparams):
@@ -99,7 +139,8 @@ def privacy_section(hparams, config, result, *, alpha_from_profile=False):
         }
     report = dict(result.privacy)
     report["accountant"] = f"opacus-{report['accountant']}"
-    return {**report, **disclosure, "alpha": config.alpha}
+    # alpha-split with a frozen encoder runs as the paper's alpha = 0 row (mls_settings.engine_hparams)
+    return {**report, **disclosure, "alpha": config.alpha, "clip_method": config.clip_method}
 
 
 PAPER_SIGMA = 0.1  # the alpha-split paper's noise multiplier (Sec. II-D)
@@ -157,6 +198,55 @@ def noise_vs_update(reports, layout, *, noise_multiplier, clip, expected_cohort_
     return out
 
 
+def pool_summary(reports, layout):
+    """Per-run pool statistics: update-norm ratios and clipped-signal retention (Fig. 5).
+
+    Over the rounds with client statistics: the mean pre-clip norm of each group, turned into
+    alpha-split's two pools by :func:`speechbrain_fl.fl.profile.pool_norms` (per-matrix and
+    per-coordinate norms and the (LLM + connector)/encoder ratios), and the mean over rounds of
+    each pool's retention, post-clip / pre-clip norm (:func:`~speechbrain_fl.fl.profile.pool_retention`;
+    1.0 = nothing clipped). Telemetry from the clients' raw norms: outside the DP guarantee.
+    """
+    rows = [r for r in reports if getattr(r, "group_norms", None)]
+    if not rows:
+        return None
+    names = {name for r in rows for name in r.group_norms}
+    mean_norms = {}
+    for name in names:
+        values = [r.group_norms[name] for r in rows if r.group_norms.get(name) is not None]
+        if values:
+            mean_norms[name] = sum(values) / len(values)
+    out = {"rounds": len(rows), **pool_norms(mean_norms, layout)}
+    per_round = [x for x in (pool_retention(r, layout) for r in rows) if x]
+    out["retention"] = {
+        pool: sum(x[pool] for x in per_round) / len(per_round)
+        for pool in sorted({k for x in per_round for k in x})
+    } if per_round else None  # fmt: skip
+    out["retention_by_round"] = per_round
+    out["note"] = (
+        "pools: encoder, llm = LLM + connector; per_coordinate_norm = pool norm / sqrt(p); "
+        "retention = post-clip / pre-clip pool norm, mean over rounds (exact for one joint "
+        "clip, estimated from the mean group norms for per-group budgets); telemetry outside "
+        "the DP guarantee"
+    )
+    return out
+
+
+def log_pool_summary(pools):
+    """One log line: per-matrix and per-coordinate ratios, and each pool's retention."""
+    if not pools:
+        return
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f}x"  # noqa: E731
+    retention = pools.get("retention") or {}
+    logger.info(
+        "Pools (encoder | LLM + connector): (LLM + connector)/encoder update-norm ratio per "
+        "matrix %s, per coordinate %s; clipped-signal retention %s",
+        fmt(pools["ratio_per_matrix"]),
+        fmt(pools["ratio_per_coordinate"]),
+        ", ".join(f"{k} {v:.3f}" for k, v in retention.items()) or "n/a",
+    )
+
+
 def log_noise_ratio(ratio):
     """One log line: noise norm / mean update norm, and the LLM/encoder per-matrix ratio."""
     if ratio["ratio"] is None:
@@ -179,7 +269,7 @@ _log_noise_ratio = log_noise_ratio  # the older name
 
 def results_summary(
     *, hparams, settings, info, config, result, test, test_round0, change, ratio, profile,
-    alpha_from_profile, timings,
+    alpha_from_profile, timings, pools=None, reliance=None,
 ):  # fmt: skip
     """The ``results.json`` mapping of a run (its schema is in recipes/MLS/README.md)."""
     return {
@@ -201,6 +291,8 @@ def results_summary(
         },
         "profile": profile,
         "noise_vs_update": ratio,
+        "pools": pools,
+        "audio_reliance": reliance,
         "stopped_early": result.stopped_early,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
@@ -217,6 +309,7 @@ def report_run(
     logs and prints the results table. Returns the results mapping.
     """
     test_round0, details_round0 = round0
+    reliance = {"round0": test_round0.pop("audio_reliance", None)}
     final_model = os.path.join(hparams["output_folder"], "final_model")
     t0 = time.time()
     test_report, details = evaluate_test(brain, test_set, test_rows, hparams)
@@ -226,6 +319,13 @@ def report_run(
         os.path.join(hparams["output_folder"], "test_utterances_round0.csv"), details_round0
     )
     change = federated_change(details, details_round0, hparams)
+    reliance["final"] = audio_reliance(brain, test_set, hparams)
+    for when, probe in reliance.items():
+        if probe:
+            logger.info(
+                "Audio reliance (%s): test CE %.3f with the true audio, %.3f with another "
+                "utterance's (gap %.3f)", when, probe["true"], probe["swapped"], probe["gap"],
+            )  # fmt: skip
     logger.info(
         "Test WER change over the federated stage: %+.4f [%+.4f, %+.4f] (paired speaker "
         "bootstrap, %s)",
@@ -242,11 +342,14 @@ def report_run(
         expected_cohort_size=cohort,
     )
     log_noise_ratio(ratio)
+    pools = pool_summary(result.reports, layout)
+    log_pool_summary(pools)
     timings["total"] = time.time() - start
     results = results_summary(
         hparams=hparams, settings=settings, info=info, config=config, result=result,
         test=test_report, test_round0=test_round0, change=change, ratio=ratio, profile=profile,
-        alpha_from_profile=alpha_from_profile, timings=timings,
+        alpha_from_profile=alpha_from_profile, timings=timings, pools=pools,
+        reliance=reliance,
     )  # fmt: skip
     write_results(hparams["output_folder"], results)
     plots = write_run_plots(

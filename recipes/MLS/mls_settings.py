@@ -14,8 +14,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
+
 from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.models.presets import PRESETS
+from speechbrain_fl.models.presets import CONNECTOR_TREATMENTS, CTC_TREATMENTS, PRESETS
 
 
 def model_options(hparams):
@@ -30,7 +32,35 @@ def model_options(hparams):
         "gradient_checkpointing": hparams["gradient_checkpointing"],
         "prompt": hparams["prompt"],
         "train_llm_lora": hparams["train_llm_lora"],
+        "connector_treatment": hparams["connector_treatment"],
+        "ctc_treatment": hparams["ctc_treatment"],
     }
+
+
+LOCAL_OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_local_optimizer(groups, *, lr, name, momentum, weight_decay):
+    """The clients' local optimizer over the model's parameter groups.
+
+    ``sgd``: torch SGD with heavy-ball ``momentum`` (v <- mu v + g; theta <- theta - lr v).
+    ``adamw``: torch AdamW (the paper's Sec. II-D), which moves every coordinate by about lr
+    per step whatever its gradient, so update norms scale with sqrt(p) and the gradients'
+    imbalance between encoder and LLM is erased; SGD keeps it (recipes/MLS/README.md).
+
+    Example
+    -------
+    >>> import torch
+    >>> opt = make_local_optimizer([{"params": [torch.zeros(2, requires_grad=True)]}], lr=0.1,
+    ...                            name="sgd", momentum=0.9, weight_decay=0.0)
+    >>> type(opt).__name__, opt.param_groups[0]["momentum"]
+    ('SGD', 0.9)
+    """
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"local_optimizer: {name!r} must be one of {LOCAL_OPTIMIZERS}")
 
 
 BRAIN_KEYS = (
@@ -38,6 +68,8 @@ BRAIN_KEYS = (
     "lr",
     "lr_min_ratio",
     "weight_decay",
+    "local_optimizer",
+    "momentum",
     "encoder_lr_multiplier",
     "max_new_tokens",
     "num_beams",
@@ -53,9 +85,33 @@ PREPARATION_KEYS = (
     "pretrain_steps", "pretrain_ctc_steps", "pretrain_lr", "pretrain_batch_size",
     "pretrain_max_grad_norm", "connector",
     "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
-    "lora_alpha", "gradient_checkpointing", "train_llm_lora", "corpus_client_rate",
+    "lora_alpha", "gradient_checkpointing", "train_llm_lora", "connector_treatment",
+    "ctc_treatment", "corpus_client_rate",
     "corpus_client_novel_share", *BRAIN_KEYS,
 )  # fmt: skip
+
+
+def engine_hparams(hparams):
+    """The hparams the federated engine is configured from (:class:`FLConfig`).
+
+    One change (ours, following the paper): alpha-split with the encoder frozen. Its encoder
+    pool is then empty, and budgets C*sqrt(alpha) / C*sqrt(1 - alpha) would leave alpha*C^2
+    unused. The paper's frozen row is Table II's alpha = 0 ("Enc. frozen": the LLM pool gets
+    C, 1.020x Flat-e's per-layer budget), and alpha = 0 is alpha-split's LLM pool alone with
+    size-proportional budgets: PFL-Dim over the LLM + connector groups, which is what the engine
+    runs (``alpha`` None). results.json keeps ``method: alpha_split``; its privacy section
+    records the engine's clip method.
+
+    Example
+    -------
+    >>> engine_hparams({"method": "alpha_split", "freeze_encoder": True, "alpha": 0.05})
+    {'method': 'pfl_dim', 'freeze_encoder': True, 'alpha': None}
+    >>> engine_hparams({"method": "alpha_split", "freeze_encoder": False, "alpha": 0.05})["method"]
+    'alpha_split'
+    """
+    if hparams["method"] == "alpha_split" and hparams["freeze_encoder"]:
+        return {**hparams, "method": "pfl_dim", "alpha": None}
+    return hparams
 
 
 def check_hparams(hparams):
@@ -68,6 +124,32 @@ def check_hparams(hparams):
         )
     if not 0.0 <= float(hparams.get("lr_min_ratio", 0.0)) <= 1.0:
         raise ValueError(f"lr_min_ratio: {hparams['lr_min_ratio']!r} must be in [0, 1]")
+    if hparams["local_optimizer"] not in LOCAL_OPTIMIZERS:
+        raise ValueError(
+            f"local_optimizer: {hparams['local_optimizer']!r} must be one of {LOCAL_OPTIMIZERS}"
+        )
+    momentum = hparams["momentum"]
+    if (
+        isinstance(momentum, bool)
+        or not isinstance(momentum, int | float)
+        or not (0.0 <= momentum < 1.0)
+    ):
+        raise ValueError(f"momentum: {momentum!r} must be a number in [0, 1)")
+    for key, allowed in (
+        ("connector_treatment", CONNECTOR_TREATMENTS),
+        ("ctc_treatment", CTC_TREATMENTS),
+    ):
+        if hparams[key] not in allowed:
+            raise ValueError(f"{key}: {hparams[key]!r} must be one of {allowed}")
+    if (
+        not hparams["train_llm_lora"]
+        and hparams["connector_treatment"] == "freeze"
+        and hparams["freeze_encoder"]
+    ):
+        raise ValueError(
+            "train_llm_lora: False, connector_treatment: freeze and freeze_encoder: True leave "
+            "nothing to train"
+        )
     workers = hparams.get("corpus_workers")
     if workers is not None and (
         isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
@@ -80,4 +162,6 @@ def check_hparams(hparams):
         raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
     # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
     # by the profiling, so any valid alpha stands in for it here)
-    FLConfig.from_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})
+    FLConfig.from_hparams(
+        engine_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})
+    )

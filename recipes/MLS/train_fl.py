@@ -73,6 +73,7 @@ from mls_prepare import prepare_mls  # noqa: E402
 from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis API)
     PAPER_SIGMA,
     _log_noise_ratio,
+    audio_reliance,
     evaluate_test,
     federated_change,
     log_noise_ratio,
@@ -85,6 +86,8 @@ from mls_settings import (  # noqa: E402
     BRAIN_KEYS,
     PREPARATION_KEYS,
     check_hparams,
+    engine_hparams,
+    make_local_optimizer,
     model_options,
 )
 
@@ -133,13 +136,19 @@ class SpeechLLMBrain(sb.Brain):
         return out.loss
 
     def init_optimizers(self):
-        """``opt_class`` of the YAML (AdamW) over the trainable tensors, at this round's lr.
+        """``local_optimizer`` (sgd with ``momentum``, or adamw) at this round's lr.
 
-        The encoder's group runs at ``lr * encoder_lr_multiplier``.
+        The encoder's group runs at ``lr * encoder_lr_multiplier`` (the paper's Appendix A).
         """
         lr = self.round_lr()
         groups = self.modules.model.param_groups(lr, self.hparams.encoder_lr_multiplier)
-        self.optimizer = self.hparams.opt_class(groups, lr=lr)
+        self.optimizer = make_local_optimizer(
+            groups,
+            lr=lr,
+            name=self.hparams.local_optimizer,
+            momentum=self.hparams.momentum,
+            weight_decay=self.hparams.weight_decay,
+        )
         self.optimizers_dict = {"optimizer": self.optimizer}
         if self.checkpointer is not None:
             self.checkpointer.add_recoverable("optimizer", self.optimizer)
@@ -246,6 +255,9 @@ def dataio_prepare(hparams, *, progressbar=True):
         max_utts_per_split=hparams["max_utts_per_split"],
         public_speaker_share=None if embedded else hparams["public_speaker_share"],
         seed=hparams["seed"],
+        # a real MLS folder: durations from segments.txt (no audio opened); the embedded
+        # corpus's segments.txt rounds to 10 ms, and its few files are read instead
+        durations="audio" if embedded else "segments",
     )
     partition = partition_manifest(
         os.path.join(manifests, "train.csv"),
@@ -264,13 +276,13 @@ def dataio_prepare(hparams, *, progressbar=True):
 _MODELS = ModelCache()  # one model per process, shared by the clients it trains
 
 
-def build_brain(settings, *, opt_class=None, checkpointer=None):
+def build_brain(settings, *, checkpointer=None):
     """A SpeechLLMBrain around the seed model (one model per process, shared by its clients).
 
     A process (a Ray actor, a SuperNode) trains many clients one after another; the engine loads
     the global trainable tensors before each local training and restores them after, so one
-    model per process is enough (:class:`speechbrain_fl.recipe.ModelCache`). ``opt_class`` is
-    the YAML's optimizer factory (needed by a Brain that trains).
+    model per process is enough (:class:`speechbrain_fl.recipe.ModelCache`). The Brain builds
+    its optimizer itself (``local_optimizer``, :meth:`SpeechLLMBrain.init_optimizers`).
     """
     model = _MODELS.get(
         [settings.model, settings.run_opts.get("device")],
@@ -284,7 +296,7 @@ def build_brain(settings, *, opt_class=None, checkpointer=None):
     )
     return SpeechLLMBrain(
         modules={"model": model},
-        hparams={**settings.hparams, "opt_class": opt_class},
+        hparams=dict(settings.hparams),
         run_opts=dict(settings.run_opts),
         checkpointer=checkpointer,
     )
@@ -341,13 +353,13 @@ def prepare_run(hparams, run_opts):
     return RunSettings.from_dict(prepared["settings"]), prepared["info"]
 
 
-def build_client(context, *, settings, opt_class):
+def build_client(context, *, settings):
     """ClientApp builder: this partition's Brain and training set."""
     partition_id = int(context.node_config["partition-id"])
     # One intra-op thread per CPU the engine gave this client: Ray runs several clients side by
     # side, and torch's default (all cores each) oversubscribes the machine (2.5x slower here).
     torch.set_num_threads(max(1, int(settings.cpus_per_client)))
-    brain = build_brain(settings, opt_class=opt_class)
+    brain = build_brain(settings)
     return ClientTask(
         brain=brain,
         train_set=make_dataset(settings.clients[partition_id], settings.data_folder),
@@ -408,7 +420,7 @@ def mls_task(hparams_path=None, overrides=None):
         raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
     settings, info = prepare_run(hparams, run_opts)
     if stage == "train":
-        config = FLConfig.from_hparams(hparams)
+        config = FLConfig.from_hparams(engine_hparams(hparams))
         on_result = functools.partial(
             save_final_model,
             settings=settings,
@@ -424,7 +436,7 @@ def mls_task(hparams_path=None, overrides=None):
         on_result = None
     return RECIPE.task(
         settings,
-        build_client=functools.partial(build_client, opt_class=hparams["opt_class"]),
+        build_client=build_client,
         build_server=build_server,
         fl_config=config,
         on_result=on_result,
@@ -497,6 +509,7 @@ def main(run):
     brain = build_brain(settings)
     start = time.time()
     test_round0, details_round0 = evaluate_test(brain, test_set, test_rows, hparams)
+    test_round0["audio_reliance"] = audio_reliance(brain, test_set, hparams)
     timings["evaluation"] = time.time() - start
     logger.info("Round-0 (seed model) test WER %.4f", test_round0["WER"])
     hparams["train_logger"].log_stats(
@@ -533,7 +546,7 @@ def main(run):
             logger.info("alpha: auto -> %.4f (from the norm profile)", hparams["alpha"])
 
     start = time.time()
-    config = FLConfig.from_hparams(hparams)
+    config = FLConfig.from_hparams(engine_hparams(hparams))
     result = RECIPE.simulate(RECIPE.spec(run), hparams)
     timings["federated"] = time.time() - start
 

@@ -29,7 +29,15 @@ from speechbrain_fl.utils.atomic import atomic_open
 
 from .config import FLConfig
 
-__all__ = ["PROFILE_CAVEAT", "format_profile", "norm_profile", "profile_config", "write_profile"]
+__all__ = [
+    "PROFILE_CAVEAT",
+    "format_profile",
+    "norm_profile",
+    "pool_norms",
+    "pool_retention",
+    "profile_config",
+    "write_profile",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +72,89 @@ def profile_config(config: FLConfig, *, rounds: int, output_folder: str) -> FLCo
         eval_every=0,
         max_epsilon=None,
     )
+
+
+def _pool(component: str) -> str:
+    """alpha-split's pool of a component: ``encoder``, or ``llm`` (LLM + connector)."""
+    return "encoder" if component == "encoder" else "llm"
+
+
+def pool_norms(group_norms: Mapping[str, float], layout: Layout) -> dict[str, Any]:
+    """Per-matrix and per-coordinate update norms of alpha-split's two pools, and their ratios.
+
+    For pool P (``encoder``; ``llm`` = LLM + connector) with groups h of sizes p_h and mean
+    update norms n_h: the per-matrix norm is mean_h n_h (the paper's Fig. 2 quantity), the
+    per-coordinate norm is sqrt(sum_h n_h^2) / sqrt(sum_h p_h), the pool's norm divided by
+    sqrt(p_P) (the per-parameter signal of Eq. 7). Per matrix, large tensors look large; per
+    coordinate, an update that moves every coordinate by the same amount (AdamW's) gives a ratio
+    of 1 whatever the sizes.
+
+    Example
+    -------
+    >>> from speechbrain_fl.privacy import Group
+    >>> lay = Layout([Group("e", "encoder", 100), Group("l", "llm", 4)])
+    >>> out = pool_norms({"e": 1.0, "l": 0.4}, lay)
+    >>> round(out["ratio_per_matrix"], 2), round(out["ratio_per_coordinate"], 2)
+    (0.4, 2.0)
+    """
+    sums: dict[str, list[float]] = {}  # pool -> [sum n^2, sum p, sum n, groups]
+    for group in layout:
+        norm = group_norms.get(group.name)
+        if norm is None or not math.isfinite(norm):
+            continue
+        row = sums.setdefault(_pool(group.component), [0.0, 0.0, 0.0, 0])
+        row[0] += float(norm) ** 2
+        row[1] += float(group.numel)
+        row[2] += float(norm)
+        row[3] += 1
+    per_matrix = {k: v[2] / v[3] for k, v in sums.items()}
+    per_coord = {k: math.sqrt(v[0] / v[1]) for k, v in sums.items() if v[1] > 0}
+
+    def ratio(values: dict[str, Any]) -> float | None:
+        enc, llm = values.get("encoder"), values.get("llm")
+        return llm / enc if enc and llm is not None else None
+
+    return {
+        "per_matrix_mean_norm": per_matrix,
+        "per_coordinate_norm": per_coord,
+        "ratio_per_matrix": ratio(per_matrix),
+        "ratio_per_coordinate": ratio(per_coord),
+    }
+
+
+def pool_retention(report: Any, layout: Layout) -> dict[str, float] | None:
+    """Clipped-signal retention of each pool in a round: post-clip / pre-clip norm (Fig. 5).
+
+    With one joint clip (``flat``; FedAvg, nothing clipped) every pool of client i keeps the
+    same share r_i = min(1, C / ||Delta_i||), so the pool retention is the round's mean clip
+    ratio, exactly. With per-group budgets C_h (the per-layer methods and alpha-split), group h
+    keeps min(n_h, C_h) of its norm n_h and the pool keeps
+    sqrt(sum_h min(n_h, C_h)^2) / sqrt(sum_h n_h^2); the report holds the clients' *mean* group
+    norms, so this is an estimate from them (ours: exact when the clients' norms agree).
+
+    Returns
+    -------
+    dict or None
+        ``{"encoder": r, "llm": r}`` over the pools that have norms; None without statistics.
+    """
+    budgets = getattr(report, "group_budgets", None) or {}
+    norms = getattr(report, "group_norms", None) or {}
+    if not budgets:
+        ratio = getattr(report, "mean_clip_ratio", None)
+        if ratio is None or not norms:
+            return None
+        pools = {_pool(g.component) for g in layout if norms.get(g.name) is not None}
+        return {pool: float(ratio) for pool in sorted(pools)}
+    pre: dict[str, float] = {}
+    post: dict[str, float] = {}
+    for group in layout:
+        norm, budget = norms.get(group.name), budgets.get(group.name)
+        if norm is None or budget is None:
+            continue
+        pool = _pool(group.component)
+        pre[pool] = pre.get(pool, 0.0) + float(norm) ** 2
+        post[pool] = post.get(pool, 0.0) + min(float(norm), float(budget)) ** 2
+    return {k: math.sqrt(post[k] / pre[k]) if pre[k] > 0 else 1.0 for k in sorted(pre)}
 
 
 def norm_profile(report: Any, layout: Layout, *, clip: float, kappa: float = 2.0) -> dict[str, Any]:
@@ -137,6 +228,7 @@ def norm_profile(report: Any, layout: Layout, *, clip: float, kappa: float = 2.0
         profile["alpha"] = None
         profile["recommendation"] = {"method": "pfl_dim_ema", "alpha": None}
         profile["note"] = "encoder frozen: no encoder norms; a pool split has nothing to protect"
+    profile["pools"] = pool_norms(report.group_norms, layout)
     profile["caveat"] = PROFILE_CAVEAT
     return profile
 
@@ -157,6 +249,12 @@ def format_profile(profile: Mapping[str, Any], *, rounds: int) -> str:
         lines.append(f"  mean per-matrix update norm, {label:9s}: {value:.4g}")
     if "llm_encoder_ratio" in profile:
         lines.append(f"  LLM/encoder per-matrix norm ratio: {profile['llm_encoder_ratio']:.2f}x")
+    per_coord = (profile.get("pools") or {}).get("ratio_per_coordinate")
+    if per_coord is not None:
+        lines.append(
+            f"  (LLM + connector)/encoder per-coordinate norm ratio (norm / sqrt(p) per pool): "
+            f"{per_coord:.2f}x"
+        )
     lines.append(f"  recommended method: {profile['recommendation']['method']}")
     if profile["alpha"] is not None:
         lines.append(

@@ -299,9 +299,12 @@ def _check_tokenizer(model_id: str, tokenizer, vocab_size: int, *, root) -> None
 def _count(model) -> dict[str, dict[str, int]]:
     counts: dict[str, dict[str, int]] = {}
     for name, param in model.named_parameters():
-        row = counts.setdefault(model.component_of(name), {"total": 0, "trainable": 0})
+        row = counts.setdefault(
+            model.component_of(name), {"total": 0, "trainable": 0, "trainable_lora_groups": 0}
+        )
         row["total"] += param.numel()
         row["trainable"] += param.numel() if param.requires_grad else 0
+        row["trainable_lora_groups"] += int(param.requires_grad and "lora_" in name)
     return counts
 
 
@@ -314,6 +317,8 @@ def check_preset(
     lora_alpha: int = 16,
     connector: str | None = None,
     downsample_k: int | None = None,
+    train_llm_lora: bool = True,
+    connector_treatment: str = "train",
 ) -> dict[str, dict]:
     """Check a real preset's configs against the code on meta-device builds (no weights).
 
@@ -322,13 +327,14 @@ def check_preset(
     encoder config; the tokenizer's size and EOS against the LLM config; that the module names
     LoRA targets (``ENCODER_LORA_TARGETS``, ``LLM_LORA_TARGETS`` of ``speech_llm.py``) exist in
     the built encoder and LLM. Then builds the :class:`SpeechLLM` on the meta device for both
-    ``freeze_encoder`` settings (LoRA and trainable flags as ``build_speech_llm`` sets them).
+    ``freeze_encoder`` settings (LoRA and trainable flags as ``build_speech_llm`` sets them,
+    from ``train_llm_lora`` and ``connector_treatment``, e.g. a recipe's model options).
 
     Returns
     -------
     dict
         ``{"frozen": counts, "unfrozen": counts}`` with ``counts = {component: {"total",
-        "trainable"}}`` parameter numbers.
+        "trainable", "trainable_lora_groups"}}`` (parameter numbers; trainable LoRA tensors).
 
     Example
     -------
@@ -405,7 +411,11 @@ def check_preset(
             add_lora(model.llm, targets=LLM_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
             if not freeze_encoder:
                 add_lora(model.encoder, targets=ENCODER_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
-        model.set_trainable(train_encoder_lora=not freeze_encoder)
+        model.set_trainable(
+            train_encoder_lora=not freeze_encoder,
+            train_llm_lora=train_llm_lora,
+            train_connector=connector_treatment == "train",
+        )
         return model
 
     return {

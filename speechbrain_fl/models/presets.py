@@ -94,6 +94,32 @@ SPEC_KEYS = {
     "root",
 }
 TINY_FOLDER = "speech_llm_tiny"
+CONNECTOR_TREATMENTS = ("train", "freeze")
+CTC_TREATMENTS = ("train", "freeze", "off")
+
+
+def connector_budget_share(layout) -> float | None:
+    """The connector's share of the LLM + connector pool budget under size-proportional budgets.
+
+    With PFL-Dim or alpha-split budgets C_l proportional to sqrt(p_l) inside a pool (Eq. 9,
+    Eq. 13), the connector's groups together get sqrt(p_connector / (p_connector + p_llm)) of the
+    pool's budget and the LLM's adapters sqrt(p_llm / (p_connector + p_llm)). ``layout`` is any
+    iterable of groups with ``component`` and ``numel``. None when the connector does not train.
+
+    Example
+    -------
+    >>> from types import SimpleNamespace as G
+    >>> lay = [G(component="connector", numel=10_487_808), G(component="llm", numel=1_126_400)]
+    >>> round(connector_budget_share(lay), 3)
+    0.95
+    """
+    sizes = {"connector": 0, "llm": 0}
+    for group in layout:
+        if group.component in sizes:
+            sizes[group.component] += int(group.numel)
+    if not sizes["connector"]:
+        return None
+    return (sizes["connector"] / (sizes["connector"] + sizes["llm"])) ** 0.5
 
 
 def resolve_preset(preset: str | dict, *, cache_dir: str | Path | None = None) -> dict:
@@ -224,6 +250,8 @@ def build_speech_llm(
     gradient_checkpointing: bool = False,
     seed: int | None = None,
     train_llm_lora: bool = True,
+    connector_treatment: str = "train",
+    ctc_treatment: str = "train",
 ) -> SpeechLLM:
     """Load a preset, add LoRA and mark trainable parameters (paper Sec. II-A and II-D).
 
@@ -311,7 +339,20 @@ def build_speech_llm(
             add_lora(model.llm, targets=LLM_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
             if not freeze_encoder:
                 add_lora(model.encoder, targets=ENCODER_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
-    model.set_trainable(train_encoder_lora=not freeze_encoder, train_llm_lora=train_llm_lora)
+    if connector_treatment not in CONNECTOR_TREATMENTS:
+        raise ValueError(
+            f"connector_treatment: {connector_treatment!r} must be one of {CONNECTOR_TREATMENTS}"
+        )
+    if ctc_treatment not in CTC_TREATMENTS:
+        raise ValueError(f"ctc_treatment: {ctc_treatment!r} must be one of {CTC_TREATMENTS}")
+    if ctc_treatment == "off":
+        model.ctc_weight = 0.0
+    model.set_trainable(
+        train_encoder_lora=not freeze_encoder,
+        train_llm_lora=train_llm_lora,
+        train_connector=connector_treatment == "train",
+        train_ctc_head=ctc_treatment == "train",
+    )
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()

@@ -212,19 +212,31 @@ class SpeechLLM(nn.Module):
         raise KeyError(f"parameter {name!r} matches no component pattern {COMPONENT_PATTERNS}")
 
     def set_trainable(
-        self, *, train_encoder_lora: bool, train_base: bool = False, train_llm_lora: bool = True
+        self,
+        *,
+        train_encoder_lora: bool,
+        train_base: bool = False,
+        train_llm_lora: bool = True,
+        train_connector: bool = True,
+        train_ctc_head: bool = True,
     ) -> None:
         """Freeze everything, then unfreeze LoRA (LLM, encoder if asked), connector, CTC head.
 
         ``train_base=True`` unfreezes every weight (central seed pretraining of the tiny model).
         ``train_llm_lora=False`` keeps the LLM's adapters frozen (at B = 0 they change nothing),
-        so adaptation goes through the audio side only: encoder adapters, CTC head, connector.
+        so adaptation goes through the audio side only. ``train_connector=False`` keeps a
+        pretrained connector fixed (a large pretrained projector, e.g. Voxtral's 2-layer MLP,
+        would otherwise take most of the LLM + connector pool's budget: its share of a
+        size-proportional pool budget is sqrt(p_connector / p_pool)). ``train_ctc_head=False``
+        keeps the CTC head fixed (the paper has none: its encoder pool is encoder LoRA only).
         """
         for name, param in self.named_parameters():
             if train_base:
                 param.requires_grad_(True)
-            elif name.startswith(("connector.", "ctc_head.")):
-                param.requires_grad_(True)
+            elif name.startswith("connector."):
+                param.requires_grad_(train_connector)
+            elif name.startswith("ctc_head."):
+                param.requires_grad_(train_ctc_head)
             elif "lora_" in name:
                 llm = name.startswith("llm.")
                 param.requires_grad_(train_llm_lora if llm else train_encoder_lora)

@@ -98,6 +98,39 @@ def test_num_layers_reduces_only_the_depth():
     assert counts["encoder"]["trainable"] == 1 * 3 * 2 * R * 1280
 
 
+@pytest.mark.parametrize("preset", ["whisper_tinyllama", "whisper_eurollm", "voxtral"])
+def test_each_real_preset_trains_its_llm_lora(preset):
+    """The recipe's hparams for a real preset build a layout with trainable LLM LoRA groups.
+
+    The hparams are the recipe's own (base.yaml + hparams/models/<preset>.yaml, as train_fl.py
+    loads them), the model is the preset's architecture on the meta device (one layer per stack).
+    """
+    sys.path.insert(0, str(ROOT / "recipes" / "MLS"))
+    from mls_settings import model_options
+
+    from speechbrain_fl.recipe.hparams import load_layered_hparams
+
+    hparams, _, _ = load_layered_hparams(
+        "hparams/flat.yaml", {"model": preset}, recipe_dir=ROOT / "recipes" / "MLS"
+    )
+    options = model_options(hparams)
+    assert options["train_llm_lora"] is True
+    counts = check_preset(
+        preset,
+        num_layers=1,
+        train_llm_lora=options["train_llm_lora"],
+        connector_treatment=options["connector_treatment"],
+    )
+    for variant in ("frozen", "unfrozen"):
+        llm = counts[variant]["llm"]
+        # 1 layer x {q_proj, v_proj} x {lora_A, lora_B}
+        assert llm["trainable_lora_groups"] == 4 and llm["trainable"] > 0
+    assert counts["unfrozen"]["encoder"]["trainable_lora_groups"] == 6  # {q, k, v} x {A, B}
+    # Voxtral's pretrained projector stays fixed; the Whisper presets' connector from scratch trains
+    connector = counts["unfrozen"]["connector"]["trainable"]
+    assert (connector == 0) == (preset == "voxtral")
+
+
 def test_a_wrong_dimension_fails_naming_the_key(configs):
     _edit(configs, "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "config.json", hidden_size=2560)
     with pytest.raises(

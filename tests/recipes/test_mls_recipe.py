@@ -79,7 +79,7 @@ def test_auto_alpha_refusal_names_a_clip_and_kappa_that_fit(tmp_path, recipe_cac
     profile is still written, and the run stops with the clip and alpha_kappa that would."""
     out = tmp_path / "out"
     proc = run_script(MLS_ROWS["alpha_split"], out, recipe_cache("MLS"), "--profile_rounds", "1",
-                      "--alpha", "auto", "--alpha_kappa", "50")  # fmt: skip
+                      "--alpha", "auto", "--alpha_kappa", "1000000")  # fmt: skip
     assert proc.returncode != 0
     profile = json.loads((out / "profile" / "profile.json").read_text())
     assert profile["alpha"] is None and profile["per_matrix_mean_norm"]["encoder"] > 0

@@ -251,11 +251,16 @@ def _with_ratio(results, ratio, *, sigma_source="this run"):
 def test_change_table(root):
     results = method_table.load_results(root)
     _with_ratio(results[("fedavg", "unfrozen")], 0.8, sigma_source="paper (no noise)")
+    results[("fedavg", "unfrozen")]["pools"] = {
+        "ratio_per_matrix": 11.0, "ratio_per_coordinate": 9.77,
+        "retention": {"encoder": 1.0, "llm": 0.62},
+    }  # fmt: skip
     table = method_table.format_change_table(results)
     row = _row(table, "FedAvg (no DP) | unfrozen")
     assert row[2] == "-0.1700 [-0.2200, -0.1200] (-38%)"
-    assert row[3] == "0.4 / 0.5 = 0.80 (σ 0.1)" and row[4] == "0.40x"
-    assert _row(table, "Flat | frozen")[3:] == ["-", "-"]
+    assert row[3] == "0.4 / 0.5 = 0.80 (σ 0.1)"
+    assert row[4:] == ["11.00x", "9.77x", "1.00 / 0.62"]
+    assert _row(table, "Flat | frozen")[3:] == ["-", "-", "-", "-"]
 
 
 def test_private_table_extrapolates_to_larger_populations(root):

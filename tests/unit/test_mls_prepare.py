@@ -102,7 +102,7 @@ def test_missing_audio_extra_audio_and_corrupt_flac(corpus, tmp_path):
     with open(audio(ids[1]), "wb") as handle:
         handle.write(b"not a flac file")
     shutil.copy(audio(ids[2]), audio(ids[2]).replace("_000", "_999"))
-    report = prepare_mls(corpus, str(tmp_path / "prep"))
+    report = prepare_mls(corpus, str(tmp_path / "prep"), durations="audio")
     skipped = json.load(open(tmp_path / "prep" / "skipped.json", encoding="utf-8"))
     assert skipped["transcript_without_audio"] == [f"mls_english/train/{ids[0]}"]
     assert skipped["unreadable_audio"][0].endswith(f"{ids[1]}.flac")
@@ -190,3 +190,30 @@ def test_carve_public_split_choice():
     assert mls_prepare.carve_public_split(rows, share=0.25, seed=2)[2] != chosen
     one = [{"spk_id": "7", "ID": "7_1_0"}]
     assert mls_prepare.carve_public_split(one, share=0.5, seed=0)[2] == []  # a client remains
+
+
+def test_durations_from_segments_open_no_audio(pristine, tmp_path, monkeypatch):
+    """At full MLS size the durations come from segments.txt: no audio header is read."""
+    by_audio = prepare_mls(pristine, str(tmp_path / "audio"), durations="audio")
+
+    def no_audio(path):
+        raise AssertionError(f"audio header read: {path}")
+
+    monkeypatch.setattr(mls_prepare.sf, "info", no_audio)
+    by_segments = prepare_mls(pristine, str(tmp_path / "segments"))
+    for split in ("train", "dev", "test"):
+        a = {r["ID"]: float(r["duration"]) for r in _rows(by_audio["csv"][split])}
+        s = {r["ID"]: float(r["duration"]) for r in _rows(by_segments["csv"][split])}
+        assert a.keys() == s.keys()
+        # the generated segments.txt rounds to 10 ms
+        assert all(abs(a[k] - s[k]) <= 0.006 for k in a)
+
+
+def test_malformed_segments_line_names_file_and_line(corpus, tmp_path):
+    path = os.path.join(corpus, "mls_english", "train", "segments.txt")
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write("1_2_3\tsrc\tnot-a-number\t1.0\n")
+    with pytest.raises(ValueError, match=r"segments\.txt:\d+: expected"):
+        prepare_mls(corpus, str(tmp_path / "prep"))
+    with pytest.raises(ValueError, match="durations: 'x'"):
+        prepare_mls(corpus, str(tmp_path / "prep2"), durations="x")

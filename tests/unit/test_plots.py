@@ -128,6 +128,21 @@ def test_noise_floor_band_uses_mean_cohort_size(tmp_path):
         noise_floor(noise_multiplier=0.1, clip=1.0, expected_cohort_size=0)
 
 
+def test_per_matrix_noise_norm_is_sigma_c_sqrt_p_over_n():
+    """Eq. 4: N(0, (sigma C / n)^2 I) over a matrix of p values has norm ~ sigma C sqrt(p) / n."""
+    sigma, c, n, p = 0.1, 1.0, 94.0, 10_240
+    expected = sigma * c * np.sqrt(p) / n
+    assert noise_floor(
+        noise_multiplier=sigma, clip=c, expected_cohort_size=n, numel=p
+    ) == pytest.approx(expected)
+    # against a draw of the mechanism itself
+    draws = np.random.default_rng(0).normal(0.0, sigma * c / n, size=(200, p))
+    assert np.linalg.norm(draws, axis=1).mean() == pytest.approx(expected, rel=0.01)
+    # Table I's encoder matrix: ~10x the paper's band sigma C / sqrt(n)
+    band = noise_floor(noise_multiplier=sigma, clip=c, expected_cohort_size=n)
+    assert 10 < expected / band < 11
+
+
 def test_effective_noise_curve_matches_paper():
     # Section IV-A4: sigma = 0.1, alpha = 0.05 -> encoder 0.447 (4.47x), LLM 0.103 (+2.6%).
     curve = effective_noise_curve(0.1, [0.05, 0.5])
