@@ -185,7 +185,7 @@ class FLConfig:
     node_partitions: dict[int, int] | None = None
 
     def __post_init__(self) -> None:
-        check_config(self)
+        check_config(self, hparams_keys={field: key for key, field in YAML_KEYS.items()})
 
     @property
     def private(self) -> bool:

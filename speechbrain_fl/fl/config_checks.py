@@ -58,13 +58,16 @@ def check_delta_population(delta: float, population: int | None) -> None:
         )
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: Any, *, hparams_keys: Mapping[str, str] | None = None) -> None:
     """Raise ``ValueError`` naming the first FLConfig key whose value is not allowed.
 
     Arguments
     ---------
     cfg : FLConfig
         The config to check.
+    hparams_keys : mapping, optional
+        Field -> the hparams key it is read from where the names differ (``num_rounds`` ->
+        ``number_of_rounds``), so a message names the key the user wrote too.
 
     Example
     -------
@@ -81,10 +84,7 @@ def check_config(cfg: Any) -> None:
         hint = ""
         if isinstance(value, str) and _looks_numeric(value):
             hint = " (a string: YAML reads 1e-5 as text; write 1.0e-5)"
-        # Name the YAML key the user wrote (number_of_rounds, method) beside the field.
-        from speechbrain_fl.fl.config import YAML_KEYS
-
-        yaml_key = {field: name for name, field in YAML_KEYS.items()}.get(key)
+        yaml_key = (hparams_keys or {}).get(key)  # the key the user wrote, e.g. number_of_rounds
         named = f" (hparams key: {yaml_key})" if yaml_key else ""
         return ValueError(f"federated config: {key}={value!r} {why}{hint}{named}")
 
