@@ -137,8 +137,8 @@ def privacy_section(hparams, config, result, *, alpha_from_profile=False):
             "sigma_eff": {},
             "epsilon_per_component": {},
         }
+    # The engine's report: accountant "pld" (dp-accounting) by default, epsilon_rdp beside it.
     report = dict(result.privacy)
-    report["accountant"] = f"opacus-{report['accountant']}"
     # alpha-split with a frozen encoder runs as the paper's alpha = 0 row (mls_settings.engine_hparams)
     return {**report, **disclosure, "alpha": config.alpha, "clip_method": config.clip_method}
 

@@ -6,7 +6,7 @@ speaker-partitioned clients with Flower. The privacy method is the hparams file:
 Flat, PFL-Uniform, PFL-Dim, PFL-Dim+EMA, PFL-Unif+EMA or alpha-split (Luque, Lopez, Sant:
 "Component-Aware Differential Privacy for Federated Multilingual Speech-LLMs"). Each client clips
 its own update delta to the round's per-group budgets; the server re-clips, averages, adds
-N(0, (sigma C / n)^2) once and accounts the round with Opacus's RDP accountant.
+N(0, (sigma C / n)^2) once and accounts the round (PLD by default, Opacus's RDP beside it).
 
 Without ``data_folder`` the recipe generates a small multilingual corpus with espeak-ng in the
 real MLS layout (8 languages), pretrains a tiny seed model on its public split, and runs the
@@ -388,6 +388,7 @@ def build_server(context, *, settings, fl_config):
         evaluate=evaluate,
         min_available_nodes=settings.num_clients if fl_config.sampling_rate >= 1 else 1,
         num_partitions=settings.num_clients,
+        partition_sizes=settings.partition_sizes(),
     )
 
 

@@ -312,6 +312,7 @@ def build_server(context, *, settings, fl_config):
         evaluate=functools.partial(evaluate_exits, dataset=valid_set, settings=settings),
         min_available_nodes=settings.num_clients,
         num_partitions=settings.num_clients,
+        partition_sizes=settings.partition_sizes(),
     )
 
 

@@ -67,6 +67,19 @@ class RunSettings:
         """K, the number of clients (partitions)."""
         return len(self.clients)
 
+    def partition_sizes(self) -> list[int]:
+        """Rows of each client manifest, in partition order: the server's bound on ``num-examples``.
+
+        A client trains on (at most) its manifest's rows, so a reply that claims more examples
+        than its partition holds is dropped by the server's reply checks instead of dominating
+        the weighted average (``ServerTask.partition_sizes``).
+        """
+        sizes = []
+        for manifest in self.clients:
+            with open(manifest, encoding="utf-8") as handle:
+                sizes.append(max(sum(1 for line in handle if line.strip()) - 1, 0))  # header
+        return sizes
+
     @property
     def device(self) -> str:
         """The ``--device`` run option (``cpu`` when not given)."""

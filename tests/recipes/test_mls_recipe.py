@@ -42,6 +42,8 @@ def test_privacy_section(method, recipe_run):
         assert privacy["epsilon"] is None
         return
     assert privacy["epsilon"] > 0 and math.isfinite(privacy["epsilon"])
+    # the engine's PLD figure, with Opacus's RDP beside it as a cross-check (RDP is looser)
+    assert privacy["accountant"] == "pld" and privacy["epsilon_rdp"] >= privacy["epsilon"]
     assert set(privacy["sigma_eff"]) >= {"encoder", "llm"}
     # Every per-layer method calibrates noise to C: no pool is noisier-than-sigma-free.
     assert min(privacy["sigma_eff"].values()) >= privacy["noise_multiplier"] * (1 - 1e-9)

@@ -187,3 +187,11 @@ def test_readme_table_markers(tmp_path):
     assert readme.read_text() == "# R\n<!-- t:start -->\n| a |\n<!-- t:end -->\ntail\n"
     with pytest.raises(ValueError, match=r"README\.md: no <!-- u:start --> marker"):
         update_readme_table(readme, "u", "| a |")
+
+
+def test_partition_sizes_count_each_client_manifest(tmp_path):
+    rows = {"a.csv": "ID,wav\n1,x.wav\n2,y.wav\n", "b.csv": "ID,wav\n"}
+    for name, text in rows.items():
+        (tmp_path / name).write_text(text)
+    settings = RunSettings(clients=[str(tmp_path / name) for name in rows])
+    assert settings.partition_sizes() == [2, 0]  # the server's bound on a reply's num-examples
