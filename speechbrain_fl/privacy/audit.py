@@ -198,6 +198,20 @@ def _delta_of_pair(eps: float, mu_p, s_p, mu_q, s_q) -> float:
     return float(np.trapezoid(gap, x))
 
 
+def _smallest_epsilon(excess, *, cap: float, xtol: float) -> float:
+    """The smallest eps >= 0 with ``excess(eps) <= 0`` for a decreasing ``excess`` (the delta of
+    a privacy curve at eps, minus the target delta): 0 when already met at 0, ``inf`` when not
+    met below ``cap``, else the root bracketed by doubling and found by Brent's method."""
+    if excess(0.0) <= 0:
+        return 0.0
+    high = 1.0
+    while excess(high) > 0:
+        high *= 2.0
+        if high > cap:
+            return math.inf
+    return float(optimize.brentq(excess, 0.0, high, xtol=xtol))
+
+
 def gaussian_pair_epsilon(
     mean_in: float, std_in: float, mean_out: float, std_out: float, *, delta: float
 ) -> float:
@@ -226,14 +240,7 @@ def gaussian_pair_epsilon(
             - delta
         )
 
-    if excess(0.0) <= 0:
-        return 0.0
-    high = 1.0
-    while excess(high) > 0:
-        high *= 2.0
-        if high > 1e3:
-            return math.inf
-    return float(optimize.brentq(excess, 0.0, high, xtol=1e-6))
+    return _smallest_epsilon(excess, cap=1e3, xtol=1e-6)
 
 
 def gaussian_mechanism_epsilon(mu: float, *, delta: float) -> float:
@@ -260,14 +267,7 @@ def gaussian_mechanism_epsilon(mu: float, *, delta: float) -> float:
             - delta
         )
 
-    if excess(0.0) <= 0:
-        return 0.0
-    high = 1.0
-    while excess(high) > 0:
-        high *= 2.0
-        if high > 1e4:
-            return math.inf
-    return float(optimize.brentq(excess, 0.0, high, xtol=1e-9))
+    return _smallest_epsilon(excess, cap=1e4, xtol=1e-9)
 
 
 def one_shot_epsilon(
