@@ -52,6 +52,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -92,7 +93,25 @@ def _flower_logging() -> Iterator[None]:
             FLOWER_LOGGER.addHandler(console_handler)
 
 
-__all__ = ["run_deployment", "run_simulation"]
+__all__ = ["FlwrRunError", "run_deployment", "run_simulation"]
+
+
+class FlwrRunError(subprocess.CalledProcessError):
+    """``flwr run`` failed: a non-zero exit, or a run the SuperLink reports as failed.
+
+    ``flwr run --stream`` exits 0 when the ServerApp raised (issue 25); :func:`run_deployment`
+    asks the SuperLink for the run's final status (``flwr ls --run-id``) and raises this, with
+    the status, the command and the log tail in its message.
+    """
+
+    def __init__(self, returncode, cmd, output=None, stderr=None, status=None):
+        super().__init__(returncode, cmd, output=output, stderr=stderr)
+        self.status = status
+
+    def __str__(self) -> str:
+        tail = "\n".join(((self.output or "") + (self.stderr or "")).splitlines()[-40:])
+        what = f"run status {self.status!r}" if self.status else f"exit status {self.returncode}"
+        return f"flwr run failed ({what}): {self.cmd}\n{tail}"
 
 
 def run_simulation(
@@ -259,7 +278,14 @@ def run_deployment(
     Returns
     -------
     subprocess.CompletedProcess
-        With ``stdout`` (text); raises ``CalledProcessError`` on failure.
+        With ``stdout`` (text).
+
+    Raises
+    ------
+    FlwrRunError
+        (a ``CalledProcessError``) when ``flwr run`` exits non-zero or, with ``stream``, when
+        the SuperLink reports the run as anything but ``finished:completed`` (a ServerApp
+        that raised: ``flwr run`` itself exits 0 then).
     """
     cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), superlink]
     if run_config:
@@ -289,7 +315,28 @@ def run_deployment(
         cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
     )
     if proc.returncode != 0:
-        raise subprocess.CalledProcessError(
-            proc.returncode, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr
+        raise FlwrRunError(proc.returncode, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr)
+    status = _run_status(proc.stdout, superlink, env) if stream else None
+    if status is not None and status != "finished:completed":
+        raise FlwrRunError(
+            1, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr, status=status
         )
     return proc
+
+
+_RUN_ID = re.compile(r"[Ss]uccessfully started run (\d+)")
+
+
+def _run_status(stdout: str, superlink: str, env: dict[str, str] | None) -> str | None:
+    """``status`` of the run ``flwr run`` started (``finished:completed``, ...) or ``None``."""
+    found = _RUN_ID.search(stdout or "")
+    if not found:
+        return None
+    cmd = [str(Path(sys.executable).with_name("flwr")), "ls", superlink, "--run-id",
+           found.group(1), "--format", "json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
+    try:
+        runs = json.loads(proc.stdout[proc.stdout.index("{") :])["runs"]
+        return str(runs[0]["status"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
