@@ -46,7 +46,7 @@ from .client import ClientTask, make_client_app
 from .fingerprint import BaseModelMismatch, check_base_fingerprint, frozen_fingerprint
 from .node_data import NodeData, bound_node, pack_folder, unpack_folder
 from .server import ServerTask, run_server
-from .task import FLTask, TaskSpec, load_task
+from .task import FLTask, TaskSpec, load_task, resolved_settings
 
 __all__ = ["AdmittingGrid", "NodeNotSetUp", "client_app", "node_setup_content", "server_app"]
 
@@ -195,6 +195,7 @@ def _server_main(grid: Grid, context: Context) -> None:
     task = load_task(spec)
     server_task = task.build_server(context)
     _flower_lines_once()
+    log(INFO, "%s", resolved_settings(server_task.config))
     result = run_server(AdmittingGrid(grid, node_setup_content(task, server_task)), server_task)
     if task.on_result is not None:
         task.on_result(result)

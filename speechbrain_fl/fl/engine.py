@@ -63,11 +63,12 @@ from typing import Any
 import yaml
 from flwr.app import Context, RecordDict
 from flwr.common.logger import FLOWER_LOGGER, console_handler
+from flwr.common.logger import log as flwr_log
 
 from .client import make_client_app
 from .config import BACKENDS
 from .server import ServerResult, ServerTask, make_server_app
-from .task import FLTask, SpecClient, SpecServer, TaskSpec, load_task
+from .task import FLTask, SpecClient, SpecServer, TaskSpec, load_task, resolved_settings
 
 DEPRECATION_NOTICE = "`run_simulation` function is deprecated"
 
@@ -164,6 +165,8 @@ def run_simulation(
         backend = "ray" if ray_address else getattr(server_task.config, "backend", "ray")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {list(BACKENDS)}")
+    with _flower_logging():
+        flwr_log(logging.INFO, "%s", resolved_settings(server_task.config))
     results: list[ServerResult] = []
     server_app = make_server_app(_Prebuilt(server_task), on_result=results.append)
     if backend == "local":
@@ -287,6 +290,7 @@ def run_deployment(
         the SuperLink reports the run as anything but ``finished:completed`` (a ServerApp
         that raised: ``flwr run`` itself exits 0 then).
     """
+    _refuse_managed_local_superlink(superlink, env)
     cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), superlink]
     if run_config:
         pairs = []
@@ -322,6 +326,35 @@ def run_deployment(
             1, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr, status=status
         )
     return proc
+
+
+MANAGED_LOCAL_ADDRESSES = (":local:", ":local-in-memory:")
+
+
+def _refuse_managed_local_superlink(superlink: str, env: dict[str, str] | None) -> None:
+    """Refuse a connection to Flower's managed local SuperLink (``address = ":local:"``).
+
+    ``flwr`` starts that SuperLink itself, without ``--disable-runtime-dependency-installation``
+    (it ``uv sync``s the app into a fresh environment instead of the pinned one) and leaves it
+    running after the run (issue 25). Our helpers use an explicit SuperLink instead.
+    """
+    import tomllib
+
+    home = Path((env or os.environ).get("FLWR_HOME") or Path.home() / ".flwr")
+    path = home / "config.toml"
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return
+    address = config.get("superlink", {}).get(superlink, {}).get("address")
+    if address in MANAGED_LOCAL_ADDRESSES:
+        raise ValueError(
+            f"SuperLink connection {superlink!r} in {path} has address {address!r}: flwr would "
+            "start a managed local SuperLink that installs the app's dependencies and keeps "
+            "running; start `flower-superlink --insecure --simulation "
+            "--disable-runtime-dependency-installation` and give its address instead "
+            "(docs/deployment.md)"
+        )
 
 
 _RUN_ID = re.compile(r"[Ss]uccessfully started run (\d+)")

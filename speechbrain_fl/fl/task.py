@@ -37,7 +37,7 @@ from flwr.app import Context
 from .client import ClientTask
 from .server import ServerTask
 
-__all__ = ["APP_ROOT", "FLTask", "TaskSpec", "import_factory", "load_task"]
+__all__ = ["APP_ROOT", "FLTask", "TaskSpec", "import_factory", "load_task", "resolved_settings"]
 
 APP_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TASK = "speechbrain_fl.fl.toy:toy_task"
@@ -269,3 +269,25 @@ class SpecServer:
 
     def __call__(self, context: Context) -> ServerTask:
         return load_task(self.spec).build_server(context)
+
+
+RESOLVED_FIELDS = ("num_rounds", "sampling_rate", "clip_method", "clip", "noise_multiplier",
+                   "local_epochs", "delta", "max_epsilon", "accountant", "population_size",
+                   "output_folder")  # fmt: skip
+
+
+def resolved_settings(config: Any) -> str:
+    """One line of the federated settings a run resolved to (both engines log it at start).
+
+    The script (``run_simulation``) and ``flwr run`` (the ServerApp) print the same line for
+    the same hparams, whatever way the values came (hparams file, typed run-config keys,
+    overrides).
+
+    Example
+    -------
+    >>> from speechbrain_fl.fl.config import FLConfig
+    >>> resolved_settings(FLConfig(output_folder="o", num_rounds=2))[:45]
+    'federated settings: num_rounds=2 sampling_rat'
+    """
+    values = " ".join(f"{name}={getattr(config, name, None)!r}" for name in RESOLVED_FIELDS)
+    return f"federated settings: {values}"

@@ -228,3 +228,90 @@ def test_toy_nothing_shared_tls_auth(tmp_path, federation):
     assert [{k: r[k] for k in STRUCTURE} for r in local] == [
         {k: r[k] for k in STRUCTURE} for r in deployed
     ]
+
+
+MLS_TINY = {
+    "languages": ["english", "german"],
+    "corpus_speakers_per_language": 2,
+    "corpus_utterances_per_speaker": 4,
+    "corpus_public_speakers_per_language": 1,
+    "corpus_public_utterances_per_speaker": 8,
+    "corpus_eval_utterances_per_speaker": 2,
+    "num_clients": 2,
+    "sampling_rate": 1.0,
+}
+
+
+def _mls_owner_folders(root: Path) -> list[Path]:
+    """The two data owners' own folders: each its speakers' audio and a ``train.csv``.
+
+    The embedded corpus stands in for data that exists at the owners: it is generated once
+    here (not in the server's folder), split by the recipe's own speaker partition, and each
+    owner's rows and audio files are copied into its folder, paths relative to ``$data_root``.
+    """
+    import shutil
+
+    from speechbrain_fl.data.partition import read_manifest
+    from speechbrain_fl.fl.task import _import_script
+
+    mls = _import_script("recipes/MLS/train_fl.py")
+    owners = root / "owners_corpus"
+    hparams, _, _ = mls.RECIPE.load_for_task("hparams/flat.yaml", {
+        **MLS_TINY, "output_folder": str(owners / "out"), "cache_folder": str(owners / "cache"),
+        "debug": True,
+    })  # fmt: skip
+    data_folder, _, _, partition, _ = mls.dataio_prepare(hparams, progressbar=False)
+    folders = []
+    for i, name in enumerate(sorted(partition["clients"])):
+        manifest = (
+            Path(hparams["save_folder"]) / "partition" / partition["clients"][name]["manifest"]
+        )
+        rows = read_manifest(str(manifest))
+        folder = root / f"node{i}_data"
+        for row in rows:
+            relative = row["wav"].replace("$data_root/", "")
+            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(data_folder) / relative, folder / relative)
+        with open(folder / "train.csv", "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        folders.append(folder)
+    shutil.rmtree(owners)  # nothing of the owners' corpus is left where the server runs
+    return folders
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_mls_debug_nothing_shared_tls_auth(tmp_path, federation):
+    from speechbrain_fl.fl.engine import _run_status
+
+    fed = federation
+    folders = _mls_owner_folders(tmp_path)
+    fed.start_superlink()
+    fed.register("node0"), fed.register("node1")  # MLS's hparams have no node_partitions key
+    for pid, folder in enumerate(folders):
+        fed.start_supernode(f"node{pid}", f'partition-id={pid} data-folder="{folder}"')
+    out = tmp_path / "server" / "out"
+    overrides = {**MLS_TINY, "output_folder": str(out), "debug": True,
+                 "cache_folder": str(tmp_path / "server" / "cache")}  # fmt: skip
+    run_config = {"task": "recipes/MLS/train_fl.py:mls_task", "hparams": "hparams/flat.yaml",
+                  "num-server-rounds": 2, "overrides": overrides}  # fmt: skip
+    proc = run_deployment("secure", app_dir=REPO, env=fed.env, timeout=1500, run_config=run_config)
+    (tmp_path / "flwr_run.log").write_text(proc.stdout)
+    assert _run_status(proc.stdout, "secure", fed.env) == "finished:completed"
+    wait_for(lambda: (out / "final_model" / "federated_model.json").is_file(), timeout=120,
+             what="the final model", log=tmp_path / "flwr_run.log")  # fmt: skip
+    rows = _rows(out / "rounds.csv")
+    # the simulation's structure for q = 1, K = 2: every round samples and hears both nodes
+    assert [r["round"] for r in rows] == ["0", "1", "2"]
+    assert all(r["cohort_size"] == "2" and r["num_replied"] == "2" for r in rows[1:])
+    assert float(rows[2]["epsilon"]) > 0 and float(rows[0]["WER"]) >= 0
+    for pid in (0, 1):  # the model came from the server: the shipped seed model, checked
+        (setup,) = (tmp_path / f"node{pid}").glob("sbfl_run_*/setup.json")
+        record = json.loads(setup.read_text())
+        assert Path(record["model_folder"]).is_relative_to(tmp_path / f"node{pid}")
+        assert f"node{1 - pid}_data" not in setup.read_text()
+        assert not (tmp_path / f"node{pid}" / "cache").exists() or not list(
+            (tmp_path / f"node{pid}" / "cache").rglob("*.flac")
+        )  # the node generated no corpus

@@ -249,3 +249,11 @@ def test_typed_run_config_keys():
         TaskSpec.from_run_config({"local-epochs": 1.5})
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['rounds'\]"):
         TaskSpec.from_run_config({"rounds": 3})
+
+
+def test_run_deployment_refuses_the_managed_local_superlink(tmp_path):
+    from speechbrain_fl.fl.engine import run_deployment
+
+    (tmp_path / "config.toml").write_text('[superlink.local]\naddress = ":local:"\n')
+    with pytest.raises(ValueError, match="'local' .* address ':local:'.*keeps running"):
+        run_deployment("local", env={"FLWR_HOME": str(tmp_path)})
