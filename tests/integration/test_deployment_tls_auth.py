@@ -242,6 +242,33 @@ MLS_TINY = {
 }
 
 
+def _copy_owner_data(manifests, data_folder, root: Path) -> list[Path]:
+    """Copy each client manifest's rows and the files they name into ``root/node<i>_data``.
+
+    Every ``$data_root/...`` value of a row is a file of that owner; the copied manifest keeps
+    the paths relative to ``$data_root``, which a node resolves to its own ``data-folder``.
+    """
+    import shutil
+
+    folders = []
+    for i, manifest in enumerate(manifests):
+        with open(manifest, newline="", encoding="utf-8") as handle:
+            rows = list(csv.DictReader(handle))
+        folder = root / f"node{i}_data"
+        for row in rows:
+            for value in row.values():
+                if str(value).startswith("$data_root/"):
+                    relative = value.replace("$data_root/", "", 1)
+                    (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(Path(data_folder) / relative, folder / relative)
+        with open(folder / "train.csv", "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        folders.append(folder)
+    return folders
+
+
 def _mls_owner_folders(root: Path) -> list[Path]:
     """The two data owners' own folders: each its speakers' audio and a ``train.csv``.
 
@@ -251,7 +278,6 @@ def _mls_owner_folders(root: Path) -> list[Path]:
     """
     import shutil
 
-    from speechbrain_fl.data.partition import read_manifest
     from speechbrain_fl.fl.task import _import_script
 
     mls = _import_script("recipes/MLS/train_fl.py")
@@ -261,22 +287,9 @@ def _mls_owner_folders(root: Path) -> list[Path]:
         "debug": True,
     })  # fmt: skip
     data_folder, _, _, partition, _ = mls.dataio_prepare(hparams, progressbar=False)
-    folders = []
-    for i, name in enumerate(sorted(partition["clients"])):
-        manifest = (
-            Path(hparams["save_folder"]) / "partition" / partition["clients"][name]["manifest"]
-        )
-        rows = read_manifest(str(manifest))
-        folder = root / f"node{i}_data"
-        for row in rows:
-            relative = row["wav"].replace("$data_root/", "")
-            (folder / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(data_folder) / relative, folder / relative)
-        with open(folder / "train.csv", "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        folders.append(folder)
+    save = Path(hparams["save_folder"]) / "partition"
+    manifests = [save / partition["clients"][n]["manifest"] for n in sorted(partition["clients"])]
+    folders = _copy_owner_data(manifests, data_folder, root)
     shutil.rmtree(owners)  # nothing of the owners' corpus is left where the server runs
     return folders
 
@@ -315,3 +328,68 @@ def test_mls_debug_nothing_shared_tls_auth(tmp_path, federation):
         assert not (tmp_path / f"node{pid}" / "cache").exists() or not list(
             (tmp_path / f"node{pid}" / "cache").rglob("*.flac")
         )  # the node generated no corpus
+
+
+SUPERB_TINY = {
+    "corpus_options": {"train_speakers": 4, "valid_speakers": 1, "test_speakers": 2,
+                       "repeats": 1, "unknown_words_per_speaker": 2, "noise_seconds": 3},
+    "public_corpus_options": {"splits": {"public": 2}, "utterances_per_speaker": 2},
+    "num_clients": 2, "sampling_rate": 1.0, "pretrain_steps": 2, "debug": True,
+}  # fmt: skip
+
+
+def _superb_owner_folders(root: Path) -> list[Path]:
+    """The two KWS data owners' folders (the recipe's own partition of the embedded corpus)."""
+    import shutil
+    import sys
+
+    from speechbrain_fl.fl.task import _import_script
+
+    superb = _import_script("recipes/SUPERB/superb_task.py")
+    sys.path.insert(0, str(REPO / "recipes" / "SUPERB"))
+    import superb_data
+
+    owners = root / "owners_corpus"
+    hparams, _, _ = superb.RECIPE.load_for_task("hparams/kws.yaml", {
+        **SUPERB_TINY, "output_folder": str(owners / "out"), "cache_folder": str(owners / "cache"),
+    })  # fmt: skip
+    data = superb_data.prepare_task(hparams)
+    folders = _copy_owner_data(data["clients"], data["data_folder"], root)
+    shutil.rmtree(owners)
+    return folders
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_superb_kws_nothing_shared_tls_auth(tmp_path, federation):
+    from speechbrain_fl.fl.engine import _run_status
+
+    fed = federation
+    folders = _superb_owner_folders(tmp_path)
+    fed.start_superlink()
+    fed.register("node0"), fed.register("node1")
+    for pid, folder in enumerate(folders):
+        fed.start_supernode(f"node{pid}", f'partition-id={pid} data-folder="{folder}"')
+    out = tmp_path / "server" / "out"
+    overrides = {**SUPERB_TINY, "output_folder": str(out),
+                 "cache_folder": str(tmp_path / "server" / "cache")}  # fmt: skip
+    run_config = {"task": "recipes/SUPERB/superb_task.py:superb_task",
+                  "hparams": "hparams/kws.yaml", "overrides": overrides}  # fmt: skip
+    proc = run_deployment("secure", app_dir=REPO, env=fed.env, timeout=1500, run_config=run_config)
+    (tmp_path / "flwr_run.log").write_text(proc.stdout)
+    assert _run_status(proc.stdout, "secure", fed.env) == "finished:completed"
+    wait_for(lambda: (out / "results.json").is_file(), timeout=60, what="results.json",
+             log=tmp_path / "flwr_run.log")  # fmt: skip
+    rows = _rows(out / "rounds.csv")
+    # the simulation's structure (tests/integration/test_superb_flwr_run.py): two rounds, both
+    # partial replies (one client at exit 3, one at exit 6) aggregated layer-wise
+    assert [r["round"] for r in rows] == ["0", "1", "2"]
+    assert all(r["num_replied"] == "2" for r in rows[1:])
+    results = json.loads((out / "results.json").read_text())
+    assert sorted(results["depths"]) == [3, 6] and set(results["test"]) == {"3", "6"}
+    for pid in (0, 1):
+        (setup,) = (tmp_path / f"node{pid}").glob("sbfl_run_*/setup.json")
+        assert f"node{1 - pid}_data" not in setup.read_text()
+        assert Path(json.loads(setup.read_text())["model_folder"]).is_relative_to(
+            tmp_path / f"node{pid}"
+        )

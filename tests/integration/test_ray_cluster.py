@@ -13,8 +13,10 @@ from __future__ import annotations
 import csv
 import functools
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,12 +62,13 @@ def test_ray_cluster_head_and_worker(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                          env.get("PYTHONPATH", "")])  # fmt: skip
     procs, logs = [], []
+    temp = tempfile.mkdtemp(prefix="sbfl_ray_")  # short: Ray's socket paths are <= 107 bytes
     common = ["--num-cpus", "1", "--num-gpus", "0", "--block", "--disable-usage-stats",
+              "--node-ip-address", "127.0.0.1", "--temp-dir", temp,
               "--object-store-memory", str(200 * 2**20)]  # fmt: skip
     try:
         for name, args in (
-            ("head", ["--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                      "--include-dashboard", "false", "--temp-dir", str(tmp_path / "ray")]),
+            ("head", ["--head", "--port", str(port), "--include-dashboard", "false"]),
             ("worker", ["--address", address]),
         ):  # fmt: skip
             log = open(tmp_path / f"ray_{name}.log", "w")  # noqa: SIM115
@@ -108,3 +111,4 @@ def test_ray_cluster_head_and_worker(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
         for log in logs:
             log.close()
+        shutil.rmtree(temp, ignore_errors=True)
