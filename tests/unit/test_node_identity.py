@@ -257,3 +257,35 @@ def test_run_deployment_refuses_the_managed_local_superlink(tmp_path):
     (tmp_path / "config.toml").write_text('[superlink.local]\naddress = ":local:"\n')
     with pytest.raises(ValueError, match="'local' .* address ':local:'.*keeps running"):
         run_deployment("local", env={"FLWR_HOME": str(tmp_path)})
+
+
+def test_a_data_owning_node_prepares_nothing(tmp_path):
+    from speechbrain_fl.fl.node_data import bound_node
+    from speechbrain_fl.recipe import FederatedRecipe, RunSettings
+
+    recipe = FederatedRecipe(recipe_dir=tmp_path, task_ref="x.py:f", default_hparams="h.yaml",
+                             check=lambda hparams: None)  # fmt: skip
+    hparams = {"output_folder": str(tmp_path / "out"), "save_folder": str(tmp_path / "save")}
+    server = RunSettings(clients=["/srv/p0.csv", "/srv/p1.csv"], data_folder="/srv",
+                         valid_csv="/srv/dev.csv", test_csv="/srv/test.csv",
+                         model={"folder": "/srv/seed", "cache_dir": "/srv/cache"})  # fmt: skip
+    made = recipe.prepare(hparams, {}, key={"k": 1}, make=lambda: {"settings": server.to_dict(),
+                                                                   "info": {"n": 2}})  # fmt: skip
+    task = recipe.task(RunSettings.from_dict(made["settings"]), build_client=print,
+                       build_server=print)  # fmt: skip
+    assert task.node_setup == {"prepared": made, "model_folder": "/srv/seed"}
+    (tmp_path / "node").mkdir()
+    (tmp_path / "node" / "train.csv").write_text("ID\n")
+    node = NodeData.from_node_config({"data-folder": str(tmp_path / "node"),
+                                      "work-dir": str(tmp_path / "w")})  # fmt: skip
+
+    def never():
+        raise AssertionError("a data-owning node must not prepare the corpus")
+
+    with bound_node(node, {"prepared": made, "model_folder": str(tmp_path / "w" / "m")}):
+        local = recipe.prepare(hparams, {}, key={"k": 1}, make=never)
+    assert local["info"] == {"n": 2}
+    assert local["settings"]["clients"] == [str(tmp_path / "node" / "train.csv")] * 2
+    assert local["settings"]["model"]["folder"] == str(tmp_path / "w" / "m")
+    with bound_node(node, None), pytest.raises(RuntimeError, match="has not received"):
+        recipe.prepare(hparams, {}, key={"k": 1}, make=never)
