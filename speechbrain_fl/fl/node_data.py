@@ -44,6 +44,7 @@ __all__ = [
     "current_node",
     "localize_settings",
     "pack_folder",
+    "sent_to_nodes",
     "unpack_folder",
 ]
 
@@ -214,6 +215,33 @@ def localize_settings(
     if "timings" in local:
         local["timings"] = {}
     return local
+
+
+def sent_to_nodes(prepared: Mapping[str, Any]) -> dict[str, Any]:
+    """The server's prepared result as it is sent to the nodes: no path of the server's data.
+
+    The clients' manifests, the data root and the validation/test manifests are the server's
+    files; a node gets ``K`` empty slots (it fills them with its own manifest,
+    :func:`localize_settings`) and nothing else of them.
+
+    Example
+    -------
+    >>> sent_to_nodes({"settings": {"clients": ["/srv/a.csv", "/srv/b.csv"], "data_folder": "/srv",
+    ...                             "valid_csv": "/srv/dev.csv"}, "info": {}})["settings"]
+    {'clients': ['', ''], 'data_folder': '', 'valid_csv': ''}
+    """
+
+    def strip(settings: Mapping[str, Any]) -> dict[str, Any]:
+        out = copy.deepcopy(dict(settings))
+        out["clients"] = [""] * len(out.get("clients") or [])
+        for key in ("data_folder", "valid_csv", "test_csv"):
+            if key in out:
+                out[key] = ""
+        return out
+
+    if isinstance(prepared.get("settings"), Mapping):
+        return {**copy.deepcopy(dict(prepared)), "settings": strip(prepared["settings"])}
+    return strip(prepared)
 
 
 def pack_folder(folder: str | os.PathLike, *, max_bytes: int = SHIP_MAX_BYTES) -> dict | None:

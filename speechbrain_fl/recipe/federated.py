@@ -311,8 +311,11 @@ class FederatedRecipe:
         ``build_client(context, *, settings)``; ``build_server(context, *, settings,
         **server_kwargs)`` (e.g. ``fl_config``). The task's ``node_setup`` is what the ServerApp
         sends data-owning SuperNodes before the first round: the prepared result of this
-        process's :meth:`prepare` and the model folder to ship (when small).
+        process's :meth:`prepare` without the paths of the server's data
+        (:func:`~speechbrain_fl.fl.node_data.sent_to_nodes`) and the model folder to ship (when
+        small).
         """
+        from speechbrain_fl.fl.node_data import sent_to_nodes
         from speechbrain_fl.fl.task import FLTask
 
         prepared = getattr(self, "_last_prepared", None)
@@ -320,7 +323,7 @@ class FederatedRecipe:
         node_setup = None
         if prepared is not None:
             node_setup = {
-                "prepared": prepared,
+                "prepared": sent_to_nodes(prepared),
                 "model_folder": model.get("folder") or model.get("source"),
             }
         return FLTask(

@@ -325,6 +325,9 @@ def test_mls_debug_nothing_shared_tls_auth(tmp_path, federation):
         record = json.loads(setup.read_text())
         assert Path(record["model_folder"]).is_relative_to(tmp_path / f"node{pid}")
         assert f"node{1 - pid}_data" not in setup.read_text()
+        # no path of the server's client partition or corpus reached the node
+        assert record["prepared"]["settings"]["clients"] == ["", ""]
+        assert "partition" not in json.dumps(record["prepared"]["settings"])
         assert not (tmp_path / f"node{pid}" / "cache").exists() or not list(
             (tmp_path / f"node{pid}" / "cache").rglob("*.flac")
         )  # the node generated no corpus

@@ -273,7 +273,9 @@ def test_a_data_owning_node_prepares_nothing(tmp_path):
                                                                    "info": {"n": 2}})  # fmt: skip
     task = recipe.task(RunSettings.from_dict(made["settings"]), build_client=print,
                        build_server=print)  # fmt: skip
-    assert task.node_setup == {"prepared": made, "model_folder": "/srv/seed"}
+    sent = task.node_setup["prepared"]  # none of the server's data paths reach the nodes
+    assert sent["settings"]["clients"] == ["", ""] and "/srv/p0" not in str(sent)
+    assert task.node_setup["model_folder"] == "/srv/seed"
     (tmp_path / "node").mkdir()
     (tmp_path / "node" / "train.csv").write_text("ID\n")
     node = NodeData.from_node_config({"data-folder": str(tmp_path / "node"),
@@ -282,7 +284,7 @@ def test_a_data_owning_node_prepares_nothing(tmp_path):
     def never():
         raise AssertionError("a data-owning node must not prepare the corpus")
 
-    with bound_node(node, {"prepared": made, "model_folder": str(tmp_path / "w" / "m")}):
+    with bound_node(node, {"prepared": sent, "model_folder": str(tmp_path / "w" / "m")}):
         local = recipe.prepare(hparams, {}, key={"k": 1}, make=never)
     assert local["info"] == {"n": 2}
     assert local["settings"]["clients"] == [str(tmp_path / "node" / "train.csv")] * 2
