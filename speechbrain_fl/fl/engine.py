@@ -52,6 +52,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -62,11 +63,12 @@ from typing import Any
 import yaml
 from flwr.app import Context, RecordDict
 from flwr.common.logger import FLOWER_LOGGER, console_handler
+from flwr.common.logger import log as flwr_log
 
 from .client import make_client_app
 from .config import BACKENDS
 from .server import ServerResult, ServerTask, make_server_app
-from .task import FLTask, SpecClient, SpecServer, TaskSpec, load_task
+from .task import FLTask, SpecClient, SpecServer, TaskSpec, load_task, resolved_settings
 
 DEPRECATION_NOTICE = "`run_simulation` function is deprecated"
 
@@ -92,7 +94,25 @@ def _flower_logging() -> Iterator[None]:
             FLOWER_LOGGER.addHandler(console_handler)
 
 
-__all__ = ["run_deployment", "run_simulation"]
+__all__ = ["FlwrRunError", "run_deployment", "run_simulation"]
+
+
+class FlwrRunError(subprocess.CalledProcessError):
+    """``flwr run`` failed: a non-zero exit, or a run the SuperLink reports as failed.
+
+    ``flwr run --stream`` exits 0 when the ServerApp raised (issue 25); :func:`run_deployment`
+    asks the SuperLink for the run's final status (``flwr ls --run-id``) and raises this, with
+    the status, the command and the log tail in its message.
+    """
+
+    def __init__(self, returncode, cmd, output=None, stderr=None, status=None):
+        super().__init__(returncode, cmd, output=output, stderr=stderr)
+        self.status = status
+
+    def __str__(self) -> str:
+        tail = "\n".join(((self.output or "") + (self.stderr or "")).splitlines()[-40:])
+        what = f"run status {self.status!r}" if self.status else f"exit status {self.returncode}"
+        return f"flwr run failed ({what}): {self.cmd}\n{tail}"
 
 
 def run_simulation(
@@ -145,6 +165,8 @@ def run_simulation(
         backend = "ray" if ray_address else getattr(server_task.config, "backend", "ray")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {list(BACKENDS)}")
+    with _flower_logging():
+        flwr_log(logging.INFO, "%s", resolved_settings(server_task.config))
     results: list[ServerResult] = []
     server_app = make_server_app(_Prebuilt(server_task), on_result=results.append)
     if backend == "local":
@@ -259,8 +281,16 @@ def run_deployment(
     Returns
     -------
     subprocess.CompletedProcess
-        With ``stdout`` (text); raises ``CalledProcessError`` on failure.
+        With ``stdout`` (text).
+
+    Raises
+    ------
+    FlwrRunError
+        (a ``CalledProcessError``) when ``flwr run`` exits non-zero or, with ``stream``, when
+        the SuperLink reports the run as anything but ``finished:completed`` (a ServerApp
+        that raised: ``flwr run`` itself exits 0 then).
     """
+    _refuse_managed_local_superlink(superlink, env)
     cmd = [str(Path(sys.executable).with_name("flwr")), "run", str(app_dir), superlink]
     if run_config:
         pairs = []
@@ -289,7 +319,57 @@ def run_deployment(
         cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
     )
     if proc.returncode != 0:
-        raise subprocess.CalledProcessError(
-            proc.returncode, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr
+        raise FlwrRunError(proc.returncode, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr)
+    status = _run_status(proc.stdout, superlink, env) if stream else None
+    if status is not None and status != "finished:completed":
+        raise FlwrRunError(
+            1, shlex.join(cmd), output=proc.stdout, stderr=proc.stderr, status=status
         )
     return proc
+
+
+MANAGED_LOCAL_ADDRESSES = (":local:", ":local-in-memory:")
+
+
+def _refuse_managed_local_superlink(superlink: str, env: dict[str, str] | None) -> None:
+    """Refuse a connection to Flower's managed local SuperLink (``address = ":local:"``).
+
+    ``flwr`` starts that SuperLink itself, without ``--disable-runtime-dependency-installation``
+    (it ``uv sync``s the app into a fresh environment instead of the pinned one) and leaves it
+    running after the run (issue 25). Our helpers use an explicit SuperLink instead.
+    """
+    import tomllib
+
+    home = Path((env or os.environ).get("FLWR_HOME") or Path.home() / ".flwr")
+    path = home / "config.toml"
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return
+    address = config.get("superlink", {}).get(superlink, {}).get("address")
+    if address in MANAGED_LOCAL_ADDRESSES:
+        raise ValueError(
+            f"SuperLink connection {superlink!r} in {path} has address {address!r}: flwr would "
+            "start a managed local SuperLink that installs the app's dependencies and keeps "
+            "running; start `flower-superlink --insecure --simulation "
+            "--disable-runtime-dependency-installation` and give its address instead "
+            "(docs/deployment.md)"
+        )
+
+
+_RUN_ID = re.compile(r"[Ss]uccessfully started run (\d+)")
+
+
+def _run_status(stdout: str, superlink: str, env: dict[str, str] | None) -> str | None:
+    """``status`` of the run ``flwr run`` started (``finished:completed``, ...) or ``None``."""
+    found = _RUN_ID.search(stdout or "")
+    if not found:
+        return None
+    cmd = [str(Path(sys.executable).with_name("flwr")), "ls", superlink, "--run-id",
+           found.group(1), "--format", "json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
+    try:
+        runs = json.loads(proc.stdout[proc.stdout.index("{") :])["runs"]
+        return str(runs[0]["status"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None

@@ -37,12 +37,39 @@ from flwr.app import Context
 from .client import ClientTask
 from .server import ServerTask
 
-__all__ = ["APP_ROOT", "FLTask", "TaskSpec", "import_factory", "load_task"]
+__all__ = ["APP_ROOT", "FLTask", "TaskSpec", "import_factory", "load_task", "resolved_settings"]
 
 APP_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TASK = "speechbrain_fl.fl.toy:toy_task"
 
 _LOADED: dict[str, FLTask] = {}
+
+TYPED_KEYS: dict[str, tuple[str, type]] = {
+    "num-server-rounds": ("number_of_rounds", int),
+    "sampling-rate": ("sampling_rate", float),
+    "method": ("method", str),
+    "clip": ("clip", float),
+    "noise-multiplier": ("noise_multiplier", float),
+    "local-epochs": ("local_epochs", int),
+}
+"""Typed run-config keys (Flower's kebab-case) and the recipe YAML keys they set."""
+UNSET: dict[type, Any] = {int: -1, float: -1, str: ""}
+"""The value of a typed key that keeps the hparams file's value (TOML has no null)."""
+
+
+def _typed(key: str, value: Any, kind: type) -> Any:
+    """``value`` as ``kind``; ``ValueError`` naming the key when it is not one."""
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"run config {key}={value!r} must be a string")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"run config {key}={value!r} must be a number")
+    if kind is int:
+        if float(value) != int(value):
+            raise ValueError(f"run config {key}={value!r} must be an integer")
+        return int(value)
+    return float(value)
 
 
 @dataclass
@@ -63,6 +90,12 @@ class FLTask:
         final model as a checkpoint).
     info : dict
         What the factory wants its caller to see (e.g. the prepared paths); not used by engines.
+    node_setup : dict, optional
+        What the ServerApp of ``flwr run`` sends each SuperNode before the first round, beside
+        the frozen base's fingerprint (:mod:`speechbrain_fl.fl.apps`): ``prepared``, the run's
+        prepared settings (JSON), and ``model_folder``, a local model folder shipped whole when
+        small (:func:`speechbrain_fl.fl.node_data.pack_folder`). ``None``: the task needs no
+        settings from the server (the toy) and the nodes build their own base.
     """
 
     build_client: Callable[[Context], ClientTask]
@@ -70,6 +103,7 @@ class FLTask:
     num_partitions: int
     on_result: Callable[[Any], None] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    node_setup: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,13 +136,24 @@ class TaskSpec:
     def from_run_config(
         cls, run_config: Mapping[str, Any], node_config: Mapping[str, Any] | None = None
     ) -> TaskSpec:
-        """Read a Flower run config: ``task``, ``hparams`` and ``overrides``.
+        """Read a Flower run config: the typed keys, ``task``, ``hparams`` and ``overrides``.
 
-        Flower only accepts run-config keys that ``[tool.flwr.app.config]`` declares, and its
-        values are scalars, so the factory's overrides travel as one YAML mapping in the string
-        ``overrides`` (e.g. ``"{number_of_rounds: 2, languages: [english, german]}"``), in the
-        recipe's YAML vocabulary. A SuperNode's ``--node-config hparams=...`` wins over the run
-        config's ``hparams``.
+        The settings users change most are typed kebab-case keys (:data:`TYPED_KEYS`, declared
+        in ``[tool.flwr.app.config]``): ``num-server-rounds``, ``sampling-rate``, ``method``,
+        ``clip``, ``noise-multiplier``, ``local-epochs``. A typed key left at its "unset" value
+        (``-1``, or ``""`` for ``method``: TOML has no null) keeps the hparams file's value.
+        Everything else travels as one YAML mapping in the string ``overrides`` (e.g.
+        ``"{languages: [english, german]}"``), in the recipe's YAML vocabulary, as Flower's
+        values are scalars. A typed key and the same key in ``overrides`` with another value is
+        refused (which one wins would be a guess). A SuperNode's ``--node-config hparams=...``
+        wins over the run config's ``hparams``.
+
+        Example
+        -------
+        >>> spec = TaskSpec.from_run_config({"num-server-rounds": 3, "clip": -1, "method": "",
+        ...                                  "overrides": "{num_partitions: 2}"})
+        >>> dict(spec.overrides)
+        {'num_partitions': 2, 'number_of_rounds': 3}
         """
         hparams = (node_config or {}).get("hparams") or run_config.get("hparams") or None
         text = str(run_config.get("overrides", "") or "")
@@ -118,6 +163,20 @@ class TaskSpec:
             raise ValueError(f"run config overrides={text!r} is not YAML: {err}") from err
         if not isinstance(overrides, dict):
             raise ValueError(f"run config overrides={text!r} must be a YAML mapping")
+        for flower_key, (yaml_key, kind) in TYPED_KEYS.items():
+            value = run_config.get(flower_key, UNSET[kind])
+            if value == UNSET[kind] or value is None:
+                continue
+            value = _typed(flower_key, value, kind)
+            if yaml_key in overrides and overrides[yaml_key] != value:
+                raise ValueError(
+                    f"run config {flower_key}={value!r} and overrides {yaml_key}: "
+                    f"{overrides[yaml_key]!r} disagree; give one"
+                )
+            overrides[yaml_key] = value
+        unknown = sorted(set(run_config) - set(TYPED_KEYS) - {"task", "hparams", "overrides"})
+        if unknown:
+            raise ValueError(f"run config: unknown key(s) {unknown}")
         return cls(
             task=str(run_config.get("task", DEFAULT_TASK)),
             hparams=str(hparams) if hparams else None,
@@ -170,8 +229,17 @@ def _import_script(target: str):
 
 
 def load_task(spec: TaskSpec) -> FLTask:
-    """Build the spec's FLTask, once per process (see the module docstring)."""
+    """Build the spec's FLTask, once per process (see the module docstring).
+
+    On a data-owning SuperNode (:func:`speechbrain_fl.fl.node_data.current_node`) the task is
+    built for that node's data and cached under it too.
+    """
+    from .node_data import current_node
+
     key = spec.cache_key
+    bound = current_node()
+    if bound is not None:
+        key = json.dumps([key, bound[0].key, bool(bound[1])], sort_keys=True)
     if key not in _LOADED:
         factory = import_factory(spec.task)
         _LOADED[key] = factory(spec.hparams, dict(spec.overrides))
@@ -201,3 +269,25 @@ class SpecServer:
 
     def __call__(self, context: Context) -> ServerTask:
         return load_task(self.spec).build_server(context)
+
+
+RESOLVED_FIELDS = ("num_rounds", "sampling_rate", "clip_method", "clip", "noise_multiplier",
+                   "local_epochs", "delta", "max_epsilon", "accountant", "population_size",
+                   "output_folder")  # fmt: skip
+
+
+def resolved_settings(config: Any) -> str:
+    """One line of the federated settings a run resolved to (both engines log it at start).
+
+    The script (``run_simulation``) and ``flwr run`` (the ServerApp) print the same line for
+    the same hparams, whatever way the values came (hparams file, typed run-config keys,
+    overrides).
+
+    Example
+    -------
+    >>> from speechbrain_fl.fl.config import FLConfig
+    >>> resolved_settings(FLConfig(output_folder="o", num_rounds=2))[:45]
+    'federated settings: num_rounds=2 sampling_rat'
+    """
+    values = " ".join(f"{name}={getattr(config, name, None)!r}" for name in RESOLVED_FIELDS)
+    return f"federated settings: {values}"

@@ -7,11 +7,18 @@ its settings are the toy keys below plus the federated/privacy YAML keys that
 :meth:`~speechbrain_fl.fl.config.FLConfig.from_hparams` reads (``number_of_rounds``, ``method``,
 ``noise_multiplier``, ``clip``, ...), from an optional HyperPyYAML file and then from
 ``overrides`` (hyphens in keys, as Flower's run_config writes them, are read as underscores).
+
+A data-owning SuperNode (``--node-config "data-folder=..."`` or ``"data-manifest=..."``,
+:mod:`speechbrain_fl.fl.node_data`) trains on its own manifest instead of the generated
+partition: a CSV with columns ``ID, x0, ..., x<F-1>, y`` (:func:`write_toy_manifest` writes a
+partition in that format, the way a data owner would export its examples), on its ``device``.
 """
 
 from __future__ import annotations
 
+import csv
 import functools
+import os
 from typing import Any
 
 import speechbrain as sb
@@ -22,10 +29,19 @@ from speechbrain.dataio.batch import PaddedBatch
 
 from .client import ClientTask
 from .config import FLConfig
+from .node_data import NodeData
 from .server import ServerTask
 from .task import FLTask
 
-__all__ = ["ToyBrain", "toy_client", "toy_server", "toy_settings", "toy_task"]
+__all__ = [
+    "ToyBrain",
+    "read_toy_manifest",
+    "toy_client",
+    "toy_server",
+    "toy_settings",
+    "toy_task",
+    "write_toy_manifest",
+]
 
 TOY_DEFAULTS: dict[str, Any] = {
     "num_partitions": 4,
@@ -74,14 +90,40 @@ def _data(settings: dict[str, Any], seed: int, count: int) -> _Examples:
     return _Examples(x, y)
 
 
-def _brain(settings: dict[str, Any]) -> ToyBrain:
+def write_toy_manifest(path: str | os.PathLike, settings: dict[str, Any], partition: int) -> str:
+    """Write partition ``partition``'s examples as a toy manifest (CSV ``ID, x0.., y``)."""
+    data = _data(settings, 1 + partition, int(settings["examples_per_client"]))
+    features = [f"x{i}" for i in range(data.x.shape[1])]
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["ID", *features, "y"])
+        for i, (x, y) in enumerate(zip(data.x.tolist(), data.y[:, 0].tolist(), strict=True)):
+            writer.writerow([f"p{partition}_{i}", *(repr(v) for v in x), repr(y)])
+    return str(path)
+
+
+def read_toy_manifest(path: str | os.PathLike, num_features: int) -> _Examples:
+    """A toy manifest's examples; ``ValueError`` naming the file on a wrong column set."""
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    features = [f"x{i}" for i in range(num_features)]
+    if not rows or set(rows[0]) != {"ID", *features, "y"}:
+        raise ValueError(
+            f"{path}: a toy manifest needs columns ID, {', '.join(features)}, y and >= 1 row"
+        )
+    x = torch.tensor([[float(r[f]) for f in features] for r in rows])
+    y = torch.tensor([[float(r["y"])] for r in rows])
+    return _Examples(x, y)
+
+
+def _brain(settings: dict[str, Any], device: str = "cpu") -> ToyBrain:
     torch.manual_seed(int(settings["data_seed"]))
     model = torch.nn.Linear(int(settings["num_features"]), 1)
     lr = float(settings["lr"])
     return ToyBrain(
         modules={"model": model},
         opt_class=lambda params: torch.optim.SGD(params, lr=lr),
-        run_opts={"device": "cpu", "noprogressbar": True},
+        run_opts={"device": device, "noprogressbar": True},
     )
 
 
@@ -101,12 +143,23 @@ def toy_settings(hparams: str | None = None, overrides: dict[str, Any] | None = 
 
 
 def toy_client(context: Context, settings: dict[str, Any] | None = None) -> ClientTask:
-    """Build the client of partition ``context.node_config['partition-id']``."""
+    """Build the client of partition ``context.node_config['partition-id']``.
+
+    A data-owning node (``data-folder`` / ``data-manifest`` in its node config) reads its own
+    manifest and uses its ``device``; a simulated node generates its partition.
+    """
     settings = settings or toy_settings()
-    pid = int(context.node_config.get("partition-id", 0))
+    node = NodeData.from_node_config(dict(context.node_config))
+    if node is None:
+        pid = int(context.node_config.get("partition-id", 0))
+        train_set = _data(settings, 1 + pid, int(settings["examples_per_client"]))
+        device = "cpu"
+    else:
+        train_set = read_toy_manifest(node.train_manifest, int(settings["num_features"]))
+        device = node.device or "cpu"
     return ClientTask(
-        brain=_brain(settings),
-        train_set=_data(settings, 1 + pid, int(settings["examples_per_client"])),
+        brain=_brain(settings, device),
+        train_set=train_set,
         train_loader_kwargs={
             "batch_size": int(settings["batch_size"]),
             "shuffle": True,

@@ -140,6 +140,11 @@ class FederatedRecipe:
         The ``--debug`` sizes (:func:`~speechbrain_fl.recipe.hparams.shrink_for_debug`).
     defaults : callable, optional
         ``defaults(hparams)``: fills values derived from others (before the debug sizes).
+    node_manifest : callable, optional
+        ``node_manifest(node, hparams) -> str``: a data-owning SuperNode's training manifest,
+        prepared from its ``data-folder`` in the recipe's real layout (only that folder);
+        default ``data-manifest`` or ``<data-folder>/train.csv``
+        (:class:`~speechbrain_fl.fl.node_data.NodeData`).
     """
 
     recipe_dir: Path
@@ -149,6 +154,7 @@ class FederatedRecipe:
     debug_caps: Mapping[str, int | float] = field(default_factory=dict)
     debug_values: Mapping[str, Any] = field(default_factory=dict)
     defaults: Callable[[dict[str, Any]], None] | None = None
+    node_manifest: Callable[[Any, dict[str, Any]], str] | None = None
 
     # -- 1. load --------------------------------------------------------------------------
     def load(self, hparams_file, overrides=None, run_opts=None):
@@ -237,8 +243,8 @@ class FederatedRecipe:
             return main(run)
 
     # -- 2. settings once per run ---------------------------------------------------------
-    @staticmethod
     def prepare(
+        self,
         hparams: Mapping[str, Any],
         run_opts: Mapping[str, Any],
         *,
@@ -249,13 +255,49 @@ class FederatedRecipe:
 
         ``key`` holds every hparams value that shapes the preparation; the run options join
         it. A recipe converts the result back to its :class:`RunSettings` subclass.
+
+        On a data-owning SuperNode (``node_config`` with ``data-folder`` or ``data-manifest``,
+        :mod:`speechbrain_fl.fl.node_data`) nothing is prepared: the result is the server's,
+        sent in the setup message, with the data paths, device and model folder made the
+        node's own (:func:`~speechbrain_fl.fl.node_data.localize_settings`); the node's training
+        manifest is ``node_manifest(node, hparams)`` when the recipe gives that hook (a folder
+        in the recipe's real layout), else ``data-manifest`` or ``<data-folder>/train.csv``.
         """
+        from speechbrain_fl.fl.node_data import current_node
+
+        bound = current_node()
+        if bound is not None:
+            return self._node_prepared(bound, hparams)
         os.makedirs(hparams["output_folder"], exist_ok=True)
-        return prepare_once(hparams["save_folder"], {**key, "run_opts": dict(run_opts)}, make)
+        result = prepare_once(hparams["save_folder"], {**key, "run_opts": dict(run_opts)}, make)
+        self._last_prepared = result
+        return result
+
+    def _node_prepared(self, bound, hparams) -> dict[str, Any]:
+        from speechbrain_fl.fl.node_data import localize_settings
+
+        node, setup = bound
+        if not setup or "prepared" not in setup:
+            raise RuntimeError(
+                "this SuperNode has its own data (node_config data-folder/data-manifest) but "
+                "has not received the server's setup message for this run"
+            )
+        prepared = setup["prepared"]
+        manifest = (
+            self.node_manifest(node, dict(hparams)) if self.node_manifest else node.train_manifest
+        )
+        model_folder = setup.get("model_folder")
+        if isinstance(prepared.get("settings"), dict):  # {"settings": ..., "info": ...}
+            local = dict(prepared)
+            local["settings"] = localize_settings(
+                prepared["settings"], node, manifest=manifest, model_folder=model_folder
+            )
+            return local
+        return localize_settings(prepared, node, manifest=manifest, model_folder=model_folder)
 
     # -- 4. the task ----------------------------------------------------------------------
-    @staticmethod
     def task(
+        self,
         settings: RunSettings,
         *,
         build_client: Callable,
@@ -267,16 +309,30 @@ class FederatedRecipe:
         """An :class:`~speechbrain_fl.fl.task.FLTask` with both builders bound to ``settings``.
 
         ``build_client(context, *, settings)``; ``build_server(context, *, settings,
-        **server_kwargs)`` (e.g. ``fl_config``).
+        **server_kwargs)`` (e.g. ``fl_config``). The task's ``node_setup`` is what the ServerApp
+        sends data-owning SuperNodes before the first round: the prepared result of this
+        process's :meth:`prepare` without the paths of the server's data
+        (:func:`~speechbrain_fl.fl.node_data.sent_to_nodes`) and the model folder to ship (when
+        small).
         """
+        from speechbrain_fl.fl.node_data import sent_to_nodes
         from speechbrain_fl.fl.task import FLTask
 
+        prepared = getattr(self, "_last_prepared", None)
+        model = settings.model if isinstance(settings.model, dict) else {}
+        node_setup = None
+        if prepared is not None:
+            node_setup = {
+                "prepared": sent_to_nodes(prepared),
+                "model_folder": model.get("folder") or model.get("source"),
+            }
         return FLTask(
             build_client=functools.partial(build_client, settings=settings),
             build_server=functools.partial(build_server, settings=settings, **server_kwargs),
             num_partitions=settings.num_clients,
             on_result=on_result,
             info={} if info is None else info,
+            node_setup=node_setup,
         )
 
     # -- 5. the simulation run ------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Identity in deployment (issue 21, item 6): one node per partition, one data owner once.
+"""Identity in deployment (issue 21, item 6): one node per partition, one data owner once;
+its own data and base model (issue 26): fingerprints, the setup handshake, node_config.
 
 Before: two SuperNodes both declaring ``partition-id=0`` were accepted silently ("2 connected,
 K=2"): partition 1 never trained, and in a private run one data owner counted as two clients.
@@ -10,9 +11,17 @@ import logging
 
 import pytest
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from speechbrain_fl.fl import DPFedAvg, FLConfig
+from speechbrain_fl.fl import DPFedAvg, FLConfig, apps
+from speechbrain_fl.fl.fingerprint import (
+    BaseModelMismatch,
+    check_base_fingerprint,
+    frozen_fingerprint,
+)
+from speechbrain_fl.fl.node_data import NodeData, localize_settings, pack_folder, unpack_folder
+from speechbrain_fl.fl.task import TaskSpec
+from speechbrain_fl.fl.toy import toy_settings, write_toy_manifest
 from speechbrain_fl.privacy import Group, Layout
 
 from .strategy_toys import ScriptedGrid, make_reply
@@ -98,3 +107,187 @@ def test_node_partitions_binds_authenticated_nodes_to_partitions(tmp_path, serve
 def test_node_partitions_is_checked(tmp_path, value, message):
     with pytest.raises(ValueError, match=f"federated config: node_partitions=.*{message}"):
         FLConfig(output_folder=str(tmp_path), node_partitions=value)
+
+
+# -- issue 26: the node's own data and base model ----------------------------------------
+def _base(seed: int) -> torch.nn.Module:
+    """A frozen 'encoder' (weights from ``seed``) under a trainable head."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def test_two_different_bases_are_refused_by_name():
+    server, same, other = _base(0), _base(0), _base(1)
+    expected = frozen_fingerprint(server)
+    assert check_base_fingerprint(expected, same) == expected
+    with torch.no_grad():  # the trainable head is the server's to send: it does not count
+        same[1].weight.add_(1.0)
+    assert frozen_fingerprint(same) == expected
+    with pytest.raises(BaseModelMismatch, match=r"differs from the server's .*node 7"):
+        check_base_fingerprint(expected, other, where="node 7")
+    with torch.no_grad():  # one frozen value changed is another base
+        same[0].bias[0] += 1e-6
+    assert frozen_fingerprint(same) != expected
+
+
+def _context(node_config, run_config, state=None):
+    return Context(run_id=5, node_id=11, node_config=node_config,
+                   state=state or RecordDict(), run_config=run_config)  # fmt: skip
+
+
+def _setup_message(fingerprint: str) -> Message:
+    content = RecordDict(
+        {
+            apps.SETUP_RECORD: ConfigRecord(
+                {"fingerprint": fingerprint, "prepared": "", "shipped": False}
+            )
+        }  # fmt: skip
+    )
+    return Message(content=content, dst_node_id=11, message_type=apps.SETUP)
+
+
+@pytest.fixture
+def toy_node(tmp_path):
+    settings = toy_settings(overrides={"num_partitions": 2})
+    folder = tmp_path / "node0"
+    folder.mkdir()
+    write_toy_manifest(folder / "train.csv", settings, 0)
+    node_config = {"partition-id": 0, "num-partitions": 2, "data-folder": str(folder),
+                   "work-dir": str(tmp_path / "work")}  # fmt: skip
+    run_config = {"task": "speechbrain_fl.fl.toy:toy_task", "hparams": "",
+                  "overrides": "{num_partitions: 2, number_of_rounds: 1}"}  # fmt: skip
+    return node_config, run_config
+
+
+def test_setup_handshake_admits_the_same_base_and_refuses_another(toy_node, server_identity):
+    node_config, run_config = toy_node
+    client = apps._RunConfigClient()
+    with pytest.raises(apps.NodeNotSetUp, match="before the server's setup"):
+        client(_context(node_config, run_config))  # no setup yet: refused
+    right = frozen_fingerprint(torch.nn.Linear(4, 1))  # the toy's base: nothing frozen
+    context = _context(node_config, run_config)
+    reply = apps._setup(_setup_message(right), context)
+    answer = reply.content.config_records[apps.REPLY_RECORD]
+    assert answer["ok"] is True
+    built = client(context)  # a later message's build: checked again, on the node's own data
+    assert len(built.train_set) == 32
+    wrong = frozen_fingerprint(_base(3))
+    context = _context(node_config, run_config)
+    reply = apps._setup(_setup_message(wrong), context)
+    answer = reply.content.config_records[apps.REPLY_RECORD]
+    assert answer["ok"] is False and answer["error"].startswith("BaseModelMismatch")
+    with pytest.raises(apps.NodeNotSetUp):
+        client(context)
+
+
+class _FakeGrid:
+    """Two connected nodes; node 2 answers the setup with a refusal."""
+
+    def __init__(self):
+        self.sent = []
+
+    def get_node_ids(self):
+        return [1, 2]
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for msg in messages:
+            self.sent.append(msg.metadata.dst_node_id)
+            ok = msg.metadata.dst_node_id == 1
+            answer = {"ok": ok, "error": "" if ok else "BaseModelMismatch: another base"}
+            replies.append(
+                Message(RecordDict({apps.REPLY_RECORD: ConfigRecord(answer)}), reply_to=msg)
+            )
+        return replies
+
+
+def test_admitting_grid_hides_a_refused_node(server_identity):
+    grid = apps.AdmittingGrid(_FakeGrid(), RecordDict())
+    assert grid.get_node_ids() == [1]
+    assert grid.get_node_ids() == [1]  # asked once: no second setup
+    assert grid._grid.sent == [1, 2]
+    assert grid.refused == {2: "BaseModelMismatch: another base"}
+
+
+def test_node_config_and_localized_settings(tmp_path):
+    with pytest.raises(ValueError, match="data-folder='/no/such'"):
+        NodeData.from_node_config({"data-folder": "/no/such"})
+    manifest = tmp_path / "mine.csv"
+    manifest.write_text("ID\n")
+    node = NodeData.from_node_config({"data-manifest": str(manifest), "device": "cuda:1",
+                                      "work-dir": str(tmp_path)})  # fmt: skip
+    server = {"clients": ["/srv/p0.csv", "/srv/p1.csv", "/srv/p2.csv"], "data_folder": "/srv",
+              "valid_csv": "/srv/dev.csv", "test_csv": "/srv/test.csv", "run_opts": {},
+              "model": {"folder": "/srv/cache/seed", "cache_dir": "/srv/cache"}}  # fmt: skip
+    local = localize_settings(server, node, manifest=node.train_manifest, model_folder="/m")
+    assert local["clients"] == [str(manifest)] * 3  # K kept, no other client's manifest
+    assert "/srv" not in str({k: v for k, v in local.items() if k != "model"})
+    assert local["model"] == {"folder": "/m", "cache_dir": str(tmp_path / "cache")}
+    assert local["run_opts"]["device"] == "cuda:1"
+    shipped = tmp_path / "seed"
+    (shipped / "sub").mkdir(parents=True)
+    (shipped / "sub" / "w.bin").write_bytes(b"\x00\x01")
+    files = pack_folder(shipped)
+    unpack_folder(files, tmp_path / "copy")
+    assert (tmp_path / "copy" / "sub" / "w.bin").read_bytes() == b"\x00\x01"
+    with pytest.raises(ValueError, match="outside"):
+        unpack_folder({"../evil": b""}, tmp_path / "copy")
+
+
+def test_typed_run_config_keys():
+    spec = TaskSpec.from_run_config({"num-server-rounds": 4, "noise-multiplier": 0.0,
+                                     "method": "flat", "sampling-rate": -1.0,
+                                     "overrides": "{clip: 1.0}"})  # fmt: skip
+    assert dict(spec.overrides) == {"clip": 1.0, "number_of_rounds": 4,
+                                    "noise_multiplier": 0.0, "method": "flat"}  # fmt: skip
+    with pytest.raises(ValueError, match="num-server-rounds=4 and overrides number_of_rounds"):
+        TaskSpec.from_run_config({"num-server-rounds": 4, "overrides": "{number_of_rounds: 3}"})
+    with pytest.raises(ValueError, match="local-epochs=1.5 must be an integer"):
+        TaskSpec.from_run_config({"local-epochs": 1.5})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['rounds'\]"):
+        TaskSpec.from_run_config({"rounds": 3})
+
+
+def test_run_deployment_refuses_the_managed_local_superlink(tmp_path):
+    from speechbrain_fl.fl.engine import run_deployment
+
+    (tmp_path / "config.toml").write_text('[superlink.local]\naddress = ":local:"\n')
+    with pytest.raises(ValueError, match="'local' .* address ':local:'.*keeps running"):
+        run_deployment("local", env={"FLWR_HOME": str(tmp_path)})
+
+
+def test_a_data_owning_node_prepares_nothing(tmp_path):
+    from speechbrain_fl.fl.node_data import bound_node
+    from speechbrain_fl.recipe import FederatedRecipe, RunSettings
+
+    recipe = FederatedRecipe(recipe_dir=tmp_path, task_ref="x.py:f", default_hparams="h.yaml",
+                             check=lambda hparams: None)  # fmt: skip
+    hparams = {"output_folder": str(tmp_path / "out"), "save_folder": str(tmp_path / "save")}
+    server = RunSettings(clients=["/srv/p0.csv", "/srv/p1.csv"], data_folder="/srv",
+                         valid_csv="/srv/dev.csv", test_csv="/srv/test.csv",
+                         model={"folder": "/srv/seed", "cache_dir": "/srv/cache"})  # fmt: skip
+    made = recipe.prepare(hparams, {}, key={"k": 1}, make=lambda: {"settings": server.to_dict(),
+                                                                   "info": {"n": 2}})  # fmt: skip
+    task = recipe.task(RunSettings.from_dict(made["settings"]), build_client=print,
+                       build_server=print)  # fmt: skip
+    sent = task.node_setup["prepared"]  # none of the server's data paths reach the nodes
+    assert sent["settings"]["clients"] == ["", ""] and "/srv/p0" not in str(sent)
+    assert task.node_setup["model_folder"] == "/srv/seed"
+    (tmp_path / "node").mkdir()
+    (tmp_path / "node" / "train.csv").write_text("ID\n")
+    node = NodeData.from_node_config({"data-folder": str(tmp_path / "node"),
+                                      "work-dir": str(tmp_path / "w")})  # fmt: skip
+
+    def never():
+        raise AssertionError("a data-owning node must not prepare the corpus")
+
+    with bound_node(node, {"prepared": sent, "model_folder": str(tmp_path / "w" / "m")}):
+        local = recipe.prepare(hparams, {}, key={"k": 1}, make=never)
+    assert local["info"] == {"n": 2}
+    assert local["settings"]["clients"] == [str(tmp_path / "node" / "train.csv")] * 2
+    assert local["settings"]["model"]["folder"] == str(tmp_path / "w" / "m")
+    with bound_node(node, None), pytest.raises(RuntimeError, match="has not received"):
+        recipe.prepare(hparams, {}, key={"k": 1}, make=never)
