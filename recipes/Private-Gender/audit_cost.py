@@ -35,7 +35,7 @@ from gender_stats import paired, spread  # noqa: E402
 METRICS = (
     ("teacher balanced acc.", "teacher", "teacher.test.balanced_accuracy.value"),
     ("teacher macro-F1", "teacher", "teacher.test.macro_f1.value"),
-    ("teacher recall other", "teacher", "teacher.test.per_class_recall.other"),
+    ("teacher recall other", "teacher", "teacher.test.per_class_recall.other.value"),
     ("student balanced acc.", "student", "test.balanced_accuracy.value"),
     ("student MajPred", "student", "test.majpred.value"),
 )
@@ -110,15 +110,12 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
     parser.add_argument("--root", type=Path, default=Path("results/Private-Gender/audit_cost"))
     parser.add_argument("--canaries", type=int, default=1000)
-    parser.add_argument(
-        "extra", nargs="*", help="overrides for both scripts (e.g. --cache_folder X)"
-    )
-    args, unknown = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(argv)  # the rest: overrides for both scripts
     if len(args.seeds) < 2:
         parser.error("--seeds: a paired comparison needs at least 2 seeds")
     root = args.root.resolve()  # before the chdir: relative to where it was run
     os.chdir(RECIPE_DIR)  # hparams/ paths are relative to the recipe
-    result = run(args.seeds, root, args.canaries, [*args.extra, *unknown])
+    result = run(args.seeds, root, args.canaries, extra)
     root.mkdir(parents=True, exist_ok=True)
     (root / "audit_cost.json").write_text(json.dumps(result, indent=2))
     print(table(result["summary"], args.seeds))

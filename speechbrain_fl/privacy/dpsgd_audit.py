@@ -197,6 +197,16 @@ NOTE = (
     AUDIT_NOTE.replace("canary clients", "gradient canaries")
     .replace("then sampled like a client", "then Poisson-sampled like an example")
     .replace("final model delta", "parameter change theta_0 - theta_T")
+    .replace(
+        "An audited figure above the accountant's epsilon means a bug in clipping, noise or "
+        "sampling; one below it does not prove the implementation correct or the accountant "
+        "tight",
+        "A lower bound above the accountant's epsilon proves a bug in clipping, noise or "
+        "sampling (at its confidence); the one-shot estimate is not a bound, and at small "
+        "epsilon it can sit near the accountant's, so verdict reads its bootstrap interval "
+        "(one_shot_ci) instead of its point value (exceeds_accountant). Audited figures below "
+        "it prove neither the implementation correct nor the accountant tight",
+    )
     .replace("Canaries are not users", "Canaries are not training examples of any person")
     .replace("covers the real clients", "covers the real records")
 )
