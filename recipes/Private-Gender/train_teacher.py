@@ -3,7 +3,8 @@
 
 Stage 1 of "Private Speech Classification without Collapse: Stabilized DP Training and Offline
 Distillation". A teacher is trained with example-level DP-SGD (Opacus ``PrivacyEngine``:
-Poisson sampling, per-sample clipping, Gaussian noise, RDP accountant, delta <= 1/|D_priv|) on
+Poisson sampling, per-sample clipping, Gaussian noise; PLD accountant with RDP beside it,
+delta <= 1/|D_priv|; the gradient-canary audit of ``audit_canaries``) on
 the private set D_priv; it is audio-only or multimodal with a privileged input (transcript
 and/or metadata, never the label). It is then queried ONCE on the public auxiliary set D_aux
 and its logits are written to ``<output_folder>/teacher/aux_logits.npz``, all that
