@@ -259,8 +259,11 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
 
     privacy = {
         "epsilon": teacher_run["privacy"]["epsilon"],
+        "epsilon_rdp": teacher_run["privacy"].get("epsilon_rdp"),
         "delta": teacher_run["privacy"]["delta"],
         "accountant": teacher_run["privacy"]["accountant"],
+        # the teacher's DP-SGD audit (figures only): the student is post-processing of it
+        "audit": teacher_run["privacy"].get("audit"),
         "guarantee": "inherited by post-processing",
         "scope": "example-level (epsilon, delta)-DP with respect to D_priv; no claim for D_aux",
         "covers": "the student alone (a function of the teacher's logits only)",

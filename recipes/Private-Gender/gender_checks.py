@@ -92,7 +92,7 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
     """Every value ``train_teacher.py`` uses (module docstring); raises :class:`HparamsError`."""
     from gender_data import check_privileged_fields
 
-    from speechbrain_fl.privacy.accounting import OPACUS_ACCOUNTANTS as ACCOUNTANTS
+    from speechbrain_fl.privacy.accounting import ACCOUNTANTS
 
     c = _Checker(hparams, path, overrides)
     classes = hparams.get("classes")
@@ -151,6 +151,11 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
         c.number("clip_median_factor", low=0, optional=True)
         c.one_of("accountant", ACCOUNTANTS)
         c.integer("dp_seed", minimum=0, optional=True)
+        c.integer("audit_canaries", minimum=0)
+        if hparams["audit_canaries"] == 1:
+            c.fail("audit_canaries", "must be 0 (off) or >= 2 (half inserted, half held out)")
+        if hparams["audit_canaries"]:
+            c.number("audit_confidence", low=0, high=1, high_open=True)
     c.boolean("aw_dp")
     if hparams["aw_dp"]:
         c.one_of("aw_source", ("aux_counts", "prior"))
@@ -166,6 +171,12 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
         c.number("aw_gamma", low=0, low_open=False)
         c.one_of("aw_mode", ("fixed", "batch_adaptive"))
         c.integer("aw_floor", minimum=1, optional=True)
+        if hparams["aw_mode"] == "batch_adaptive" and hparams["dp"] and hparams["audit_canaries"]:
+            c.fail(
+                "audit_canaries",
+                "the audit is not supported with aw_mode: batch_adaptive (a canary has no class "
+                "to count); set audit_canaries: 0",
+            )
     c.boolean("train_dp_direct")
     c.integer("grad_norm_records", minimum=1)
 

@@ -3,6 +3,7 @@
 * :func:`results_table`: an aligned text table, one row per model: epsilon, accuracy, balanced
   accuracy, macro-F1, MajPred and top share with their 95% speaker-level bootstrap intervals,
   then the per-class recall.
+* :func:`audit_table`: the teacher's DP-SGD audit beside the accountant's epsilon (PLD and RDP).
 * :func:`write_json`: ``results.json`` written atomically
   (:func:`speechbrain_fl.atomic.atomic_open`).
 
@@ -20,7 +21,7 @@ import json
 
 from speechbrain_fl.atomic import atomic_open
 
-__all__ = ["eps_str", "joint_row", "results_table", "write_json"]
+__all__ = ["audit_table", "eps_str", "joint_row", "results_table", "write_json"]
 
 METRIC_COLUMNS = (
     ("accuracy", "Accuracy"),
@@ -89,3 +90,46 @@ def write_json(path, content) -> None:
 def eps_str(epsilon) -> str:
     """``"∞ (no DP)"`` for ``None``, else epsilon to 3 decimals."""
     return "∞ (no DP)" if epsilon is None else f"{epsilon:.3f}"
+
+
+#: How :func:`audit_table` words ``audit["verdict"]`` (speechbrain_fl.privacy.dpsgd_audit).
+VERDICTS = {
+    "bug": "LOWER BOUND ABOVE THE ACCOUNTANT'S EPSILON: a bug in clipping, noise or sampling "
+    "(proven at the stated confidence)",
+    "suspect": "ONE-SHOT INTERVAL ABOVE THE ACCOUNTANT'S EPSILON: an estimate, not a proof; "
+    "rerun, and if it recurs look for a bug",
+    "consistent": "consistent with the accountant (which does not prove the code correct)",
+}
+
+
+def audit_table(audit: dict) -> str:
+    """The canary audit's figures beside the accountant's, as printed after a teacher run.
+
+    Example
+    -------
+    >>> print(audit_table({"accountant": "pld", "accountant_epsilon": 1.0,
+    ...     "accountant_epsilon_rdp": 1.1, "epsilon_one_shot": 0.2, "epsilon_lower_bound": 0.0,
+    ...     "confidence": 0.95, "canaries": 10, "inserted": 4, "insertions": 9, "steps": 3,
+    ...     "exceeds_accountant": False}).splitlines()[1])
+      accountant epsilon (PLD)                  1.000   (RDP 1.100)
+    """
+    one_shot = audit["epsilon_one_shot"]
+    bound = f"lower bound (Steinke et al. 2023), {100 * audit['confidence']:.0f}%"
+    lines = [
+        "Privacy audit of the teacher (gradient canaries; adversary sees the final model only):",
+        f"  {'accountant epsilon (' + audit['accountant'].upper() + ')':<40}  "
+        f"{audit['accountant_epsilon']:.3f}   (RDP {audit['accountant_epsilon_rdp']:.3f})",
+        f"  {'one-shot estimate (Andrew et al. 2024)':<40}  "
+        + ("n/a" if one_shot is None else f"{one_shot:.3f}")
+        + (
+            ""
+            if not audit.get("one_shot_ci")
+            else f"   [{audit['one_shot_ci'][0]:.3f}, {audit['one_shot_ci'][1]:.3f}] over the canaries"
+        ),
+        f"  {bound:<40}  {audit['epsilon_lower_bound']:.3f}",
+        f"  {audit['canaries']} canaries ({audit['inserted']} inserted; {audit['insertions']} "
+        f"insertions over {audit['steps']} steps): " + VERDICTS[audit.get("verdict", "consistent")],
+        "  a lower bound for this run's threat model (one clip, add/remove, final model); "
+        "canaries are not training examples of any person",
+    ]
+    return "\n".join(lines)

@@ -1,8 +1,21 @@
 """The training loop of the Private-Gender recipe: DP-SGD with Opacus, or non-private.
 
 :func:`train_model` runs one training: DP-SGD (Opacus Poisson sampling, per-sample clipping,
-Gaussian noise, RDP accountant, optional AW-DP weights) when ``dp`` is given, plain Adam
-otherwise.
+Gaussian noise, optional AW-DP weights, optional gradient-canary audit) when ``dp`` is given,
+plain Adam otherwise.
+
+Accounting: ``dp["accountant"]`` is the reported one and the one the sigma search uses
+(``pld``, the default: dp-accounting's PLD of ``T`` Poisson-subsampled Gaussian steps; or
+Opacus's ``rdp`` / ``prv``). Opacus's engine always keeps its own accountant (the reported one
+when Opacus has it, else RDP) and its history ``(sigma, q, T)``; its figure is cross-checked
+against :func:`~speechbrain_fl.privacy.accounting.compute_epsilon`, and the RDP figure is
+reported beside the default (``epsilon_rdp``).
+
+Audit (``audit`` given, DP only): :class:`~speechbrain_fl.privacy.dpsgd_audit.GradientCanaries`
+appends Poisson-drawn canary gradients of norm ``C`` to Opacus's per-sample gradients between
+``backward()`` and ``step()``; with fixed AW-DP weights a canary gets the largest weight, 1 (the
+label of the rarest class), so its term is at the sensitivity bound ``C``. Not supported with
+the batch-adaptive form (a canary has no class to count; refused in ``gender_checks``).
 
 The loop is a plain PyTorch loop rather than ``sb.Brain.fit``: Opacus's
 ``PrivacyEngine.make_private`` replaces the model, the optimizer and the data loader (Poisson
@@ -38,8 +51,9 @@ RAW_LOSS_KEY = "loss (raw D_priv statistic, outside the DP guarantee)"
 
 @functools.lru_cache(maxsize=32)
 def sigma_for(q: float, target_epsilon: float, steps: int, delta: float, accountant: str) -> float:
-    """Noise multiplier for a target epsilon (Opacus's search), once per configuration: the
-    teacher and DP-direct share q and the number of steps."""
+    """Noise multiplier for a target epsilon, searched with the reported ``accountant`` (PLD by
+    default; Opacus's search for ``rdp`` / ``prv``), once per configuration: the teacher and
+    DP-direct share q and the number of steps."""
     from speechbrain_fl.privacy.accounting import noise_multiplier_for_epsilon
 
     return noise_multiplier_for_epsilon(
@@ -88,6 +102,7 @@ def train_model(
     batch_adaptive: dict | None = None,
     max_steps: int | None = None,
     train_logger=None,
+    audit: dict | None = None,
 ) -> tuple[torch.nn.Module, dict]:
     """Train ``model`` with DP-SGD (``dp`` given) or without; returns ``(model, info)``.
 
@@ -101,11 +116,14 @@ def train_model(
     coefficients ``a_c = E|B| * shares_c w_c / sum_k shares_k w_k`` (each class gets the update
     share the fixed weights give it in expectation; our choice) and count floor ``floor``
     (null: the expected count of the rarest class in a batch, at least 1). ``max_steps``
-    (``--debug``) stops early; the accountant then counts only the steps taken.
+    (``--debug``) stops early; the accountant then counts only the steps taken. ``audit``
+    (``{"canaries": m, "confidence": c, "plot": path or None}``, DP only): the gradient-canary
+    audit (module docstring); its figures go to ``info["audit"]``, the cosine histogram to
+    ``plot`` (the canaries' scores and split stay in memory).
     """
     from torch.utils.data import DataLoader, TensorDataset
 
-    from speechbrain_fl.privacy.accounting import compute_epsilon
+    from speechbrain_fl.privacy.accounting import OPACUS_ACCOUNTANTS, compute_epsilon
 
     n = labels.numel()
     toks = tokens if tokens is not None else torch.zeros(n, 1, dtype=torch.long)
@@ -114,7 +132,9 @@ def train_model(
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     info: dict = {"dp": dp is not None, "epochs": epochs, "batch_size": batch_size, "lr": lr}
-    engine = None
+    engine, canaries, canary_label = None, None, None
+    if audit is not None and dp is None:
+        raise ValueError("audit: the canary audit needs DP-SGD (dp)")
     if dp is not None:
         from opacus.validators import ModuleValidator
 
@@ -134,8 +154,9 @@ def train_model(
                 "coefficients": adaptive["coefficients"].tolist(),
                 "floor": adaptive["floor"],
             }
+        opacus_accountant = dp["accountant"] if dp["accountant"] in OPACUS_ACCOUNTANTS else "rdp"
         engine = DPSGDPrivacyEngine(
-            accountant=dp["accountant"],
+            accountant=opacus_accountant,
             class_weights=None if adaptive else class_weights,
             batch_adaptive=adaptive,
             seed=dp.get("seed"),
@@ -155,12 +176,24 @@ def train_model(
                 "clip": dp["clip"],
                 "delta": dp["delta"],
                 "accountant": dp["accountant"],
+                "opacus_accountant": opacus_accountant,
+                "sigma_calibrated_with": None if dp.get("noise_multiplier") else dp["accountant"],
                 "planned_steps": steps,
                 "aw_dp": class_weights is not None,
             }
         )
         if adaptive:
             info["aw_batch_adaptive"]["sensitivity"] = optimizer.sensitivity
+        if audit is not None:
+            from speechbrain_fl.privacy.dpsgd_audit import GradientCanaries
+
+            if adaptive:
+                raise ValueError("audit: not supported with batch-adaptive AW-DP")
+            canaries = GradientCanaries(
+                model.named_parameters(), int(audit["canaries"]), clip=dp["clip"], sampling_rate=q
+            )
+            if class_weights is not None:  # weight 1: the canary's term at the bound C
+                canary_label = int(torch.argmax(class_weights))
         logger.info(
             "%s: DP-SGD with q=%.4f, sigma=%.4f, C=%g, %d steps planned%s",
             desc,
@@ -186,8 +219,10 @@ def train_model(
                 else:
                     loss = F.cross_entropy(logits, y)
             loss.backward()
+            drawn = canaries.insert() if canaries is not None else 0
             if engine is not None and class_weights is not None:
-                optimizer.set_labels(y)
+                extra = torch.full((drawn,), canary_label, dtype=y.dtype) if drawn else y[:0]
+                optimizer.set_labels(torch.cat([y, extra]))
             optimizer.step()
             total += float(loss.detach()) * y.numel()
             count += y.numel()
@@ -211,17 +246,27 @@ def train_model(
             break
     info.update({"losses": losses, "steps": steps_done, "seconds": round(time.time() - start, 1)})
     if engine is not None:
-        info["epsilon"] = float(engine.get_epsilon(dp["delta"]))
+
+        def epsilon(accountant):
+            return compute_epsilon(
+                sampling_rate=info["sampling_rate"],
+                noise_multiplier=info["noise_multiplier"],
+                rounds=steps_done,
+                delta=dp["delta"],
+                accountant=accountant,
+            )
+
         # Cross-check the Opacus accountant's history against an independent evaluation.
-        check = compute_epsilon(
-            sampling_rate=info["sampling_rate"],
-            noise_multiplier=info["noise_multiplier"],
-            rounds=steps_done,
-            delta=dp["delta"],
-            accountant=dp["accountant"],
+        opacus_eps = float(engine.get_epsilon(dp["delta"]))
+        check = epsilon(opacus_accountant)
+        if not math.isclose(check, opacus_eps, rel_tol=1e-6):
+            raise RuntimeError(f"accountant mismatch: {opacus_eps} vs {check}")
+        info["epsilon"] = (
+            opacus_eps if dp["accountant"] == opacus_accountant else epsilon(dp["accountant"])
         )
-        if not math.isclose(check, info["epsilon"], rel_tol=1e-6):
-            raise RuntimeError(f"accountant mismatch: {info['epsilon']} vs {check}")
+        info["epsilon_rdp"] = opacus_eps if opacus_accountant == "rdp" else epsilon("rdp")
+        if canaries is not None:
+            info["audit"] = _audit(canaries, audit, info, delta=dp["delta"])
         info["fixed_seed"] = dp.get("seed")
         # (sigma, q, steps) as the accountant recorded them: the input of the joint report
         info["accountant_history"] = [list(h) for h in engine.accountant.history]
@@ -230,3 +275,33 @@ def train_model(
         info["epsilon"] = None
     model.eval()
     return model, info
+
+
+def _audit(canaries, audit: dict, info: dict, *, delta: float) -> dict:
+    """Score the canaries, plot the two cosine distributions, return the summary."""
+    from speechbrain_fl.privacy.audit import plot_audit_cosines
+
+    summary = canaries.audit(
+        delta=delta, accountant_epsilon=info["epsilon"], confidence=audit["confidence"]
+    )
+    summary["accountant"] = info["accountant"]
+    summary["accountant_epsilon_rdp"] = info["epsilon_rdp"]
+    summary["expected_canaries_per_step"] = summary["inserted"] * info["sampling_rate"]
+    if audit.get("plot") is not None:
+        cos, member = canaries.scores()
+        plot_audit_cosines(cos, member, summary, audit["plot"])
+    logger.info(
+        "audit (%d gradient canaries, %d inserted, %d insertions over %d steps): one-shot "
+        "epsilon %.3f, lower bound %.3f at %.0f%%, accountant %s %.3f (RDP %.3f)",
+        summary["canaries"],
+        summary["inserted"],
+        summary["insertions"],
+        summary["steps"],
+        summary["epsilon_one_shot"] or 0.0,
+        summary["epsilon_lower_bound"],
+        100 * summary["confidence"],
+        info["accountant"],
+        info["epsilon"],
+        info["epsilon_rdp"],
+    )
+    return summary

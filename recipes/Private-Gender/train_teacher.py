@@ -3,7 +3,8 @@
 
 Stage 1 of "Private Speech Classification without Collapse: Stabilized DP Training and Offline
 Distillation". A teacher is trained with example-level DP-SGD (Opacus ``PrivacyEngine``:
-Poisson sampling, per-sample clipping, Gaussian noise, RDP accountant, delta <= 1/|D_priv|) on
+Poisson sampling, per-sample clipping, Gaussian noise; PLD accountant with RDP beside it,
+delta <= 1/|D_priv|; the gradient-canary audit of ``audit_canaries``) on
 the private set D_priv; it is audio-only or multimodal with a privileged input (transcript
 and/or metadata, never the label). It is then queried ONCE on the public auxiliary set D_aux
 and its logits are written to ``<output_folder>/teacher/aux_logits.npz``, all that
@@ -49,7 +50,13 @@ from gender_data import load_set, prepare_data, privileged_tokens  # noqa: E402
 from gender_model import build_model, per_sample_grad_norms, predict_logits  # noqa: E402
 from gender_plots import plot_confusion, plot_grad_norms  # noqa: E402
 from gender_privacy import UNIT_OF_PRIVACY, joint_privacy, speaker_level  # noqa: E402
-from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
+from gender_report import (  # noqa: E402
+    audit_table,
+    eps_str,
+    joint_row,
+    results_table,
+    write_json,
+)
 from gender_training import RAW_LOSS_KEY, train_model  # noqa: E402
 
 from speechbrain_fl.atomic import atomic_open  # noqa: E402
@@ -100,6 +107,17 @@ def aw_weights(hparams, aux_counts, classes):
         "gamma": hparams["aw_gamma"],
         "weights": weights.tolist(),
         "floor": hparams.get("aw_floor") if mode == "batch_adaptive" else None,
+    }
+
+
+def audit_settings(hparams, plots: Path):
+    """The teacher's canary audit (``audit_canaries`` > 0 with DP), else ``None``."""
+    if not hparams["dp"] or not hparams["audit_canaries"]:
+        return None
+    return {
+        "canaries": hparams["audit_canaries"],
+        "confidence": hparams["audit_confidence"],
+        "plot": plots / "audit_cosines.png",
     }
 
 
@@ -275,6 +293,7 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
         tokens=tokens(priv),
         labels=priv["labels"],
         desc="teacher",
+        audit=audit_settings(hparams, plots),
         **{**common, "dp": _with_clip(dp, clip_rules.get("teacher"))},
     )
     timings["teacher"] = time.time() - start
@@ -283,12 +302,15 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
     aux_logits = predict_logits(teacher, aux["feats"], aux["lengths"], tokens(aux))
     privacy = {
         "epsilon": teacher_info["epsilon"],
+        "epsilon_rdp": teacher_info.get("epsilon_rdp"),
         "delta": hparams["delta"] if dp else None,
         "accountant": hparams["accountant"] if dp else None,
+        "sigma_calibrated_with": teacher_info.get("sigma_calibrated_with"),
         **{
             k: teacher_info.get(k)
             for k in ("noise_multiplier", "sampling_rate", "clip", "steps", "aw_batch_adaptive")
         },
+        "audit": teacher_info.get("audit"),
         "unit": UNIT_OF_PRIVACY,
         "speaker_level": speaker_level(
             epsilon=teacher_info["epsilon"],
@@ -380,6 +402,7 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
         if dp_direct_info is None
         else {
             "epsilon": dp_direct_info["epsilon"],
+            "epsilon_rdp": dp_direct_info.get("epsilon_rdp"),
             "delta": hparams["delta"] if dp else None,
             "noise_multiplier": dp_direct_info.get("noise_multiplier"),
             "clip": dp_direct_info.get("clip"),
@@ -458,6 +481,8 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
     if privacy_joint is not None:
         rows.append(joint_row(privacy_joint))
     print("\n" + results_table(rows, classes))
+    if privacy["audit"] is not None:
+        print(audit_table(privacy["audit"]))
     print(
         f"DSAF diagnostic (per-sample grad-norm CV at init, D_aux): with {diagnostic['with DSAF']['cv']:.3f}, "
         f"without {diagnostic['without DSAF']['cv']:.3f}"

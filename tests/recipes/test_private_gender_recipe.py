@@ -78,8 +78,18 @@ def test_teacher_then_student(default_runs):
     teacher_run, student_run = default_runs
     out = teacher_run.output_folder
     teacher = json.loads((out / "teacher" / "results.json").read_text())
-    assert teacher["privacy"]["accountant"] == "rdp" and teacher["privacy"]["delta"] == 1e-3
-    assert 0 < teacher["privacy"]["epsilon"] <= 1.0 + 1e-6
+    assert teacher["privacy"]["accountant"] == "pld" and teacher["privacy"]["delta"] == 1e-3
+    assert 0 < teacher["privacy"]["epsilon"] < teacher["privacy"]["epsilon_rdp"]
+    assert teacher["privacy"]["sigma_calibrated_with"] == "pld"
+    # The DP-SGD audit of the private default: beside the accountant's (PLD) epsilon.
+    audit = teacher["privacy"]["audit"]
+    assert (
+        audit["canaries"] == 1000 and audit["accountant_epsilon"] == teacher["privacy"]["epsilon"]
+    )
+    assert audit["accountant_epsilon_rdp"] == teacher["privacy"]["epsilon_rdp"]
+    assert audit["epsilon_lower_bound"] <= teacher["privacy"]["epsilon"]  # provable, at 95%
+    assert audit["verdict"] in ("consistent", "suspect") and "Privacy audit" in teacher_run.stdout
+    assert (out / "teacher" / "plots" / "audit_cosines.png").is_file()
     for key in ("accuracy", "balanced_accuracy", "macro_f1", "majpred", "top_share"):
         assert len(teacher["dp_direct"][key]["ci"]) == 2
     assert set(teacher["dsaf_diagnostic"]) >= {"with DSAF", "without DSAF"}
@@ -284,6 +294,8 @@ def test_batch_adaptive_aw_dp_records_its_sensitivity(tmp_path, cache):
         "2",
         "--train_dp_direct",
         "False",
+        "--audit_canaries",
+        "0",  # the audit is refused with batch-adaptive AW-DP (bad_inputs.csv)
         *TINY,
     )
     teacher = json.loads((out / "teacher" / "results.json").read_text())

@@ -79,3 +79,25 @@ def test_insert_needs_per_sample_gradients():
     assert canaries.canaries.inserted  # this seed inserts some, drawn at q = 1
     with pytest.raises(RuntimeError, match="no grad_sample"):
         canaries.insert()
+
+
+def test_one_shot_interval_covers_the_estimate_and_the_verdict_reads_it():
+    import numpy as np
+
+    from speechbrain_fl.privacy.audit import one_shot_epsilon
+    from speechbrain_fl.privacy.dpsgd_audit import one_shot_interval, verdict
+
+    rng = np.random.default_rng(0)
+    member = rng.random(1000) < 0.5
+    cos = rng.normal(0, 1, 1000) + 0.25 * member  # mu = 0.25: epsilon about 0.93
+    point = one_shot_epsilon(cos[member], cos[~member], delta=1e-5)
+    lo, hi = one_shot_interval(cos, member, delta=1e-5)
+    assert lo < point < hi and hi - lo < 1.5
+    wide = one_shot_interval(cos[:100], member[:100], delta=1e-5)
+    assert wide[1] - wide[0] > hi - lo  # fewer canaries, a wider interval
+    base = {"epsilon_lower_bound": 0.0, "one_shot_ci": [lo, hi]}
+    assert verdict({**base, "accountant_epsilon": hi + 1}) == "consistent"
+    assert verdict({**base, "accountant_epsilon": point}) == "consistent"  # point above: no verdict
+    assert verdict({**base, "accountant_epsilon": 0.9 * lo}) == "suspect"
+    proof = {**base, "epsilon_lower_bound": 0.5}
+    assert verdict({**proof, "accountant_epsilon": 0.4}) == "bug"  # the bound, a proof, is above

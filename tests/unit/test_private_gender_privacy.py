@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes" / "Private-Gender"))
 
-from gender_privacy import joint_privacy, speaker_level  # noqa: E402
+from gender_privacy import history_epsilon, joint_privacy, speaker_level  # noqa: E402
 
 ORDERS = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)), dtype=float)
 
@@ -45,6 +45,47 @@ def test_joint_epsilon_of_the_default_pair_is_that_of_twice_the_steps():
     assert joint == pytest.approx(_by_hand_epsilon(rdp, 1e-5), rel=1e-9)
     single = joint_privacy(pair[:1], delta=1e-5, accountant="rdp")["epsilon"]
     assert round(single, 2) == 0.99 and round(joint, 2) == 1.43  # the issue's figures
+
+
+def test_pld_joint_epsilon_is_the_exact_gaussian_mechanism_at_q_1():
+    """Known value: at q = 1, T steps of sigma compose to the Gaussian mechanism of
+    ``mu = sqrt(sum_r T_r / sigma_r^2)`` (mu-GDP), whose exact epsilon is analytic (Balle and
+    Wang 2018). The PLD's pessimistic grid may round up, by at most ~1e-3 here."""
+    from speechbrain_fl.privacy.audit import gaussian_mechanism_epsilon
+
+    teacher = {"name": "teacher", "history": [[2.0, 1.0, 2]]}
+    direct = {"name": "DP-direct", "history": [[2.0, 1.0, 2]]}
+    exact = gaussian_mechanism_epsilon(1.0, delta=1e-5)  # mu = sqrt(4 / 4) = 1: 4.38
+    joint = joint_privacy([teacher, direct], delta=1e-5, accountant="pld")
+    assert exact <= joint["epsilon"] <= exact + 1e-3
+    assert joint["accountant"] == "pld" and joint["epsilon_rdp"] > joint["epsilon"]
+    alone = joint_privacy([teacher], delta=1e-5, accountant="pld")["epsilon"]
+    assert gaussian_mechanism_epsilon(2**-0.5, delta=1e-5) <= alone < joint["epsilon"]
+
+
+def test_pld_joint_epsilon_of_the_default_pair_against_rdp_prv_and_the_engine():
+    """The default calibration (q 0.25, sigma 6.15625, 40 steps; PLD 0.995): the recipe's
+    PLD equals accounting.compute_epsilon's for one release; PLD <= PRV <= RDP, with PLD within
+    2% of PRV (two numerical methods for the same curve) and RDP at most 15% above PLD."""
+    from speechbrain_fl.privacy.accounting import compute_epsilon
+
+    hist = [(6.15625, 0.25, 40)]
+    pld = history_epsilon(hist, delta=1e-5, accountant="pld")
+    assert pld == pytest.approx(
+        compute_epsilon(sampling_rate=0.25, noise_multiplier=6.15625, rounds=40, delta=1e-5,
+                        accountant="pld"), rel=1e-9)  # fmt: skip
+    assert round(pld, 3) == 0.995
+    for h in (hist, hist * 2):  # one release; teacher + DP-direct
+        pld = history_epsilon(h, delta=1e-5, accountant="pld")
+        prv = history_epsilon(h, delta=1e-5, accountant="prv")
+        rdp = history_epsilon(h, delta=1e-5, accountant="rdp")
+        assert pld <= rdp <= 1.15 * pld and abs(prv - pld) <= 0.02 * pld
+    pair = [{"name": n, "history": [list(hist[0])]} for n in ("teacher", "DP-direct")]
+    joint = joint_privacy(pair, delta=1e-5, accountant="pld")
+    assert joint["epsilon"] == pytest.approx(history_epsilon(hist * 2, delta=1e-5,
+                                                             accountant="pld"))  # fmt: skip
+    assert joint["epsilon_rdp"] == pytest.approx(
+        history_epsilon(hist * 2, delta=1e-5, accountant="rdp"))  # fmt: skip
 
 
 def test_joint_privacy_refuses_nothing_to_compose():

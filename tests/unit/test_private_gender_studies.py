@@ -148,3 +148,26 @@ def test_label_only_student_row_states_no_privacy_cost():
     assert studies._row("a0", res)[1] == "0 (reads no D_priv)"
     res["kd"]["alpha"] = 0.5
     assert studies._row("a5", res)[1] == "0.99"
+
+
+def test_audit_cost_pairs_the_arms_seed_by_seed():
+    """audit_cost.py: per metric, each arm's spread and the paired difference (with - without)."""
+    import audit_cost
+
+    labels = [label for label, _, _ in audit_cost.METRICS]
+    runs = {
+        str(seed): {
+            "with canaries": {label: 0.5 + 0.1 * seed + 0.01 for label in labels},
+            "without": {label: 0.5 + 0.1 * seed for label in labels},
+        }
+        for seed in (1, 2, 3)
+    }
+    summary = audit_cost.summarise(runs)
+    first = summary[labels[0]]
+    assert first["paired"]["mean"] == pytest.approx(0.01) and first["paired"]["wins"] == 3
+    assert first["paired"]["sd"] == pytest.approx(0.0, abs=1e-9)  # the seed effect cancels
+    assert first["with canaries"]["sd"] == pytest.approx(0.1)
+    table = audit_cost.table(summary, [1, 2, 3])
+    assert table.splitlines()[0].startswith("| metric (seeds 1, 2, 3)")
+    assert f"| {labels[0]} | 0.710 ± 0.100 | 0.700 ± 0.100 | +0.010 [+0.010, +0.010] |" in table
+    assert audit_cost._get({"a": {"b": {"value": 0.25}}}, "a.b.value") == 0.25
