@@ -37,11 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.recipe.hparams import (
-    load_layered_hparams,
-    resolve_hparams_path,
-    shrink_for_debug,
-)
+from speechbrain_fl.recipe.hparams import load_run_hparams, resolve_hparams_path
 from speechbrain_fl.recipe.prepare import prepare_once
 from speechbrain_fl.recipe.run_lock import RunLockedError, run_lock
 from speechbrain_fl.recipe.run_options import federated_run_options, split_overrides
@@ -137,7 +133,8 @@ class FederatedRecipe:
         ``check(hparams)``: every value check of the recipe; raises ``ValueError`` naming the
         key and value. Runs in :meth:`load`, before any heavy work.
     debug_caps, debug_values : mapping
-        The ``--debug`` sizes (:func:`~speechbrain_fl.recipe.hparams.shrink_for_debug`).
+        The ``--debug`` sizes (:func:`~speechbrain_fl.recipe.hparams.shrink_for_debug`),
+        applied as overrides by :func:`~speechbrain_fl.recipe.hparams.load_run_hparams`.
     defaults : callable, optional
         ``defaults(hparams)``: fills values derived from others (before the debug sizes).
     """
@@ -146,7 +143,7 @@ class FederatedRecipe:
     task_ref: str
     default_hparams: str
     check: Callable[[dict[str, Any]], None]
-    debug_caps: Mapping[str, int | float] = field(default_factory=dict)
+    debug_caps: Mapping[str, Any] = field(default_factory=dict)
     debug_values: Mapping[str, Any] = field(default_factory=dict)
     defaults: Callable[[dict[str, Any]], None] | None = None
 
@@ -160,13 +157,18 @@ class FederatedRecipe:
             ``(hparams, run_opts, base_file, merged_overrides)``.
         """
         run_opts = federated_run_options(run_opts or {})
-        hparams, base_file, merged = load_layered_hparams(
-            hparams_file, overrides, recipe_dir=self.recipe_dir
+        # SpeechBrain's --debug: a run of seconds, with a small corpus, in <output_folder>_debug
+        # and <cache_folder>_debug (never the real run's), its sizes in the merged overrides
+        # (so in the saved hyperparams.yaml)
+        hparams, base_file, merged = load_run_hparams(
+            hparams_file,
+            overrides,
+            recipe_dir=self.recipe_dir,
+            debug=bool(run_opts.get("debug")),
+            debug_caps=self.debug_caps,
+            debug_values=self.debug_values,
+            defaults=self.defaults,
         )
-        if self.defaults is not None:
-            self.defaults(hparams)
-        if run_opts.get("debug"):  # SpeechBrain's --debug: a run of seconds
-            shrink_for_debug(hparams, caps=self.debug_caps, values=self.debug_values)
         self.check(hparams)
         return hparams, run_opts, base_file, merged
 
