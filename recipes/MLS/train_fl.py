@@ -442,6 +442,7 @@ def mls_task(hparams_path=None, overrides=None):
         fl_config=config,
         on_result=on_result,
         info={"settings": settings, "hparams": hparams, "run_opts": run_opts, **info},
+        train_logger=hparams["train_logger"],  # the round lines go through it
     )
 
 

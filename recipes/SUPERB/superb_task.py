@@ -445,6 +445,7 @@ def superb_task(hparams_path=None, overrides=None):
             _on_result, settings=settings, hparams=hparams, info=info, start=start
         ),
         info=info,
+        train_logger=hparams["train_logger"],  # the round lines go through it
     )
 
 

@@ -264,18 +264,23 @@ class FederatedRecipe:
         build_server: Callable,
         on_result: Callable | None = None,
         info: dict[str, Any] | None = None,
+        train_logger: Any = None,
         **server_kwargs: Any,
     ):
         """An :class:`~speechbrain_fl.fl.task.FLTask` with both builders bound to ``settings``.
 
         ``build_client(context, *, settings)``; ``build_server(context, *, settings,
-        **server_kwargs)`` (e.g. ``fl_config``).
+        **server_kwargs)`` (e.g. ``fl_config``). ``train_logger`` (the YAML's) is set on the
+        built :class:`~speechbrain_fl.fl.server.ServerTask`: the round lines go through it.
         """
         from speechbrain_fl.fl.task import FLTask
 
+        server = functools.partial(build_server, settings=settings, **server_kwargs)
+        if train_logger is not None:
+            server = functools.partial(_with_train_logger, server, train_logger)
         return FLTask(
             build_client=functools.partial(build_client, settings=settings),
-            build_server=functools.partial(build_server, settings=settings, **server_kwargs),
+            build_server=server,
             num_partitions=settings.num_clients,
             on_result=on_result,
             info={} if info is None else info,
@@ -311,3 +316,11 @@ class FederatedRecipe:
             },
             ray_address=hparams["ray_address"],
         )
+
+
+def _with_train_logger(build_server: Callable, train_logger: Any, context: Any):
+    """``build_server(context)`` with the YAML's ``train_logger`` on its ServerTask."""
+    task = build_server(context)
+    if task.train_logger is None:
+        task.train_logger = train_logger
+    return task

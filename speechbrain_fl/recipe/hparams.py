@@ -40,6 +40,8 @@ from typing import Any
 import yaml
 from hyperpyyaml import load_hyperpyyaml
 
+from speechbrain_fl.utils.logging import muted, quiet_recipe_logs
+
 __all__ = [
     "APP_ROOT",
     "DEBUG_FOLDERS",
@@ -325,6 +327,9 @@ def load_run_hparams(
     """:func:`load_layered_hparams`, then ``defaults(hparams)``; under ``--debug``, loaded again
     with :func:`debug_overrides` (see the module docstring).
 
+    Every process of a run starts here, so it also makes the process's logs readable
+    (:func:`speechbrain_fl.utils.logging.quiet_recipe_logs`).
+
     Arguments
     ---------
     hparams_file, overrides, recipe_dir :
@@ -355,14 +360,21 @@ def load_run_hparams(
     >>> hp["rounds"], hp["save_folder"], merged
     (2, 'r/x_debug/save', {'rounds': 2, 'output_folder': 'r/x_debug'})
     """
+    quiet_recipe_logs()  # every process of a run loads its hparams here
     cli = _parse_overrides(overrides)
-    hparams, base, merged = load_layered_hparams(
-        hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs
-    )
+    if not debug:
+        hparams, base, merged = load_layered_hparams(
+            hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs
+        )
+        if defaults is not None:
+            defaults(hparams)
+        return hparams, base, merged
+    with muted("speechbrain.utils.seed"):  # the second load logs the seed
+        hparams, base, merged = load_layered_hparams(
+            hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs
+        )
     if defaults is not None:
         defaults(hparams)
-    if not debug:
-        return hparams, base, merged
     extra = debug_overrides(hparams, caps=debug_caps, values=debug_values)
     hparams, base, merged = load_layered_hparams(
         hparams_file, {**cli, **extra}, recipe_dir=recipe_dir, **layer_kwargs
