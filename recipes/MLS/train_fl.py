@@ -479,7 +479,8 @@ RECIPE = FederatedRecipe(
     # languages x (2 client speakers x 4 + 1 public speaker x 8 + eval 2 x 2) utterances, in
     # <cache_folder>_debug (its own cache); outputs go to <output_folder>_debug.
     debug_caps={
-        "languages": 2,
+        # 2 languages of the embedded corpus; a real MLS folder keeps the languages asked for
+        "languages": lambda hp: 2 if hp["data_folder"] is None else len(hp["languages"]),
         "corpus_speakers_per_language": 2,
         "corpus_utterances_per_speaker": 4,
         "corpus_public_speakers_per_language": 1,

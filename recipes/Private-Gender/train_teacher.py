@@ -184,11 +184,11 @@ def dsaf_diagnostic(hparams, aux, num_classes, plots):
 # --debug (SpeechBrain's: 2 epochs of 2 batches): a small embedded corpus in its own cache
 # (<cache_folder>_debug) and outputs in <output_folder>_debug, never the real run's folders
 DEBUG_CAPS = {
-    "corpus_speakers": {"train": 48, "dev": 20, "test": 20, "validated_only": 2},
-    "corpus_clips_per_speaker": 1,
+    "corpus_speakers": {"train": 24, "dev": 10, "test": 10, "validated_only": 2},
     "grad_norm_records": 8,
     "bootstrap_resamples": 50,
 }
+DEBUG_VALUES = {"corpus_clips_per_speaker": 2}  # 48 D_priv clips, 20 D_aux, 20 test
 
 
 def main(argv):
@@ -200,6 +200,7 @@ def main(argv):
         recipe_dir=RECIPE_DIR,
         debug=bool(run_opts.get("debug")),
         debug_caps=DEBUG_CAPS,
+        debug_values=DEBUG_VALUES,
     )
     check_teacher_hparams(hparams, hparams_path, overrides)  # before any work
     out = Path(hparams["output_folder"]) / "teacher"

@@ -22,7 +22,8 @@ then the recipe folder, then the app root (the repository, where ``flwr run`` st
 
 ``--debug`` (SpeechBrain's: a run of seconds) is :func:`load_run_hparams`: the hparams are loaded
 once, the recipe's debug sizes (:func:`debug_overrides`: caps on rounds and steps, a small
-generated corpus, and ``<folder>_debug`` for ``output_folder`` and ``cache_folder``) become
+generated corpus, and ``<folder>_debug`` for ``output_folder`` and ``cache_folder`` unless the
+command line names them) become
 command-line overrides, and the file is loaded again with them. So every ``!ref`` follows (the
 save folder, the train log, a logger's file), a debug run never writes into the real run's
 output folder or corpus cache (the small corpus gets its own cache), and the ``hyperparams.yaml``
@@ -33,7 +34,7 @@ in place, for a dict that is not reloaded.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +283,7 @@ def debug_overrides(
     caps: Mapping[str, Any] | None = None,
     values: Mapping[str, Any] | None = None,
     folders: tuple[str, ...] = DEBUG_FOLDERS,
+    given: Collection[str] = (),
 ) -> dict[str, Any]:
     """The ``--debug`` sizes of loaded hparams as overrides (to load the file again with).
 
@@ -293,6 +295,9 @@ def debug_overrides(
         As in :func:`shrink_for_debug`.
     folders : tuple of str
         Keys moved to :func:`debug_folder` (those the hparams have and set to a path).
+    given : collection of str
+        Keys the user set on the command line: a folder named there is the user's choice and
+        stays as given (``--output_folder /tmp/x --debug`` writes to ``/tmp/x``).
 
     Returns
     -------
@@ -308,7 +313,7 @@ def debug_overrides(
     shrunk = shrink_for_debug(dict(hparams), caps=caps, values=values)
     overrides = {key: shrunk[key] for key in [*(caps or {}), *(values or {})]}
     for key in folders:
-        if isinstance(hparams.get(key), (str, os.PathLike)):
+        if key not in given and isinstance(hparams.get(key), (str, os.PathLike)):
             overrides[key] = debug_folder(hparams[key])
     return overrides
 
@@ -375,7 +380,7 @@ def load_run_hparams(
         )
     if defaults is not None:
         defaults(hparams)
-    extra = debug_overrides(hparams, caps=debug_caps, values=debug_values)
+    extra = debug_overrides(hparams, caps=debug_caps, values=debug_values, given=cli)
     hparams, base, merged = load_layered_hparams(
         hparams_file, {**cli, **extra}, recipe_dir=recipe_dir, **layer_kwargs
     )

@@ -66,7 +66,11 @@ class RoundTensorboardLogger(TensorboardLogger):
                 self.writer.add_text(name, str(value), step)
             else:
                 self.writer.add_scalar(name, value, step)
-        for dataset, stats in (("train", train_stats), ("valid", valid_stats), ("test", test_stats)):
+        for dataset, stats in (
+            ("train", train_stats),
+            ("valid", valid_stats),
+            ("test", test_stats),
+        ):
             for stat, value in (stats or {}).items():
                 tag = f"{stat}/{dataset}"
                 if isinstance(value, list):  # per-batch values: SpeechBrain's own count

@@ -70,6 +70,12 @@ def test_load_order_defaults_debug_then_checks(recipe_dir):
         "value": 2, "number_of_rounds": 2, "steps": 3, "measure": False,
         "output_folder": f"{recipe_dir}/out_debug",
     }  # fmt: skip
+    # a folder named on the command line is the user's: --debug keeps it
+    mine = f"{recipe_dir}/mine"
+    hparams, _, _, merged = recipe.load("hparams/method.yaml", {"output_folder": mine},
+                                        {"debug": True})  # fmt: skip
+    assert hparams["output_folder"] == merged["output_folder"] == mine
+    assert hparams["save_folder"] == f"{mine}/save"
     calls.clear()
     hparams, _, _, merged = recipe.load("hparams/method.yaml")
     assert calls == [("defaults", None), ("check", 5, 10)] and merged == {"value": 2}
