@@ -211,6 +211,9 @@ def _cap(key: str, value: Any, cap: Any) -> Any:
         return list(value[:cap])
     if value is None:  # unbounded (e.g. max_utts_per_split: null)
         return cap
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # e.g. --number_of_rounds=abc: named here, not a bare TypeError from min()
+        raise ValueError(f"{key}: {value!r} must be a number")
     return min(cap, value)
 
 

@@ -1,9 +1,10 @@
 """Readable recipe logs: third-party DEBUG noise off, one-off lines once per process.
 
 SpeechBrain's default log config (``speechbrain/log-config.yaml``) sends every logger at DEBUG
-to ``<output_folder>/log.txt``. :func:`quiet_recipe_logs` (called by the recipe kit when it
-loads a run's hparams, in every process of the run) keeps that, minus what a person reading the
-log does not need:
+to ``<output_folder>/log.txt``. We keep that, minus what a person reading the log does not need
+(:func:`install_filters` runs when :mod:`speechbrain_fl` is imported, in every process;
+:func:`quiet_recipe_logs` when the recipe kit loads a run's hparams, in every process of a
+recipe run):
 
 - the DEBUG/INFO chatter of libraries the recipes use but do not drive (:data:`QUIET_LOGGERS`:
   ``matplotlib.font_manager`` alone wrote 2,190 lines of a 744 KB debug-run log), raised to
@@ -156,7 +157,9 @@ def _hf_bars_off() -> None:
 
 
 def install_filters() -> None:
-    """Install the torchvision-warning filter on SpeechBrain's train_logger logger (idempotent).
+    """Install this process's filters (idempotent; :mod:`speechbrain_fl` runs it on import):
+    SpeechBrain's torchvision warning dropped, its "Model Statistics" once per process (then
+    the Hugging Face bars off).
 
     Example
     -------
@@ -165,9 +168,14 @@ def install_filters() -> None:
     ...     logging.getLogger("speechbrain.utils.train_logger").filters)
     1
     """
+    if os.environ.get(_VERBOSE_ENV, "") == "1":
+        return
     logger = logging.getLogger("speechbrain.utils.train_logger")
     if not _has_filter(logger, DropMessage, "text", TORCHVISION_WARNING):
         logger.addFilter(DropMessage(TORCHVISION_WARNING))
+    core = logging.getLogger("speechbrain.core")
+    if not _has_filter(core, OncePerProcess, "marker", _MODEL_STATISTICS):
+        core.addFilter(OncePerProcess(_MODEL_STATISTICS, on_first=_hf_bars_off))
 
 
 def quiet_recipe_logs() -> None:
@@ -186,6 +194,3 @@ def quiet_recipe_logs() -> None:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.WARNING)
-    core = logging.getLogger("speechbrain.core")
-    if not _has_filter(core, OncePerProcess, "marker", _MODEL_STATISTICS):
-        core.addFilter(OncePerProcess(_MODEL_STATISTICS, on_first=_hf_bars_off))
