@@ -42,9 +42,7 @@ def _scalars(folder):
 
     acc = EventAccumulator(str(folder))
     acc.Reload()
-    return {
-        tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
-    }
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def _toy_run(tmp_path, train_logger, rounds=3):
