@@ -20,11 +20,11 @@ then the recipe folder, then the app root (the repository, where ``flwr run`` st
 ``python recipes/MLS/train_fl.py hparams/flat.yaml`` works from the repository root and from
 ``recipes/MLS/``.
 
-``--debug`` (SpeechBrain's: a run of seconds) is :func:`load_run_hparams`: the hparams are loaded
-once, the recipe's debug sizes (:func:`debug_overrides`: caps on rounds and steps, a small
+``--debug`` (SpeechBrain's: a run of seconds) is :func:`load_run_hparams`: the hparams' plain
+values are read (every ``!ref`` resolved, no object built), the recipe's debug sizes (:func:`debug_overrides`: caps on rounds and steps, a small
 generated corpus, and ``<folder>_debug`` for ``output_folder`` and ``cache_folder`` unless the
 command line names them) become
-command-line overrides, and the file is loaded again with them. So every ``!ref`` follows (the
+command-line overrides, and the file is loaded with them. So every ``!ref`` follows (the
 save folder, the train log, a logger's file), a debug run never writes into the real run's
 output folder or corpus cache (the small corpus gets its own cache), and the ``hyperparams.yaml``
 SpeechBrain saves shows the values the run used. :func:`shrink_for_debug` applies the same sizes
@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from hyperpyyaml import load_hyperpyyaml
+from hyperpyyaml import load_hyperpyyaml, resolve_references
 
-from speechbrain_fl.utils.logging import muted, quiet_recipe_logs
+from speechbrain_fl.utils.logging import quiet_recipe_logs
 
 __all__ = [
     "APP_ROOT",
@@ -153,12 +153,20 @@ def load_layered_hparams(
     >>> hp["out"], hp["clip"]
     ('r/flat', 2.0)
     """
+    source, merged = _layers(
+        hparams_file, overrides, recipe_dir=recipe_dir, preset_key=preset_key, preset_dir=preset_dir
+    )
+    with open(source, encoding="utf-8") as handle:
+        return load_hyperpyyaml(handle, merged), source, merged
+
+
+def _layers(hparams_file, overrides, *, recipe_dir, preset_key="model", preset_dir="models"):
+    """``(file to load, merged overrides)`` of :func:`load_layered_hparams` (nothing built)."""
     path = resolve_hparams_path(hparams_file, recipe_dir=recipe_dir)
     cli = _parse_overrides(overrides)
     base = path.with_name(BASE_NAME)
     if not base.is_file() or base == path:
-        with open(path, encoding="utf-8") as handle:
-            return load_hyperpyyaml(handle, cli), path, cli
+        return path, cli
     method = _read_plain_yaml(path)
     base_values = _top_level_scalars(base)
     unknown = sorted(set(method) - set(base_values))
@@ -175,9 +183,23 @@ def load_layered_hparams(
     unknown = sorted(set(cli) - set(base_values))
     if unknown:
         raise ValueError(f"command-line override(s) {unknown} are not keys of {base}")
-    with open(base, encoding="utf-8") as handle:
-        hparams = load_hyperpyyaml(handle, merged)
-    return hparams, base, merged
+    return base, merged
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """YAML loader that reads HyperPyYAML's ``!new:``/``!name:``/``!apply:`` nodes as ``None``."""
+
+
+_PlainLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def _plain_hparams(hparams_file, overrides, **kwargs) -> dict[str, Any]:
+    """The hparams' plain values with every ``!ref`` resolved and no object built (no
+    ``__set_seed``, no logger opening its folder): what ``--debug`` computes its sizes from."""
+    source, merged = _layers(hparams_file, overrides, **kwargs)
+    with open(source, encoding="utf-8") as handle:
+        text = resolve_references(handle, merged, overrides_must_match=True).getvalue()
+    return yaml.load(text, Loader=_PlainLoader) or {}
 
 
 def _top_level_scalars(path: Path) -> dict[str, str | None]:
@@ -332,7 +354,7 @@ def load_run_hparams(
     defaults: Callable[[dict[str, Any]], None] | None = None,
     **layer_kwargs: Any,
 ) -> tuple[dict[str, Any], Path, dict[str, Any]]:
-    """:func:`load_layered_hparams`, then ``defaults(hparams)``; under ``--debug``, loaded again
+    """:func:`load_layered_hparams`, then ``defaults(hparams)``; under ``--debug``, loaded
     with :func:`debug_overrides` (see the module docstring).
 
     Every process of a run starts here, so it also makes the process's logs readable
@@ -377,13 +399,12 @@ def load_run_hparams(
         if defaults is not None:
             defaults(hparams)
         return hparams, base, merged
-    with muted("speechbrain.utils.seed"):  # the second load logs the seed
-        hparams, base, merged = load_layered_hparams(
-            hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs
-        )
+    # the sizes from the plain values: nothing is built with the real run's folders (a
+    # TensorBoard logger would create its directory there), no seed line twice
+    plain = _plain_hparams(hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs)
     if defaults is not None:
-        defaults(hparams)
-    extra = debug_overrides(hparams, caps=debug_caps, values=debug_values, given=cli)
+        defaults(plain)
+    extra = debug_overrides(plain, caps=debug_caps, values=debug_values, given=cli)
     hparams, base, merged = load_layered_hparams(
         hparams_file, {**cli, **extra}, recipe_dir=recipe_dir, **layer_kwargs
     )

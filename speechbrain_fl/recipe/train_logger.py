@@ -6,9 +6,11 @@ recipe's own (``{"round": 0, "stage": "test"}``, ``{"stage": "seed pretraining",
 SpeechBrain's :class:`~speechbrain.utils.train_logger.TensorboardLogger` writes every meta
 value as a scalar (a text value such as ``stage: test`` fails) and counts its own steps per
 call (so round 5's WER would sit at step 3 when rounds 2 and 4 were not evaluated).
-:class:`RoundTensorboardLogger` is that logger with two changes: the step of a call is its
-``round`` (else the epoch or the logger's own count), and text meta values are written once as
-TensorBoard text instead of scalars. Each call is flushed, so a killed run keeps its rounds.
+:class:`RoundTensorboardLogger` is that logger with these changes: the step of a call is its
+``round`` (else its ``epoch`` or ``steps``, else the logger's own count); text meta values are
+written as TensorBoard text instead of scalars; a line without a round that names its
+``stage`` (the seed pretraining) has its tags prefixed by it (``seed pretraining/loss/train``),
+so it does not land on a round's step. Each call is flushed, so a killed run keeps its rounds.
 
 Use it in a recipe YAML (``pip install speechbrain-fl[tensorboard]``)::
 
@@ -53,26 +55,31 @@ class RoundTensorboardLogger(TensorboardLogger):
         if self.writer is None:  # not the main process (SpeechBrain's rule)
             return
         self.global_step["meta"] += 1
+        numeric = {
+            k: v
+            for k, v in stats_meta.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         step = next(
-            (
-                int(stats_meta[k])
-                for k in ("round", "epoch")
-                if isinstance(stats_meta.get(k), (int, float))
-            ),
+            (int(numeric[k]) for k in ("round", "epoch", "steps") if k in numeric),
             self.global_step["meta"],
         )
+        # a line outside the rounds (the seed pretraining: {"stage": "seed pretraining"}) gets
+        # its stage as a tag prefix, so its loss does not land on a round's step
+        stage = stats_meta.get("stage")
+        prefix = f"{stage}/" if "round" not in numeric and isinstance(stage, str) else ""
         for name, value in stats_meta.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if name in numeric:
+                self.writer.add_scalar(prefix + name, value, step)
+            elif name != "stage" or not prefix:
                 self.writer.add_text(name, str(value), step)
-            else:
-                self.writer.add_scalar(name, value, step)
         for dataset, stats in (
             ("train", train_stats),
             ("valid", valid_stats),
             ("test", test_stats),
         ):
             for stat, value in (stats or {}).items():
-                tag = f"{stat}/{dataset}"
+                tag = f"{prefix}{stat}/{dataset}"
                 if isinstance(value, list):  # per-batch values: SpeechBrain's own count
                     for item in value:
                         count = self.global_step[dataset].get(stat, 0) + 1

@@ -96,6 +96,7 @@ def test_round_tensorboard_logger_steps_are_rounds_and_text_meta_is_text(tmp_pat
 
     tb = RoundTensorboardLogger(str(tmp_path / "tb"))
     # a recipe's own line (text meta) then the engine's, with a round that skipped evaluation
+    tb.log_stats({"stage": "seed pretraining", "steps": 4}, train_stats={"loss": 5.4})
     tb.log_stats({"round": 0, "stage": "test"}, test_stats={"WER": 0.9})
     tb.log_stats({"round": 1, "epsilon": 0.5}, train_stats={"loss": 2.0})
     tb.log_stats({"round": 4, "epsilon": 1.0}, train_stats={"loss": 1.5}, valid_stats={"WER": 0.7})
@@ -104,6 +105,7 @@ def test_round_tensorboard_logger_steps_are_rounds_and_text_meta_is_text(tmp_pat
     assert scalars["WER/valid"] == [(4, pytest.approx(0.7))]  # at its round, not call 3
     assert [s for s, _ in scalars["loss/train"]] == [1, 4]
     assert [s for s, _ in scalars["epsilon"]] == [1, 4] and "stage" not in scalars
+    assert scalars["seed pretraining/loss/train"] == [(4, pytest.approx(5.4))]  # not round 4's
 
 
 def test_default_train_logger_is_a_file_train_logger_on_train_log_txt(tmp_path):
