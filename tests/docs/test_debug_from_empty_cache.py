@@ -6,9 +6,11 @@ start empty), with nothing but ``--debug``. Each must finish in seconds, write o
 real command afterwards starts fresh instead of refusing to resume a debug run), and save the
 hyperparameters it ran with.
 
-Measured on the 2-core development machine shared with five other jobs (load average ~6):
-MLS ``fedavg.yaml`` 29-32 s, SUPERB ``kws.yaml`` 24 s, Private-Gender teacher 22 s + student
-16 s (before this, MLS ``--debug`` synthesised the full 6,648-utterance corpus: 148 s).
+Measured here (2 cores shared with five other jobs, load average 6-10), two runs of this file:
+MLS ``fedavg.yaml`` 48 s and 42 s (29-32 s alone at load 6-7), SUPERB ``kws.yaml`` 31.5 s and
+32.6 s, Private-Gender teacher 27.4 s and 19.5 s + student 21.6 s and 21.3 s; the whole file
+140-151 s. Most of it is Python imports and Ray-free engine start; the MLS corpus is 70
+utterances (2 s). Before, MLS ``--debug`` synthesised the full 6,648-utterance corpus (148 s).
 """
 
 from __future__ import annotations
