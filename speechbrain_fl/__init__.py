@@ -23,3 +23,9 @@ atomic        re-export of :mod:`speechbrain_fl.utils.atomic` (the old import pa
 """
 
 __version__ = "0.1.0"
+
+# Before SpeechBrain's train_logger module is imported (it warns at import time about
+# torchvision, which no recipe here needs): see speechbrain_fl/utils/logging.py.
+from speechbrain_fl.utils.logging import install_filters as _install_filters  # noqa: E402
+
+_install_filters()

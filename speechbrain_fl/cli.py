@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import warnings
+from importlib import metadata
 from pathlib import Path
 
 from speechbrain_fl.privacy.accounting import (
@@ -35,8 +37,20 @@ from speechbrain_fl.privacy.accounting import (
 )
 from speechbrain_fl.privacy.budgets import budget_methods, component_budgets, compute_budgets
 from speechbrain_fl.privacy.layout import Layout
+from speechbrain_fl.utils.logging import muted
 
 __all__ = ["main", "build_parser"]
+
+
+def _version() -> str:
+    """The installed distribution's version (the package's ``__version__`` when run from a tree
+    that is not installed)."""
+    try:
+        return metadata.version("speechbrain-fl")
+    except metadata.PackageNotFoundError:
+        from speechbrain_fl import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="speechbrain-fl",
         description="Component-aware DP: clip budgets and (epsilon, delta) accounting.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("budgets", help="per-group clip budgets of a layout JSON file")
@@ -148,7 +163,12 @@ def _budgets(args, parser) -> str:
 def _privacy(args, parser) -> str:
     caught = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        # the accountant's warnings are collected and printed once, in the output (not also
+        # through its logger on stderr)
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            muted("speechbrain_fl.privacy", level=logging.ERROR),
+        ):
             warnings.simplefilter("always")
             if args.epsilon is None:
                 eps = compute_epsilon(

@@ -442,6 +442,7 @@ def mls_task(hparams_path=None, overrides=None):
         fl_config=config,
         on_result=on_result,
         info={"settings": settings, "hparams": hparams, "run_opts": run_opts, **info},
+        train_logger=hparams["train_logger"],  # the round lines go through it
     )
 
 
@@ -474,8 +475,18 @@ RECIPE = FederatedRecipe(
     default_hparams="hparams/fedavg.yaml",
     check=check_hparams,
     # --debug: 2 rounds, 2 local epochs of 2 batches (SpeechBrain's debug); the EMA methods
-    # must leave their warm-up within the 2 debug rounds
+    # must leave their warm-up within the 2 debug rounds. The embedded corpus shrinks to 2
+    # languages x (2 client speakers x 4 + 1 public speaker x 8 + eval 2 x 2) utterances, in
+    # <cache_folder>_debug (its own cache); outputs go to <output_folder>_debug.
     debug_caps={
+        # 2 languages of the embedded corpus; a real MLS folder keeps the languages asked for
+        "languages": lambda hp: 2 if hp["data_folder"] is None else len(hp["languages"]),
+        "corpus_speakers_per_language": 2,
+        "corpus_utterances_per_speaker": 4,
+        "corpus_public_speakers_per_language": 1,
+        "corpus_public_utterances_per_speaker": 8,
+        "corpus_eval_utterances_per_speaker": 2,
+        "corpus_workers": 1,  # 70 utterances: spawning synthesis workers costs more
         "number_of_rounds": 2,
         "pretrain_steps": 4,
         "pretrain_ctc_steps": 2,

@@ -19,14 +19,19 @@ Authors
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import soundfile
 import torch
 import torchaudio.functional
 from speechbrain.dataio.dataio import read_audio
 
-from speechbrain_fl.models.checkpoint import load_federated_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mls_prepare import MLS_LANGUAGES  # noqa: E402
+
+from speechbrain_fl.models.checkpoint import load_federated_model  # noqa: E402
 
 SAMPLE_RATE = 16000
 
@@ -60,15 +65,45 @@ def transcribe(model, wavs: list[str], *, language=None, num_beams=1, max_new_to
     )
 
 
+def check_wavs(wavs: list[str]) -> list[str]:
+    """The problems of ``wavs`` before any model is built: a missing or unreadable file, named.
+
+    Example
+    -------
+    >>> check_wavs(["/no/such.wav"])
+    ['/no/such.wav: no such file']
+    """
+    problems = []
+    for wav in wavs:
+        if not os.path.isfile(wav):
+            problems.append(f"{wav}: no such file")
+            continue
+        try:
+            soundfile.info(wav)
+        except (RuntimeError, soundfile.LibsndfileError) as err:  # not audio soundfile reads
+            problems.append(f"{wav}: not a readable audio file ({err})")
+    return problems
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="final_model folder written by train_fl.py")
     parser.add_argument("wavs", nargs="+", help="audio files")
-    parser.add_argument("--language", default=None, help="MLS language (e.g. english)")
+    parser.add_argument(
+        "--language",
+        default=None,
+        choices=MLS_LANGUAGES,
+        help="the MLS language of the audio (fills the prompt's {language})",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num_beams", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=None)
     args = parser.parse_args(argv)
+    problems = check_wavs(args.wavs)
+    if problems:
+        parser.error("; ".join(problems))
+    if not os.path.isdir(args.checkpoint):
+        parser.error(f"{args.checkpoint}: no such folder (a train_fl.py run's final_model)")
     model = load_federated_model(args.checkpoint, device=args.device)
     texts = transcribe(
         model,

@@ -59,7 +59,7 @@ from speechbrain_fl.distill.store import (  # noqa: E402
     read_teacher_outputs,
     verify_teacher_outputs,
 )
-from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
+from speechbrain_fl.recipe import load_run_hparams  # noqa: E402
 from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -154,11 +154,20 @@ def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, run_
     return model, {"losses": brain.losses, "steps": brain.steps, "epochs": len(brain.losses)}
 
 
+# --debug (SpeechBrain's: 2 epochs of 2 batches): reads the teacher's --debug run
+# (<output_folder>_debug, the same rule as train_teacher.py) and writes there
+DEBUG_CAPS = {"aux_labels": 6, "bootstrap_resamples": 50}
+
+
 def main(argv):
     start_all = time.time()
     hparams_file, run_opts, overrides = sb.parse_arguments(argv)
-    hparams, hparams_path, overrides = load_layered_hparams(
-        hparams_file, overrides, recipe_dir=RECIPE_DIR
+    hparams, hparams_path, overrides = load_run_hparams(
+        hparams_file,
+        overrides,
+        recipe_dir=RECIPE_DIR,
+        debug=bool(run_opts.get("debug")),
+        debug_caps=DEBUG_CAPS,
     )
     check_student_hparams(hparams, hparams_path, overrides)  # before any work
     root = Path(hparams["output_folder"])

@@ -65,7 +65,7 @@ from speechbrain_fl.distill.store import (  # noqa: E402
     teacher_outputs_record,
     write_teacher_outputs,
 )
-from speechbrain_fl.recipe import load_layered_hparams  # noqa: E402
+from speechbrain_fl.recipe import load_run_hparams  # noqa: E402
 from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -199,11 +199,26 @@ def dsaf_diagnostic(hparams, aux, num_classes, plots):
     return {"records": int(n), "set": "D_aux (public)", "at": "initialisation", **stats}
 
 
+# --debug (SpeechBrain's: 2 epochs of 2 batches): a small embedded corpus in its own cache
+# (<cache_folder>_debug) and outputs in <output_folder>_debug, never the real run's folders
+DEBUG_CAPS = {
+    "corpus_speakers": {"train": 24, "dev": 10, "test": 10, "validated_only": 2},
+    "grad_norm_records": 8,
+    "bootstrap_resamples": 50,
+}
+DEBUG_VALUES = {"corpus_clips_per_speaker": 2}  # 48 D_priv clips, 20 D_aux, 20 test
+
+
 def main(argv):
     start_all = time.time()
     hparams_file, run_opts, overrides = sb.parse_arguments(argv)
-    hparams, hparams_path, overrides = load_layered_hparams(
-        hparams_file, overrides, recipe_dir=RECIPE_DIR
+    hparams, hparams_path, overrides = load_run_hparams(
+        hparams_file,
+        overrides,
+        recipe_dir=RECIPE_DIR,
+        debug=bool(run_opts.get("debug")),
+        debug_caps=DEBUG_CAPS,
+        debug_values=DEBUG_VALUES,
     )
     check_teacher_hparams(hparams, hparams_path, overrides)  # before any work
     out = Path(hparams["output_folder"]) / "teacher"

@@ -325,12 +325,51 @@ RECIPE = FederatedRecipe(
     default_hparams="hparams/kws.yaml",
     check=check_hparams,
     defaults=default_rounds,
-    debug_caps={  # --debug: tiny sizes, seconds to run
+    # --debug: tiny sizes, seconds to run: 2 clients, 2 rounds, a few generated clips per task
+    # (in <cache_folder>_debug, its own cache); outputs go to <output_folder>_debug
+    debug_caps={
         "number_of_rounds": 2,
-        "pretrain_steps": 3,
+        "pretrain_steps": 2,
         "centralized_epochs": 2,
         "bootstrap_resamples": 200,
-    },
+        "num_clients": 2,
+        "public_corpus_options": {"splits": {"public": 2}, "utterances_per_speaker": 2},
+        "corpus_options": lambda hparams: {
+            "asr": {
+                "splits": {"train-clean-100": 4, "dev-clean": 1, "test-clean": 1},
+                "utterances_per_speaker": 3,
+            },
+            "asv": {
+                "iden_speakers": 4,
+                "veri_speakers": 2,
+                "videos_per_speaker": 2,
+                "utterances_per_video": 3,
+                "trials_per_speaker": 2,
+            },
+            "sid": {
+                "iden_speakers": 4,
+                "veri_speakers": 2,
+                "videos_per_speaker": 2,
+                "utterances_per_video": 3,
+            },
+            "er": {"sessions": 5, "utterances_per_emotion": 1},
+            "kws12": {
+                "train_speakers": 4,
+                "valid_speakers": 1,
+                "test_speakers": 2,
+                "repeats": 1,
+                "unknown_words_per_speaker": 2,
+                "noise_seconds": 3,
+            },
+            "kws35": {
+                "train_speakers": 2,
+                "valid_speakers": 1,
+                "test_speakers": 1,
+                "repeats": 1,
+                "noise_seconds": 3,
+            },
+        }.get(hparams["task"], {}),
+    },  # fmt: skip
     debug_values={"measure_memory": False},
 )
 
@@ -406,6 +445,7 @@ def superb_task(hparams_path=None, overrides=None):
             _on_result, settings=settings, hparams=hparams, info=info, start=start
         ),
         info=info,
+        train_logger=hparams["train_logger"],  # the round lines go through it
     )
 
 

@@ -20,7 +20,12 @@ evaluate every ``eval_every`` rounds and at the last round (round 0 is always ev
 commit the state atomically (:mod:`.state`: the accountant step, the new model, the round's
 pending outputs), then evaluate, append to ``rounds.csv``/``group_norms.csv`` and
 ``train_log.txt`` and log a progress line: nothing derived from a round's (noisy) aggregate is
-written before the round is committed. A resume whose privacy settings (C, delta, q, sigma, clip
+written before the round is committed. The round lines go through the task's ``train_logger``
+(the recipe YAML's, as in any SpeechBrain recipe; default SpeechBrain's ``FileTrainLogger`` on
+``<output_folder>/train_log.txt``): ``stats_meta={"round": r, "epsilon": e}``, ``train_stats=
+{"loss": ...}``, ``valid_stats`` = the evaluation's metrics (e.g. ``WER``), so a
+``TensorboardLogger`` shows rounds, losses, metrics and epsilon (a logger other than a
+``FileTrainLogger`` gets the numeric meta values only: no ``"-"`` for a run without epsilon). A resume whose privacy settings (C, delta, q, sigma, clip
 method and its settings, layout, declared population) differ from the saved ones is refused
 with an error naming the key, both values and the state file.
 """
@@ -40,7 +45,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
-from speechbrain.utils.train_logger import FileTrainLogger
+from speechbrain.utils.train_logger import FileTrainLogger, TrainLogger
 
 from speechbrain_fl.privacy import Group, Layout
 from speechbrain_fl.privacy.accounting import privacy_report
@@ -89,6 +94,9 @@ class ServerTask:
         Exit depth -> the tensors a client of that depth trains, for layer-wise (partial)
         replies; default: read from a module of ``brain.modules`` that has ``exits`` and
         ``trained_parameter_names(depth, prefix=...)`` (the multi-exit wav2vec 2.0).
+    train_logger : speechbrain.utils.train_logger.TrainLogger, optional
+        Where the round lines go (the recipe YAML's ``train_logger``); default a
+        ``FileTrainLogger`` on ``<output_folder>/train_log.txt``.
     """
 
     brain: sb.Brain
@@ -101,6 +109,7 @@ class ServerTask:
     num_partitions: int | None = None
     partition_sizes: Sequence[int] | None = None
     depth_names: Mapping[int, Collection[str]] | None = None
+    train_logger: TrainLogger | None = None
 
     def __post_init__(self) -> None:
         if getattr(self.brain, "checkpointer", None) is not None:
@@ -230,6 +239,24 @@ def _evaluate_due(cfg: FLConfig, server_round: int) -> bool:
     )
 
 
+def round_meta(train_logger: TrainLogger, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A round's ``stats_meta`` for ``train_logger``: as given for a ``FileTrainLogger`` (its
+    text line, which a resume parses), the numeric values only for any other (a
+    ``TensorboardLogger`` writes each as a scalar; ``round_failed`` becomes 1).
+
+    Example
+    -------
+    >>> round_meta(object(), {"round": 2, "epsilon": "-", "round_failed": "yes"})
+    {'round': 2, 'round_failed': 1}
+    """
+    if isinstance(train_logger, FileTrainLogger):
+        return dict(meta)
+    numeric = {k: v for k, v in meta.items() if isinstance(v, (int, float))}
+    if meta.get("round_failed") == "yes":
+        numeric["round_failed"] = 1
+    return numeric
+
+
 def _evaluate_isolated(task: ServerTask) -> dict[str, float]:
     """:func:`_evaluate` without touching the process RNG streams (the state holds them)."""
     states = capture_rng_states()
@@ -259,8 +286,11 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
     params = trainable_state(task.brain.modules)
     initial_fingerprint = params_fingerprint(params)
     state = load_state(out / STATE_FILE)
-    log_path = out / "train_log.txt"
-    train_logger = FileTrainLogger(str(log_path))
+    train_logger = task.train_logger
+    if train_logger is None:
+        train_logger = FileTrainLogger(str(out / "train_log.txt"))
+    # the file whose engine lines a resume truncates (none for e.g. a TensorboardLogger)
+    log_path = Path(getattr(train_logger, "save_file", out / "train_log.txt"))
     if cfg.private and cfg.max_retries > 0:
         log(
             WARNING,
@@ -278,7 +308,7 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
             if report.round_failed:
                 meta["round_failed"] = "yes"
         train_logger.log_stats(
-            stats_meta=meta,
+            stats_meta=round_meta(train_logger, meta),
             train_stats={"loss": report.train_loss}
             if report is not None and report.train_loss is not None
             else None,

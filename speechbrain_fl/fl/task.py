@@ -215,7 +215,12 @@ def _import_script(target: str):
     path = next((c.resolve() for c in candidates if c.is_file()), None)
     if path is None:
         raise FileNotFoundError(f"no script {target!r} (tried {', '.join(map(str, candidates))})")
-    name = "_sbfl_task_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    # a readable module name (it names the script's loggers: "SUPERB_superb_task - ..."); the
+    # hashed one only if another file already holds that name in this process
+    name = f"{path.parent.name}_{path.stem}"
+    held = sys.modules.get(name)
+    if held is not None and Path(getattr(held, "__file__", "") or "").resolve() != path:
+        name = "_sbfl_task_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)

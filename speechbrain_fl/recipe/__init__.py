@@ -1,7 +1,8 @@
 """The recipe kit: the frame every recipe of this repository shares, one module per job.
 
 - :mod:`~speechbrain_fl.recipe.hparams`: the hparams path lookup (working directory, then the
-  recipe folder), layered method files on a ``base.yaml``, the ``--debug`` sizes;
+  recipe folder), layered method files on a ``base.yaml``, the ``--debug`` sizes and
+  folders;
 - :mod:`~speechbrain_fl.recipe.run_options`: SpeechBrain's run options in a federated run;
 - :mod:`~speechbrain_fl.recipe.prepare`: prepare once per run, the prepare-options record;
 - :mod:`~speechbrain_fl.recipe.seed_model`: the cached seed model (key, build, save);
@@ -18,7 +19,10 @@ A recipe keeps what is its own: its Brain, its data pipeline, its analysis
 from speechbrain_fl.recipe.federated import FederatedRecipe, ModelCache, RecipeRun
 from speechbrain_fl.recipe.hparams import (
     APP_ROOT,
+    debug_folder,
+    debug_overrides,
     load_layered_hparams,
+    load_run_hparams,
     resolve_hparams_path,
     shrink_for_debug,
 )
@@ -34,6 +38,7 @@ from speechbrain_fl.recipe.report import (
     markers,
     print_summary,
     render_table,
+    timing_line,
     update_readme_table,
     write_results,
     write_rows,
@@ -60,10 +65,13 @@ __all__ = [
     "SUPPORTED_RUN_OPTIONS",
     "cache_tag",
     "cached_seed_model",
+    "debug_folder",
+    "debug_overrides",
     "federated_run_options",
     "file_digest",
     "insert_table",
     "load_layered_hparams",
+    "load_run_hparams",
     "markers",
     "prepare_once",
     "prepared_with",
@@ -74,6 +82,7 @@ __all__ = [
     "save_prepare_options",
     "shrink_for_debug",
     "split_overrides",
+    "timing_line",
     "update_readme_table",
     "write_results",
     "write_rows",

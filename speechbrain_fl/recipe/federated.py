@@ -37,11 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.recipe.hparams import (
-    load_layered_hparams,
-    resolve_hparams_path,
-    shrink_for_debug,
-)
+from speechbrain_fl.recipe.hparams import load_run_hparams, resolve_hparams_path
 from speechbrain_fl.recipe.prepare import prepare_once
 from speechbrain_fl.recipe.run_lock import RunLockedError, run_lock
 from speechbrain_fl.recipe.run_options import federated_run_options, split_overrides
@@ -137,7 +133,8 @@ class FederatedRecipe:
         ``check(hparams)``: every value check of the recipe; raises ``ValueError`` naming the
         key and value. Runs in :meth:`load`, before any heavy work.
     debug_caps, debug_values : mapping
-        The ``--debug`` sizes (:func:`~speechbrain_fl.recipe.hparams.shrink_for_debug`).
+        The ``--debug`` sizes (:func:`~speechbrain_fl.recipe.hparams.shrink_for_debug`),
+        applied as overrides by :func:`~speechbrain_fl.recipe.hparams.load_run_hparams`.
     defaults : callable, optional
         ``defaults(hparams)``: fills values derived from others (before the debug sizes).
     node_manifest : callable, optional
@@ -151,7 +148,7 @@ class FederatedRecipe:
     task_ref: str
     default_hparams: str
     check: Callable[[dict[str, Any]], None]
-    debug_caps: Mapping[str, int | float] = field(default_factory=dict)
+    debug_caps: Mapping[str, Any] = field(default_factory=dict)
     debug_values: Mapping[str, Any] = field(default_factory=dict)
     defaults: Callable[[dict[str, Any]], None] | None = None
     node_manifest: Callable[[Any, dict[str, Any]], str] | None = None
@@ -166,13 +163,18 @@ class FederatedRecipe:
             ``(hparams, run_opts, base_file, merged_overrides)``.
         """
         run_opts = federated_run_options(run_opts or {})
-        hparams, base_file, merged = load_layered_hparams(
-            hparams_file, overrides, recipe_dir=self.recipe_dir
+        # SpeechBrain's --debug: a run of seconds, with a small corpus, in <output_folder>_debug
+        # and <cache_folder>_debug (never the real run's), its sizes in the merged overrides
+        # (so in the saved hyperparams.yaml)
+        hparams, base_file, merged = load_run_hparams(
+            hparams_file,
+            overrides,
+            recipe_dir=self.recipe_dir,
+            debug=bool(run_opts.get("debug")),
+            debug_caps=self.debug_caps,
+            debug_values=self.debug_values,
+            defaults=self.defaults,
         )
-        if self.defaults is not None:
-            self.defaults(hparams)
-        if run_opts.get("debug"):  # SpeechBrain's --debug: a run of seconds
-            shrink_for_debug(hparams, caps=self.debug_caps, values=self.debug_values)
         self.check(hparams)
         return hparams, run_opts, base_file, merged
 
@@ -304,12 +306,14 @@ class FederatedRecipe:
         build_server: Callable,
         on_result: Callable | None = None,
         info: dict[str, Any] | None = None,
+        train_logger: Any = None,
         **server_kwargs: Any,
     ):
         """An :class:`~speechbrain_fl.fl.task.FLTask` with both builders bound to ``settings``.
 
         ``build_client(context, *, settings)``; ``build_server(context, *, settings,
-        **server_kwargs)`` (e.g. ``fl_config``). The task's ``node_setup`` is what the ServerApp
+        **server_kwargs)`` (e.g. ``fl_config``). ``train_logger`` (the YAML's) is set on the
+        built :class:`~speechbrain_fl.fl.server.ServerTask`: the round lines go through it. The task's ``node_setup`` is what the ServerApp
         sends data-owning SuperNodes before the first round: the prepared result of this
         process's :meth:`prepare` without the paths of the server's data
         (:func:`~speechbrain_fl.fl.node_data.sent_to_nodes`) and the model folder to ship (when
@@ -326,9 +330,12 @@ class FederatedRecipe:
                 "prepared": sent_to_nodes(prepared),
                 "model_folder": model.get("folder") or model.get("source"),
             }
+        server = functools.partial(build_server, settings=settings, **server_kwargs)
+        if train_logger is not None:
+            server = functools.partial(_with_train_logger, server, train_logger)
         return FLTask(
             build_client=functools.partial(build_client, settings=settings),
-            build_server=functools.partial(build_server, settings=settings, **server_kwargs),
+            build_server=server,
             num_partitions=settings.num_clients,
             on_result=on_result,
             info={} if info is None else info,
@@ -365,3 +372,11 @@ class FederatedRecipe:
             },
             ray_address=hparams["ray_address"],
         )
+
+
+def _with_train_logger(build_server: Callable, train_logger: Any, context: Any):
+    """``build_server(context)`` with the YAML's ``train_logger`` on its ServerTask."""
+    task = build_server(context)
+    if task.train_logger is None:
+        task.train_logger = train_logger
+    return task

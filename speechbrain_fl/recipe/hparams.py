@@ -18,25 +18,49 @@ that has no ``base.yaml`` beside it is loaded as a plain HyperPyYAML file.
 The one lookup of an hparams path (:func:`resolve_hparams_path`): the working directory first,
 then the recipe folder, then the app root (the repository, where ``flwr run`` starts), so
 ``python recipes/MLS/train_fl.py hparams/flat.yaml`` works from the repository root and from
-``recipes/MLS/``. :func:`shrink_for_debug` applies a recipe's ``--debug`` sizes (SpeechBrain's
-``--debug``: a run of seconds).
+``recipes/MLS/``.
+
+``--debug`` (SpeechBrain's: a run of seconds) is :func:`load_run_hparams`: the hparams' plain
+values are read (every ``!ref`` resolved, no object built), the recipe's debug sizes (:func:`debug_overrides`: caps on rounds and steps, a small
+generated corpus, and ``<folder>_debug`` for ``output_folder`` and ``cache_folder`` unless the
+command line names them) become
+command-line overrides, and the file is loaded with them. So every ``!ref`` follows (the
+save folder, the train log, a logger's file), a debug run never writes into the real run's
+output folder or corpus cache (the small corpus gets its own cache), and the ``hyperparams.yaml``
+SpeechBrain saves shows the values the run used. :func:`shrink_for_debug` applies the same sizes
+in place, for a dict that is not reloaded.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from hyperpyyaml import load_hyperpyyaml
+from hyperpyyaml import load_hyperpyyaml, resolve_references
 
-__all__ = ["APP_ROOT", "load_layered_hparams", "resolve_hparams_path", "shrink_for_debug"]
+from speechbrain_fl.utils.logging import quiet_recipe_logs
+
+__all__ = [
+    "APP_ROOT",
+    "DEBUG_FOLDERS",
+    "DEBUG_SUFFIX",
+    "debug_folder",
+    "debug_overrides",
+    "load_layered_hparams",
+    "load_run_hparams",
+    "resolve_hparams_path",
+    "shrink_for_debug",
+]
 
 # The folder holding the ``speechbrain_fl`` package and ``pyproject.toml`` (Flower's app root).
 APP_ROOT = Path(__file__).resolve().parents[2]
 BASE_NAME = "base.yaml"
+# Folders a --debug run moves to ``<folder>_debug``: its outputs and its (small) corpus cache.
+DEBUG_FOLDERS = ("output_folder", "cache_folder")
+DEBUG_SUFFIX = "_debug"
 
 
 def resolve_hparams_path(path: str | os.PathLike, *, recipe_dir: str | os.PathLike) -> Path:
@@ -129,12 +153,20 @@ def load_layered_hparams(
     >>> hp["out"], hp["clip"]
     ('r/flat', 2.0)
     """
+    source, merged = _layers(
+        hparams_file, overrides, recipe_dir=recipe_dir, preset_key=preset_key, preset_dir=preset_dir
+    )
+    with open(source, encoding="utf-8") as handle:
+        return load_hyperpyyaml(handle, merged), source, merged
+
+
+def _layers(hparams_file, overrides, *, recipe_dir, preset_key="model", preset_dir="models"):
+    """``(file to load, merged overrides)`` of :func:`load_layered_hparams` (nothing built)."""
     path = resolve_hparams_path(hparams_file, recipe_dir=recipe_dir)
     cli = _parse_overrides(overrides)
     base = path.with_name(BASE_NAME)
     if not base.is_file() or base == path:
-        with open(path, encoding="utf-8") as handle:
-            return load_hyperpyyaml(handle, cli), path, cli
+        return path, cli
     method = _read_plain_yaml(path)
     base_values = _top_level_scalars(base)
     unknown = sorted(set(method) - set(base_values))
@@ -151,9 +183,23 @@ def load_layered_hparams(
     unknown = sorted(set(cli) - set(base_values))
     if unknown:
         raise ValueError(f"command-line override(s) {unknown} are not keys of {base}")
-    with open(base, encoding="utf-8") as handle:
-        hparams = load_hyperpyyaml(handle, merged)
-    return hparams, base, merged
+    return base, merged
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """YAML loader that reads HyperPyYAML's ``!new:``/``!name:``/``!apply:`` nodes as ``None``."""
+
+
+_PlainLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def _plain_hparams(hparams_file, overrides, **kwargs) -> dict[str, Any]:
+    """The hparams' plain values with every ``!ref`` resolved and no object built (no
+    ``__set_seed``, no logger opening its folder): what ``--debug`` computes its sizes from."""
+    source, merged = _layers(hparams_file, overrides, **kwargs)
+    with open(source, encoding="utf-8") as handle:
+        text = resolve_references(handle, merged, overrides_must_match=True).getvalue()
+    return yaml.load(text, Loader=_PlainLoader) or {}
 
 
 def _top_level_scalars(path: Path) -> dict[str, str | None]:
@@ -168,10 +214,35 @@ def _top_level_scalars(path: Path) -> dict[str, str | None]:
     return values
 
 
+def _cap(key: str, value: Any, cap: Any) -> Any:
+    """``value`` lowered to ``cap``: a number to ``min``, a list to its first ``cap`` items, a
+    mapping key by key (a key the mapping lacks gets the cap: the generator's default is
+    larger)."""
+    if isinstance(cap, Mapping):
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise TypeError(f"--debug cap for {key!r}: a mapping cap for a {type(value).__name__}")
+        capped = dict(value)
+        for sub, sub_cap in cap.items():
+            capped[sub] = _cap(f"{key}.{sub}", value[sub], sub_cap) if sub in value else sub_cap
+        return capped
+    if isinstance(value, (list, tuple)):
+        if not isinstance(cap, int):
+            raise TypeError(f"--debug cap for {key!r}: a list is capped by an item count")
+        return list(value[:cap])
+    if value is None:  # unbounded (e.g. max_utts_per_split: null)
+        return cap
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # e.g. --number_of_rounds=abc: named here, not a bare TypeError from min()
+        raise ValueError(f"{key}: {value!r} must be a number")
+    return min(cap, value)
+
+
 def shrink_for_debug(
     hparams: dict[str, Any],
     *,
-    caps: Mapping[str, int | float] | None = None,
+    caps: Mapping[str, Any] | None = None,
     values: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Apply a recipe's ``--debug`` sizes in place: ``hparams[k] = min(hparams[k], cap)``.
@@ -181,10 +252,13 @@ def shrink_for_debug(
     hparams : dict
         The loaded hparams (changed in place and returned).
     caps : mapping, optional
-        ``{key: cap}``: numbers that ``--debug`` lowers to at most ``cap`` (rounds, steps,
-        resamples).
+        ``{key: cap}``: values that ``--debug`` lowers to at most ``cap``: a number to
+        ``min(value, cap)`` (``null`` to ``cap``), a list to its first ``cap`` items, a mapping
+        key by key with a mapping cap (a missing key is set to its cap); a callable cap is
+        called with the hparams first (a cap that depends on another key, e.g. the task).
     values : mapping, optional
-        ``{key: value}`` set as given (``measure_memory: False``).
+        ``{key: value}`` set as given (``measure_memory: False``); a callable value is called
+        with the hparams (a value that depends on another key, e.g. the task).
 
     Returns
     -------
@@ -198,16 +272,144 @@ def shrink_for_debug(
 
     Example
     -------
-    >>> shrink_for_debug({"rounds": 10, "steps": 3, "memory": True},
-    ...                  caps={"rounds": 2, "steps": 4}, values={"memory": False})
-    {'rounds': 2, 'steps': 3, 'memory': False}
-    """
+    >>> shrink_for_debug({"rounds": 10, "steps": 3, "memory": True, "langs": ["en", "de", "fr"],
+    ...                   "corpus": {"speakers": 96}},
+    ...                  caps={"rounds": 2, "steps": 4, "langs": 2,
+    ...                        "corpus": {"speakers": 4, "repeats": 1}},
+    ...                  values={"memory": False})
+    {'rounds': 2, 'steps': 3, 'memory': False, 'langs': ['en', 'de'], 'corpus': {'speakers': 4, 'repeats': 1}}
+    """  # noqa: E501
     for key, cap in (caps or {}).items():
         if key not in hparams:
             raise KeyError(f"--debug cap for {key!r}: not a key of the hparams")
-        hparams[key] = min(cap, hparams[key])
+        hparams[key] = _cap(key, hparams[key], cap(hparams) if callable(cap) else cap)
     for key, value in (values or {}).items():
         if key not in hparams:
             raise KeyError(f"--debug value for {key!r}: not a key of the hparams")
-        hparams[key] = value
+        hparams[key] = value(hparams) if callable(value) else value
     return hparams
+
+
+def debug_folder(path: str | os.PathLike) -> str:
+    """The ``--debug`` twin of a folder: ``<path>_debug`` (unchanged when it already is one).
+
+    Example
+    -------
+    >>> debug_folder("results/MLS/tiny/fedavg/1234"), debug_folder("results/x_debug")
+    ('results/MLS/tiny/fedavg/1234_debug', 'results/x_debug')
+    """
+    text = os.fspath(path).rstrip("/\\")
+    return text if text.endswith(DEBUG_SUFFIX) else text + DEBUG_SUFFIX
+
+
+def debug_overrides(
+    hparams: Mapping[str, Any],
+    *,
+    caps: Mapping[str, Any] | None = None,
+    values: Mapping[str, Any] | None = None,
+    folders: tuple[str, ...] = DEBUG_FOLDERS,
+    given: Collection[str] = (),
+) -> dict[str, Any]:
+    """The ``--debug`` sizes of loaded hparams as overrides (to load the file again with).
+
+    Arguments
+    ---------
+    hparams : mapping
+        The hparams as loaded without the debug sizes.
+    caps, values : mapping, optional
+        As in :func:`shrink_for_debug`.
+    folders : tuple of str
+        Keys moved to :func:`debug_folder` (those the hparams have and set to a path).
+    given : collection of str
+        Keys the user set on the command line: a folder named there is the user's choice and
+        stays as given (``--output_folder /tmp/x --debug`` writes to ``/tmp/x``).
+
+    Returns
+    -------
+    dict
+        ``{key: debug value}`` for every key of ``caps``, ``values`` and ``folders``.
+
+    Example
+    -------
+    >>> debug_overrides({"rounds": 10, "output_folder": "results/r", "other": 1},
+    ...                 caps={"rounds": 2})
+    {'rounds': 2, 'output_folder': 'results/r_debug'}
+    """
+    shrunk = shrink_for_debug(dict(hparams), caps=caps, values=values)
+    overrides = {key: shrunk[key] for key in [*(caps or {}), *(values or {})]}
+    for key in folders:
+        if key not in given and isinstance(hparams.get(key), (str, os.PathLike)):
+            overrides[key] = debug_folder(hparams[key])
+    return overrides
+
+
+def load_run_hparams(
+    hparams_file: str | os.PathLike,
+    overrides: str | dict | None = None,
+    *,
+    recipe_dir: str | os.PathLike,
+    debug: bool = False,
+    debug_caps: Mapping[str, Any] | None = None,
+    debug_values: Mapping[str, Any] | None = None,
+    defaults: Callable[[dict[str, Any]], None] | None = None,
+    **layer_kwargs: Any,
+) -> tuple[dict[str, Any], Path, dict[str, Any]]:
+    """:func:`load_layered_hparams`, then ``defaults(hparams)``; under ``--debug``, loaded
+    with :func:`debug_overrides` (see the module docstring).
+
+    Every process of a run starts here, so it also makes the process's logs readable
+    (:func:`speechbrain_fl.utils.logging.quiet_recipe_logs`).
+
+    Arguments
+    ---------
+    hparams_file, overrides, recipe_dir :
+        As in :func:`load_layered_hparams` (``layer_kwargs`` too).
+    debug : bool
+        SpeechBrain's ``--debug`` run option.
+    debug_caps, debug_values : mapping, optional
+        The recipe's debug sizes (:func:`shrink_for_debug`).
+    defaults : callable, optional
+        ``defaults(hparams)`` fills values derived from others (e.g. rounds from the corpus),
+        before the debug sizes.
+
+    Returns
+    -------
+    tuple
+        ``(hparams, base_path, merged_overrides)``; under ``--debug`` the merged overrides hold
+        the debug values, so the saved ``hyperparams.yaml`` shows them.
+
+    Example
+    -------
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "base.yaml").write_text(
+    ...     "rounds: 10\\noutput_folder: r/x\\nsave_folder: !ref <output_folder>/save")
+    >>> _ = (d / "m.yaml").write_text("rounds: 8")
+    >>> hp, _, merged = load_run_hparams(d / "m.yaml", recipe_dir=d, debug=True,
+    ...                                  debug_caps={"rounds": 2})
+    >>> hp["rounds"], hp["save_folder"], merged
+    (2, 'r/x_debug/save', {'rounds': 2, 'output_folder': 'r/x_debug'})
+    """
+    quiet_recipe_logs()  # every process of a run loads its hparams here
+    cli = _parse_overrides(overrides)
+    if not debug:
+        hparams, base, merged = load_layered_hparams(
+            hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs
+        )
+        if defaults is not None:
+            defaults(hparams)
+        return hparams, base, merged
+    # the sizes from the plain values: nothing is built with the real run's folders (a
+    # TensorBoard logger would create its directory there), no seed line twice
+    plain = _plain_hparams(hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs)
+    if defaults is not None:
+        defaults(plain)
+    extra = debug_overrides(plain, caps=debug_caps, values=debug_values, given=cli)
+    hparams, base, merged = load_layered_hparams(
+        hparams_file, {**cli, **extra}, recipe_dir=recipe_dir, **layer_kwargs
+    )
+    if defaults is not None:
+        defaults(hparams)
+    # values that defaults() derived again (e.g. rounds from null) get their caps once more
+    shrink_for_debug(hparams, caps=debug_caps)
+    return hparams, base, merged

@@ -8,6 +8,7 @@ One writer for each output a recipe reports:
 - :func:`render_table` (from :mod:`speechbrain_fl.run_outputs`): a header and string cells as
   a Markdown pipe table (READMEs) or aligned text columns (logs), the one table formatter;
 - :func:`print_summary`: the end-of-run printout (table, timings, where the outputs are);
+  :func:`timing_line` its timings;
 - :func:`update_readme_table` / :func:`insert_table`: a generated table between the README
   markers ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``, the one marker syntax of every
   generated README table (``NAME`` e.g. ``method-table``, ``results:kws12``, ``studies``).
@@ -31,6 +32,7 @@ __all__ = [
     "markers",
     "print_summary",
     "render_table",
+    "timing_line",
     "update_readme_table",
     "write_results",
     "write_rows",
@@ -75,6 +77,31 @@ def write_rows(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]], heade
     return Path(path)
 
 
+def timing_line(timings: Mapping[str, float]) -> str:
+    """``Time (s): part t, ..., total T``, saying so when the parts exceed the total.
+
+    ``total`` is this process's wall time; a part can be work an earlier process did and this
+    one reused (the corpus and seed model of a prepared run, read from ``prepared.json``), so
+    the parts may add up to more than the total: the line then says which time is which.
+
+    Example
+    -------
+    >>> timing_line({"corpus": 2.0, "federated": 5.0, "total": 8.0})
+    'Time (s): corpus 2, federated 5, total 8'
+    >>> timing_line({"corpus": 37.0, "federated": 5.0, "total": 9.0})
+    'Time (s): corpus 37, federated 5, total 9 (this process; the parts include work of an earlier process that this run reused)'
+    """  # noqa: E501
+    parts = {k: v for k, v in timings.items() if k != "total"}
+    text = "Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items())
+    if "total" not in timings:
+        return text
+    total = float(timings["total"])
+    text += f"{', ' if parts else ''}total {total:.0f}"
+    if sum(parts.values()) > total + 1.0:
+        text += " (this process; the parts include work of an earlier process that this run reused)"
+    return text
+
+
 def print_summary(
     table: str,
     *,
@@ -87,7 +114,7 @@ def print_summary(
     print("\n" + table)
     for line in extra:
         print(line)
-    print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
+    print(timing_line(timings))
     print(
         f"Results: {os.path.join(output_folder, RESULTS_FILE)}; "
         f"{len(plots)} plot(s) in {os.path.join(output_folder, 'plots')}"

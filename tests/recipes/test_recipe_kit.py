@@ -59,9 +59,27 @@ def test_load_order_defaults_debug_then_checks(recipe_dir):
     calls = []
     recipe = _recipe(recipe_dir, calls)
     hparams, run_opts, base, merged = recipe.load("hparams/method.yaml", None, {"debug": True})
-    assert calls == [("defaults", None), ("check", 2, 3)]  # checks see the debug sizes
+    # defaults, then again on the file loaded with the debug sizes; checks see the debug sizes
+    assert calls == [("defaults", None), ("defaults", 2), ("check", 2, 3)]
     assert hparams["value"] == 2 and hparams["measure"] is False and run_opts == {"debug": True}
-    assert base.name == "base.yaml" and merged == {"value": 2}
+    # its own output folder, every !ref following it; the sizes in the saved overrides
+    assert hparams["output_folder"] == f"{recipe_dir}/out_debug"
+    assert hparams["save_folder"] == f"{recipe_dir}/out_debug/save"
+    assert base.name == "base.yaml"
+    assert merged == {
+        "value": 2, "number_of_rounds": 2, "steps": 3, "measure": False,
+        "output_folder": f"{recipe_dir}/out_debug",
+    }  # fmt: skip
+    # a folder named on the command line is the user's: --debug keeps it
+    mine = f"{recipe_dir}/mine"
+    hparams, _, _, merged = recipe.load("hparams/method.yaml", {"output_folder": mine},
+                                        {"debug": True})  # fmt: skip
+    assert hparams["output_folder"] == merged["output_folder"] == mine
+    assert hparams["save_folder"] == f"{mine}/save"
+    calls.clear()
+    hparams, _, _, merged = recipe.load("hparams/method.yaml")
+    assert calls == [("defaults", None), ("check", 5, 10)] and merged == {"value": 2}
+    assert hparams["output_folder"] == f"{recipe_dir}/out"
     with pytest.raises(ValueError, match="value: -1 must be >= 0"):
         recipe.load("hparams/method.yaml", {"value": -1})
     with pytest.raises(ValueError, match=r"run option --compile is not supported"):
@@ -102,8 +120,11 @@ def test_run_script_parses_locks_and_runs_main(recipe_dir):
     argv = [str(recipe_dir / "hparams" / "method.yaml"), "--debug", "--steps", "7"]
     assert recipe.run_script(argv, main) == "ran"
     assert seen["rounds"] == 2
-    assert seen["experiment"]["experiment_directory"] == f"{recipe_dir}/out"
-    assert seen["experiment"]["overrides"] == {"value": 2, "steps": 7}
+    assert seen["experiment"]["experiment_directory"] == f"{recipe_dir}/out_debug"
+    assert seen["experiment"]["overrides"] == {
+        "value": 2, "steps": 3, "number_of_rounds": 2, "measure": False,
+        "output_folder": f"{recipe_dir}/out_debug",
+    }  # fmt: skip
 
 
 def test_run_script_reports_a_user_error_in_one_line(recipe_dir, capsys):

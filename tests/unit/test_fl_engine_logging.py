@@ -2,6 +2,7 @@
 
 import logging
 
+import pytest
 from flwr.common.logger import FLOWER_LOGGER, console_handler
 
 from speechbrain_fl.fl.engine import DEPRECATION_NOTICE, _flower_logging
@@ -32,3 +33,115 @@ def test_flower_lines_go_through_the_scripts_handlers_once_without_the_notice():
         root.removeHandler(collect)
     assert collect.messages[0] == "round 1/2 | cohort 2/2"
     assert DEPRECATION_NOTICE in collect.messages[1] and len(collect.messages) == 2
+
+
+# -- the round lines through the task's train_logger (SpeechBrain's TensorboardLogger) ---------
+def _scalars(folder):
+    """``{tag: [(step, value), ...]}`` of the TensorBoard event files under ``folder``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def _toy_run(tmp_path, train_logger, rounds=3):
+    import dataclasses
+    import functools
+
+    from speechbrain_fl.fl import FLTask, run_simulation
+    from speechbrain_fl.fl.toy import toy_client, toy_server, toy_settings
+
+    settings = toy_settings(
+        overrides={
+            "num_partitions": 2, "number_of_rounds": rounds, "eval_every": 1,
+            "method": "flat", "clip": 0.5, "noise_multiplier": 0.8, "sampling_rate": 1.0,
+            "noise_seed": 1, "sampler_seed": 2, "output_folder": str(tmp_path / "out"),
+        }
+    )  # fmt: skip
+
+    def build_server(context):
+        return dataclasses.replace(toy_server(context, settings), train_logger=train_logger)
+
+    task = FLTask(
+        build_client=functools.partial(toy_client, settings=settings),
+        build_server=build_server,
+        num_partitions=2,
+    )
+    return run_simulation(task, backend="local")
+
+
+def test_round_lines_go_through_the_yamls_train_logger_speechbrain_tensorboard(tmp_path):
+    """SpeechBrain's own TensorboardLogger as the task's train_logger: rounds, the train loss,
+    the validation loss and epsilon are TensorBoard scalars (and no train_log.txt is written)."""
+    pytest.importorskip("tensorboard")
+    from speechbrain.utils.train_logger import TensorboardLogger
+
+    tb = TensorboardLogger(str(tmp_path / "tb"))
+    result = _toy_run(tmp_path, tb)
+    tb.writer.flush()
+    scalars = _scalars(tmp_path / "tb")
+    assert {"round", "epsilon", "loss/train", "valid_loss/valid"} <= set(scalars)
+    assert [v for _, v in scalars["round"]] == [0, 1, 2, 3]  # round 0 = the starting model
+    epsilons = [v for _, v in scalars["epsilon"]]
+    assert len(epsilons) == 3 and epsilons == sorted(epsilons)  # spent, round after round
+    assert epsilons[-1] == pytest.approx(result.epsilon, rel=1e-6)
+    assert len(scalars["loss/train"]) == 3 and len(scalars["valid_loss/valid"]) == 4
+    assert not (tmp_path / "out" / "train_log.txt").exists()
+
+
+def test_round_tensorboard_logger_steps_are_rounds_and_text_meta_is_text(tmp_path):
+    pytest.importorskip("tensorboard")
+    from speechbrain_fl.recipe.train_logger import RoundTensorboardLogger
+
+    tb = RoundTensorboardLogger(str(tmp_path / "tb"))
+    # a recipe's own line (text meta) then the engine's, with a round that skipped evaluation
+    tb.log_stats({"stage": "seed pretraining", "steps": 4}, train_stats={"loss": 5.4})
+    tb.log_stats({"round": 0, "stage": "test"}, test_stats={"WER": 0.9})
+    tb.log_stats({"round": 1, "epsilon": 0.5}, train_stats={"loss": 2.0})
+    tb.log_stats({"round": 4, "epsilon": 1.0}, train_stats={"loss": 1.5}, valid_stats={"WER": 0.7})
+    scalars = _scalars(tmp_path / "tb")
+    assert scalars["WER/test"] == [(0, pytest.approx(0.9))]
+    assert scalars["WER/valid"] == [(4, pytest.approx(0.7))]  # at its round, not call 3
+    assert [s for s, _ in scalars["loss/train"]] == [1, 4]
+    assert [s for s, _ in scalars["epsilon"]] == [1, 4] and "stage" not in scalars
+    assert scalars["seed pretraining/loss/train"] == [(4, pytest.approx(5.4))]  # not round 4's
+
+
+def test_default_train_logger_is_a_file_train_logger_on_train_log_txt(tmp_path):
+    _toy_run(tmp_path, None, rounds=2)
+    lines = (tmp_path / "out" / "train_log.txt").read_text().splitlines()
+    assert [line.split(",")[0].split(" - ")[0] for line in lines] == [
+        "round: 0", "round: 1", "round: 2"
+    ]  # fmt: skip
+    assert "epsilon: " in lines[1] and "train loss" in lines[1]
+
+
+# -- readable recipe logs ----------------------------------------------------------------------
+def test_quiet_recipe_logs_third_party_debug_off_model_statistics_once():
+    from speechbrain_fl.utils.logging import TORCHVISION_WARNING, quiet_recipe_logs
+
+    quiet_recipe_logs()
+    collect = _Collect()
+    collect.setLevel(logging.DEBUG)
+    root = logging.getLogger()
+    root.addHandler(collect)
+    old_level = root.level
+    root.setLevel(logging.DEBUG)
+    try:
+        logging.getLogger("matplotlib.font_manager").debug("findfont: score 10.05")
+        logging.getLogger("matplotlib.font_manager").warning("font not found")
+        core = logging.getLogger("speechbrain.core")
+        for _ in range(3):  # one Brain per client
+            core.info("ClientBrain Model Statistics:\n* Total Number of Parameters: 10")
+        core.info("Using training precision")
+        logging.getLogger("speechbrain.utils.train_logger").warning(TORCHVISION_WARNING)
+        logging.getLogger("speechbrain_fl.x").debug("ours at debug")
+    finally:
+        root.removeHandler(collect)
+        root.setLevel(old_level)
+    messages = collect.messages
+    assert "findfont: score 10.05" not in messages and "font not found" in messages
+    assert sum("Model Statistics" in m for m in messages) <= 1  # once per process
+    assert "Using training precision" in messages and "ours at debug" in messages
+    assert TORCHVISION_WARNING not in messages
