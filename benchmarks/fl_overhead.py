@@ -139,8 +139,11 @@ def mlp_task(hparams: str | None, overrides: dict):
     return FLTask(build_client=client, build_server=server, num_partitions=CLIENTS)
 
 
-def run_engine(dp: bool, backend: str) -> dict:
-    """One engine run in this process on ``backend``; returns its timings."""
+def run_engine(dp: bool, backend: str, accountant: str | None = None) -> dict:
+    """One engine run in this process on ``backend``; returns its timings.
+
+    ``accountant`` (DP only) replaces the engine's default (PLD) for the per-round epsilon.
+    """
     t = time.perf_counter()
     import speechbrain_fl.fl  # noqa: F401
 
@@ -164,6 +167,7 @@ def run_engine(dp: bool, backend: str) -> dict:
             "eval_every": 0,
             "method": "flat" if dp else "fedavg",
             **(DP if dp else {}),
+            **({"accountant": accountant} if dp and accountant else {}),
         }
         t = time.perf_counter()
         result = run_simulation(
@@ -462,6 +466,7 @@ def child(kind: str, dp: bool) -> None:
     """Run one configuration and print its timings as one JSON line."""
     runners = {
         "local": lambda dp: run_engine(dp, "local"),
+        "local_rdp": lambda dp: run_engine(dp, "local", accountant="rdp"),
         "ray": lambda dp: run_engine(dp, "ray"),
         "plain": run_plain,
         "brain": lambda dp: run_plain(dp, brain=True),
@@ -583,7 +588,7 @@ def main() -> None:
             f"| {kind}{', DP' if dp else ''} | {m['whole']:.2f} s | {rw} | "
             f"{m['steady'] * 1000:.0f} ms | {rs} |"
         )
-    for kind in ("local", "ray"):
+    for kind in ("local", "local_rdp", "ray"):
         for dp in (False, True):
             eng = runs.get((kind, dp))
             if not eng:
