@@ -377,3 +377,44 @@ def test_npy_codec_is_flowers_format():
         decode(truncated)
     swapped = Array.from_numpy_ndarray(np.ones(3, dtype=">f4"))
     assert not decode(swapped).dtype.isnative  # the reply check then rejects it
+
+
+# --- the benchmarks' own checks (benchmarks/gpu_check.py, benchmarks/recipe_tax.py)
+
+
+def _benchmark(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_refuses_without_cuda(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _benchmark("gpu_check").main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_recipe_tax_on_the_toy_task(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "tax.json"
+    code = _benchmark("recipe_tax").main(
+        ["--recipe", "toy", "--rounds", "3", "--repeats", "1", "--json", str(out)]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    engine_rounds = result["engine"][0]["rounds"]
+    plain_rounds = result["plain"][0]["rounds"]
+    assert [r["updates"] for r in engine_rounds] == [8, 8, 8]  # q = 1: every client each round
+    assert [r["updates"] for r in plain_rounds] == [8, 8, 8]
+    assert result["tax"] > 0 and all(r["training"] > 0 for r in engine_rounds)
+    parts = sum(result["parts_ms"].values())
+    assert abs(parts - result["steady_ms"]["engine"]) < 1e-6 * max(parts, 1.0)
+    assert "federated stage (engine, local backend)" in capsys.readouterr().out
