@@ -12,8 +12,8 @@ For one recipe task (an :class:`~speechbrain_fl.fl.task.FLTask` factory, as ``fl
 - ``plain``: the same clients (``build_client`` of the same factory: the same Brains, data,
   loaders and batch sizes) trained by ``Brain.fit`` for the same local epochs in one Python
   loop, FedAvg (mean of the deltas) with no Flower, no engine, no checks, no clipping or noise,
-  no state file: what the same client updates cost by themselves. The cohort of each round is
-  drawn like the engine's (Poisson with the config's sampling rate, or every client at q = 1).
+  no state file: what the same client updates cost by themselves, on the engine's cohorts (the
+  partitions each round of the preceding engine run trained, so both time the same clients).
 
 Both are read per client update (a round's time over the updates it made) so the Poisson
 cohorts need not be equal; "steady" is the median of rounds 3.. (the first two build the
@@ -86,10 +86,19 @@ def run_engine(spec, rounds: int) -> dict:
             per_round[-1].update(totals)
         totals.clear()
         messages = list(configure(self, server_round, *args, **kwargs))
-        per_round.append({"round": server_round, "updates": len(messages)})
+        per_round.append({"round": server_round, "updates": len(messages), "cohort": []})
         return messages
 
+    real_train_round = client_module.train_round
+
+    def train_round(task, content, *, partition_id=0):
+        if per_round:  # which partitions the engine trained, for the plain loop's cohorts
+            per_round[-1]["cohort"].append(int(partition_id))
+        return real_train_round(task, content, partition_id=partition_id)
+
+    client_module.train_round = train_round
     with contextlib.ExitStack() as stack:
+        stack.callback(setattr, client_module, "train_round", real_train_round)
         stack.enter_context(_timed(client_module, "_local_fit", totals, "training"))
         stack.enter_context(_timed(client_module, "train_round", totals, "client handler"))
         stack.enter_context(_timed(local_grid.LocalGrid, "_deliver", totals, "delivery"))
@@ -105,8 +114,12 @@ def run_engine(spec, rounds: int) -> dict:
     return {"rounds": per_round[: len(result.round_seconds)], "epsilon": result.epsilon}
 
 
-def run_plain(task, rounds: int, sampling_rate: float, local_epochs: int, seed: int = 0) -> dict:
-    """The same clients' updates in a plain loop: Brain.fit, FedAvg, nothing else."""
+def run_plain(task, cohorts: list[list[int]], local_epochs: int) -> dict:
+    """The same clients' updates in a plain loop: Brain.fit, FedAvg, nothing else.
+
+    ``cohorts`` lists the partitions of each round (the engine's, so both train the same
+    clients: a recipe's clients differ in data size and, for the layer-wise rules, in depth).
+    """
     import torch
     from flwr.app import Context, RecordDict
 
@@ -121,14 +134,10 @@ def run_plain(task, rounds: int, sampling_rate: float, local_epochs: int, seed: 
     server = task.build_server(context({}))
     glob = {n: p.detach().clone() for n, p in trainable_parameters(server.brain.modules).items()}
     clients: dict[int, object] = {}
-    gen = torch.Generator().manual_seed(seed)
+    rounds = len(cohorts)
     rows = []
-    for server_round in range(1, rounds + 1):
+    for server_round, cohort in enumerate(cohorts, start=1):
         start = time.perf_counter()
-        if sampling_rate >= 1:
-            cohort = list(range(k))
-        else:
-            cohort = [i for i in range(k) if float(torch.rand(1, generator=gen)) < sampling_rate]
         total = {n: torch.zeros_like(v) for n, v in glob.items()}
         for pid in cohort:
             if pid not in clients:
@@ -206,7 +215,8 @@ def main(argv=None) -> int:
             fresh = {**overrides, "output_folder": os.path.join(out, f"engine{rep}")}
             # a fresh output folder: the engine would resume a finished run from its state file
             engines.append(run_engine(TaskSpec(task_path, hparams, fresh), args.rounds))
-            plains.append(run_plain(task, args.rounds, config.sampling_rate, config.local_epochs))
+            cohorts = [r["cohort"] for r in engines[-1]["rounds"]]
+            plains.append(run_plain(task, cohorts, config.local_epochs))
             print(
                 f"  repeat {rep}: engine {1e3 * _steady(engines[-1]['rounds']):.1f} ms, plain "
                 f"{1e3 * _steady(plains[-1]['rounds']):.1f} ms per client update "

@@ -414,6 +414,7 @@ def test_recipe_tax_on_the_toy_task(tmp_path, capsys):
     plain_rounds = result["plain"][0]["rounds"]
     assert [r["updates"] for r in engine_rounds] == [8, 8, 8]  # q = 1: every client each round
     assert [r["updates"] for r in plain_rounds] == [8, 8, 8]
+    assert all(sorted(r["cohort"]) == list(range(8)) for r in engine_rounds)  # plain reuses them
     assert result["tax"] > 0 and all(r["training"] > 0 for r in engine_rounds)
     parts = sum(result["parts_ms"].values())
     assert abs(parts - result["steady_ms"]["engine"]) < 1e-6 * max(parts, 1.0)
