@@ -241,11 +241,13 @@ def main(argv=None) -> int:
         "server (reply checks, aggregation, clip/noise, state file, accounting)": e_step - delivery,
     }
     engine, plain = engines, plains
+    privacy = f"DP {config.clip_method}" if config.private else "no DP"
     print(
-        f"\n{task_path} ({hparams or 'defaults'}), method {config.clip_method if config.private else 'fedavg'} (sigma {config.noise_multiplier:g}), "
-        f"K={task.num_partitions}, q={config.sampling_rate:g}, E={config.local_epochs}, "
-        f"{args.rounds} rounds, medians of {args.repeats} alternating repeats; task load {t_load:.1f} s; load average {load:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} CPUs"
+        f"\n{task_path} ({hparams or 'defaults'}), {privacy} (sigma {config.noise_multiplier:g}), "
+        f"aggregation {config.aggregation_rule_name}, K={task.num_partitions}, "
+        f"q={config.sampling_rate:g}, E={config.local_epochs}, {args.rounds} rounds, medians of "
+        f"{args.repeats} alternating repeats; task load {t_load:.1f} s; load average {load:.1f} "
+        f"at the start, {os.getloadavg()[0]:.1f} at the end; {os.cpu_count()} CPUs"
     )
     print("| | ms per client update (steady) | vs plain |\n|---|---|---|")
     print(f"| plain loop (Brain.fit + FedAvg) | {1e3 * p_step:.1f} | 1.00x |")
@@ -258,7 +260,8 @@ def main(argv=None) -> int:
     out = {
         "task": task_path,
         "hparams": hparams,
-        "method": config.clip_method if config.private else "fedavg",
+        "method": config.clip_method if config.private else "no DP",
+        "aggregation": config.aggregation_rule_name,
         "engine": engine,
         "plain": plain,
         "steady_ms": {"engine": 1e3 * e_step, "plain": 1e3 * p_step},
