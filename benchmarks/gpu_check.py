@@ -35,6 +35,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -194,8 +195,10 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (smoke)"
     start = time.perf_counter()
     rows: list[tuple[str, str, str]] = []
-    with tempfile.TemporaryDirectory(dir=args.keep) as tmp:
-        work = Path(args.keep or tmp)
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
         for part in args.parts:
             left = args.budget - (time.perf_counter() - start)
             limit = min(LIMITS[part] * (args.budget / 480.0), left - 5)
