@@ -16,7 +16,8 @@ Fixed batches (no Poisson sampling) so every variant sees the same batch size; w
 are excluded; the median of ``--steps`` timed steps is reported with the ratios to the
 non-private step. The target of the recipe is a DP step at most 2x the non-private one.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/dp_sgd_overhead.py [--steps 20] [--batch 256]``
+Run: ``OMP_NUM_THREADS=1 python benchmarks/dp_sgd_overhead.py [--steps 20] [--batch 256]
+[--device cuda]`` (on CUDA each timed step ends with ``torch.cuda.synchronize``).
 """
 
 from __future__ import annotations
@@ -54,18 +55,20 @@ class _Wrapped(torch.nn.Module):
         return self.model(feats, rest[:, 0], tokens)
 
 
-def _time(step, steps, warmup=3):
+def _time(step, steps, warmup=3, sync=lambda: None):
     for _ in range(warmup):
         step()
+    sync()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def bench(name, options, *, batch, frames, mels, steps):
+def bench(name, options, *, batch, frames, mels, steps, device="cpu"):
     torch.manual_seed(0)
     feats = torch.randn(batch, frames, mels)
     extra = torch.cat(
@@ -78,6 +81,7 @@ def bench(name, options, *, batch, frames, mels, steps):
     for mode in ("non-private", "hooks", "ghost"):
         torch.manual_seed(0)
         model = _Wrapped(GenderClassifier(n_mels=mels, num_classes=3, **options), frames, mels)
+        model = model.to(device)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         loader = DataLoader(data, batch_size=batch)
         criterion = torch.nn.CrossEntropyLoss()
@@ -94,6 +98,7 @@ def bench(name, options, *, batch, frames, mels, steps):
             else:
                 model, optimizer, loader = made
         x, y = next(iter(loader))
+        x, y = x.to(device), y.to(device)
 
         def step(model=model, optimizer=optimizer, criterion=criterion, x=x, y=y, mode=mode):
             optimizer.zero_grad(set_to_none=True)
@@ -101,9 +106,13 @@ def bench(name, options, *, batch, frames, mels, steps):
             loss.backward()
             optimizer.step()
 
-        out[mode] = _time(step, steps)
+        sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+        out[mode] = _time(step, steps, sync=sync)
     base = out["non-private"]
-    print(f"\n{name}: batch {batch}, {sum(p.numel() for p in model.parameters())} parameters")
+    print(
+        f"\n{name}: batch {batch}, {sum(p.numel() for p in model.parameters())} parameters, "
+        f"device {device}"
+    )
     print(f"  {'mode':<12} {'ms/step':>9} {'x non-private':>14}")
     for mode, seconds in out.items():
         print(f"  {mode:<12} {seconds * 1e3:9.1f} {seconds / base:14.2f}")
@@ -116,10 +125,19 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--frames", type=int, default=400)
     parser.add_argument("--mels", type=int, default=40)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     args = parser.parse_args(argv)
     print(f"torch threads: {torch.get_num_threads()}")
     for name, options in MODELS.items():
-        bench(name, options, batch=args.batch, frames=args.frames, mels=args.mels, steps=args.steps)
+        bench(
+            name,
+            options,
+            batch=args.batch,
+            frames=args.frames,
+            mels=args.mels,
+            steps=args.steps,
+            device=args.device,
+        )
 
 
 if __name__ == "__main__":

@@ -39,17 +39,18 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 ``optimizers_step``/``clip_grad_norm_``, the server's reply check, aggregation, noise, state
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
-Last figures (README "Overhead of the Simulation Engine": ``--repeats 3`` on the shared 2-core
-machine, load average 1.3-5.1, ratios to the plain loop, no DP / DP): ``local`` whole run
-2.0x / 1.7x, steady round 2.6x / 2.5x; ``brain`` (SpeechBrain without the engine) 1.7x / 1.7x
-and 1.8x / 1.7x; ``ray`` 7.9x / 7.3x and 6.9x / 6.4x; pfl-research 1.4x / 1.4x and 1.3x / 1.3x.
-Per client update (``--breakdown``, load 3.1-4.3): 10.3 ms on ``local`` (12.2 with DP; 11.6 and
-13.1 before the lean loop and the cheaper reply check), of which SpeechBrain's training path
-~7 ms (DataLoader + ``PaddedBatch`` ~1.7, ``fit_batch`` ~5.3 with ~1.1 in ``clip_grad_norm_``),
-against 3.8 ms (4.3) for the plain loop's whole client update.
+Last figures (README "Overhead of the Simulation Engine": ``--repeats 3 --kinds
+plain,local,local_rdp,pfl`` on the shared 2-core machine at load average 6.1-10.5, ratios to the
+plain loop, no DP / DP): ``local`` whole run 1.8x / 2.3x (1.6x with ``accountant: rdp``),
+steady round 3.1x / 6.5x (2.8x with RDP); pfl-research 1.4x / 1.3x and 1.6x / 1.4x. Per client
+update (``--breakdown``, load 8.5-9.9): 19.0 ms on ``local`` (49.2 with DP, about half of it
+the PLD epsilon of each round), of which SpeechBrain's training path ~11.7 ms (``fit_batch``
+9.9 with 2.0 in ``clip_grad_norm_``, DataLoader + ``PaddedBatch`` 1.8), against 5.1 ms (9.2)
+for the plain loop's whole client update. ``local_rdp`` is ``local`` with the per-round
+epsilon from the cached RDP (``accountant: rdp``) instead of the default PLD.
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
-[--kinds plain,brain,local,ray,pfl] [--breakdown]``
+[--kinds plain,brain,local,local_rdp,ray,pfl] [--breakdown]``
 """
 
 from __future__ import annotations
@@ -139,8 +140,11 @@ def mlp_task(hparams: str | None, overrides: dict):
     return FLTask(build_client=client, build_server=server, num_partitions=CLIENTS)
 
 
-def run_engine(dp: bool, backend: str) -> dict:
-    """One engine run in this process on ``backend``; returns its timings."""
+def run_engine(dp: bool, backend: str, accountant: str | None = None) -> dict:
+    """One engine run in this process on ``backend``; returns its timings.
+
+    ``accountant`` (DP only) replaces the engine's default (PLD) for the per-round epsilon.
+    """
     t = time.perf_counter()
     import speechbrain_fl.fl  # noqa: F401
 
@@ -164,6 +168,7 @@ def run_engine(dp: bool, backend: str) -> dict:
             "eval_every": 0,
             "method": "flat" if dp else "fedavg",
             **(DP if dp else {}),
+            **({"accountant": accountant} if dp and accountant else {}),
         }
         t = time.perf_counter()
         result = run_simulation(
@@ -462,6 +467,7 @@ def child(kind: str, dp: bool) -> None:
     """Run one configuration and print its timings as one JSON line."""
     runners = {
         "local": lambda dp: run_engine(dp, "local"),
+        "local_rdp": lambda dp: run_engine(dp, "local", accountant="rdp"),
         "ray": lambda dp: run_engine(dp, "ray"),
         "plain": run_plain,
         "brain": lambda dp: run_plain(dp, brain=True),
@@ -583,7 +589,7 @@ def main() -> None:
             f"| {kind}{', DP' if dp else ''} | {m['whole']:.2f} s | {rw} | "
             f"{m['steady'] * 1000:.0f} ms | {rs} |"
         )
-    for kind in ("local", "ray"):
+    for kind in ("local", "local_rdp", "ray"):
         for dp in (False, True):
             eng = runs.get((kind, dp))
             if not eng:

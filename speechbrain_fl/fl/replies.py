@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from flwr.app import Message
 
+from .npy_codec import decode
 from .reply_checks import ReplyLimits, ReplyRejected, check_reply
 from .updates import ClientUpdate
 
@@ -84,7 +85,7 @@ def parse_train_reply(
         if name not in names:  # a partial reply (allowed above): the client did not train it
             continue
         try:
-            array = arrays[name].numpy()
+            array = decode(arrays[name])  # Array.numpy(), the .npy header cached
         except Exception as err:  # corrupt bytes, another serialisation: any decode error
             raise ReplyRejected(
                 f"node {node}: tensor {name!r} cannot be decoded ({type(err).__name__}: {err})"

@@ -28,6 +28,10 @@ by its budget ``C_L`` sees the same noise ``sigma C`` as a mechanism with multip
 its sub-vector alone is released with the epsilon of ``(sigma_eff, q, T)``. The joint
 guarantee is always the one of ``(sigma, q, T)``. :func:`effective_noise_multiplier` is the one
 place that formula lives; :func:`privacy_report` applies it to the pools of a finished run.
+
+Opacus and dp-accounting are imported on first use, inside the functions that call them: a
+non-private run never needs them, and importing them costs ~1 s or more of its start-up
+(``benchmarks/fl_overhead.py``).
 """
 
 from __future__ import annotations
@@ -37,12 +41,6 @@ import logging
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-
-import dp_accounting
-from dp_accounting.pld import pld_privacy_accountant
-from opacus.accountants import RDPAccountant, create_accountant
-from opacus.accountants.analysis import rdp as rdp_analysis
-from opacus.accountants.utils import get_noise_multiplier
 
 from .budgets import alpha_split_pools, check_clip, component_budgets
 from .layout import Layout
@@ -108,11 +106,35 @@ def _rdp_per_step(sampling_rate: float, noise_multiplier: float):
     how Opacus's ``compute_rdp`` scales ``steps`` too, so ``T`` rounds cost one multiplication
     and the (eps, delta) conversion instead of the per-order series again.
     """
+    from opacus.accountants import RDPAccountant
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
     return rdp_analysis.compute_rdp(
         q=sampling_rate,
         noise_multiplier=noise_multiplier,
         steps=1,
         orders=RDPAccountant.DEFAULT_ALPHAS,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _pld_one_step(sampling_rate: float, noise_multiplier: float, interval: float):
+    """The PLD of one Poisson-subsampled Gaussian step, as ``PLDAccountant`` builds it (cached).
+
+    Building it is most of an epsilon's cost (~1.2 s of ~1.4 s at q=0.5, sigma=1 on one CPU
+    thread; the ``T``-fold self-composition and the epsilon search are the rest), and it
+    depends on ``(q, sigma, interval)`` only, not on the number of rounds, so a run that asks
+    for epsilon after every round builds it once. The PLD object is not modified by
+    ``self_compose``/``compose``, which return new ones.
+    """
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution as _pld_module
+
+    return _pld_module.from_gaussian_mechanism(
+        standard_deviation=noise_multiplier,
+        value_discretization_interval=interval,
+        sampling_prob=sampling_rate,
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
     )
 
 
@@ -129,18 +151,18 @@ def _pld_epsilon(sampling_rate: float, noise_multiplier: float, rounds: int, del
     computed (a noise multiplier so small that its grid does not fit in memory), the RDP figure,
     also an upper bound, is returned with a warning.
     """
+    from dp_accounting.pld import privacy_loss_distribution as _pld_module
+
     eps_rdp = _epsilon(sampling_rate, noise_multiplier, rounds, delta, "rdp")
     interval = PLD_DISCRETIZATION * max(1.0, eps_rdp / PLD_COARSE_ABOVE)
     try:
-        acc = pld_privacy_accountant.PLDAccountant(
-            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-            value_discretization_interval=interval,
+        # PLDAccountant.compose(SelfComposed(PoissonSampled(q, Gaussian(sigma)), T)) then
+        # get_epsilon(delta), with its one-step PLD built once per (q, sigma, interval): the
+        # same objects and calls, so the same float (tests/unit/test_fl_speed.py)
+        pld = _pld_module.identity(value_discretization_interval=interval).compose(
+            _pld_one_step(sampling_rate, noise_multiplier, interval).self_compose(rounds)
         )
-        step = dp_accounting.PoissonSampledDpEvent(
-            sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
-        )
-        acc.compose(dp_accounting.SelfComposedDpEvent(step, rounds))
-        return float(acc.get_epsilon(delta))
+        return float(pld.get_epsilon_for_delta(delta))
     except (ValueError, MemoryError, OverflowError) as err:
         msg = (
             f"PLD accountant failed at q={sampling_rate}, sigma={noise_multiplier}, "
@@ -164,6 +186,9 @@ def _epsilon(sampling_rate, noise_multiplier, rounds, delta, accountant) -> floa
         return 0.0
     if noise_multiplier == 0:
         return math.inf
+    from opacus.accountants import RDPAccountant, create_accountant
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
     if accountant == "rdp":
         rdp = _rdp_per_step(float(sampling_rate), float(noise_multiplier)) * int(rounds)
         eps, _ = rdp_analysis.get_privacy_spent(
@@ -268,6 +293,8 @@ def noise_multiplier_for_epsilon(
             delta=delta,
             epsilon_tolerance=epsilon_tolerance,
         )
+    from opacus.accountants.utils import get_noise_multiplier
+
     return float(
         get_noise_multiplier(
             target_epsilon=target_epsilon,

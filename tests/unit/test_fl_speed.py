@@ -47,6 +47,35 @@ def test_prv_accountant_not_cached_wrongly():
     assert a != b and abs(a - b) / b < 0.2  # PRV and RDP: different bounds, same ballpark
 
 
+def _pld_accountant_epsilon(q, sigma, rounds, delta, interval):
+    """dp-accounting's PLDAccountant on the event the guarantee composes (no cache)."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    acc = pld_privacy_accountant.PLDAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        value_discretization_interval=interval,
+    )
+    step = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    acc.compose(dp_accounting.SelfComposedDpEvent(step, rounds))
+    return float(acc.get_epsilon(delta))
+
+
+def test_cached_pld_epsilon_equals_the_accountant_and_builds_one_step_once():
+    accounting._epsilon.cache_clear()
+    accounting._pld_one_step.cache_clear()
+    q, sigma, delta = 0.5, 2.0, 1e-5
+    got = [
+        compute_epsilon(sampling_rate=q, noise_multiplier=sigma, rounds=t, delta=delta)
+        for t in (1, 2, 3)
+    ]
+    interval = accounting.PLD_DISCRETIZATION  # RDP epsilon < PLD_COARSE_ABOVE here
+    expected = [_pld_accountant_epsilon(q, sigma, t, delta, interval) for t in (1, 2, 3)]
+    assert got == expected  # the same objects and calls: the same floats
+    assert accounting._pld_one_step.cache_info().misses == 1  # one build for three rounds
+    assert got == sorted(got) and got[0] > 0
+
+
 # --- the client's steady state: optimiser and DataLoader reused, nothing carried between rounds
 
 
@@ -269,3 +298,124 @@ def test_in_place_weighted_sum_is_the_allocating_formula():
         got = _weighted_sum(updates, weights)
         assert all(torch.equal(got[k], expected[k]) for k in expected), dtype
         assert updates[0].delta["a"].dtype == dtype  # the inputs are not modified
+
+
+# --- exact collation and reply encoding (client.pad_right_stacked, fl/npy_codec.py)
+
+
+def test_pad_right_stacked_is_batch_pad_right():
+    import torch
+    from speechbrain.utils.data_utils import batch_pad_right
+
+    from speechbrain_fl.fl.client import pad_right_stacked
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        [torch.randn(3, 5, generator=gen) for _ in range(4)],  # one shape: stacked
+        [torch.randint(0, 9, (7,), generator=gen) for _ in range(3)],  # integer labels
+        [torch.randn(n, 2, generator=gen) for n in (3, 5, 4)],  # padded: batch_pad_right's
+        [torch.randn(2, generator=gen)],  # one tensor: batch_pad_right's view
+    ]
+    for tensors in cases:
+        data, lengths = pad_right_stacked(tensors)
+        ref_data, ref_lengths = batch_pad_right(tensors)
+        assert data.dtype == ref_data.dtype and torch.equal(data, ref_data)
+        assert lengths.dtype == ref_lengths.dtype and torch.equal(lengths, ref_lengths)
+    data, _ = pad_right_stacked(cases[2], value=-1.0)  # keyword arguments: batch_pad_right
+    assert torch.equal(data, batch_pad_right(cases[2], value=-1.0)[0])
+
+
+def test_fast_collation_and_lean_loop_equal_the_plain_speechbrain_path():
+    """Updates bit for bit: fast collation + lean loop against PaddedBatch + Brain.fit."""
+    import speechbrain as sb
+
+    from speechbrain_fl.fl.client import _stacked_padded_batch
+
+    old = _recording_client(False, old_calls := [])
+    old.fast_collate = False
+    new = _recording_client(True, new_calls := [])
+    expected = _two_rounds(old)
+    got = _two_rounds(new)
+    _assert_same(got, expected)
+    assert new_calls == old_calls
+    assert new._loader[0].collate_fn is _stacked_padded_batch
+    assert old._loader[0].collate_fn is sb.dataio.batch.PaddedBatch
+
+
+def test_npy_codec_is_flowers_format():
+    import numpy as np
+    import pytest
+    import torch
+    from flwr.app import Array
+
+    from speechbrain_fl.fl.npy_codec import decode, encode
+
+    tensors = [
+        torch.randn(3, 4),
+        torch.tensor(2.0),
+        torch.zeros(0, 3),
+        torch.randn(2, 3, dtype=torch.float64),
+        torch.randn(4).half(),
+        torch.arange(5),
+        torch.randn(3, 4).t(),  # not C-contiguous: Flower's own encoder
+    ]
+    for t in tensors:
+        ours, flowers = encode(t), Array.from_torch_tensor(t)
+        assert (ours.dtype, ours.shape, ours.stype, ours.data) == (
+            flowers.dtype,
+            flowers.shape,
+            flowers.stype,
+            flowers.data,
+        )
+        got, ref = decode(flowers), flowers.numpy()
+        assert got.dtype == ref.dtype and got.shape == ref.shape and np.array_equal(got, ref)
+    good = Array.from_torch_tensor(torch.ones(4))
+    lying = Array(dtype="float32", shape=(2,), stype=good.stype, data=good.data)
+    assert decode(lying).shape == (4,)  # the bytes decide, as np.load does
+    truncated = Array(dtype="float32", shape=(4,), stype=good.stype, data=good.data[:-3])
+    with pytest.raises(ValueError):  # np.load's error, not a silent short array
+        decode(truncated)
+    swapped = Array.from_numpy_ndarray(np.ones(3, dtype=">f4"))
+    assert not decode(swapped).dtype.isnative  # the reply check then rejects it
+
+
+# --- the benchmarks' own checks (benchmarks/gpu_check.py, benchmarks/recipe_tax.py)
+
+
+def _benchmark(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_refuses_without_cuda(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _benchmark("gpu_check").main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_recipe_tax_on_the_toy_task(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "tax.json"
+    code = _benchmark("recipe_tax").main(
+        ["--recipe", "toy", "--rounds", "3", "--repeats", "1", "--json", str(out)]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    engine_rounds = result["engine"][0]["rounds"]
+    plain_rounds = result["plain"][0]["rounds"]
+    assert [r["updates"] for r in engine_rounds] == [8, 8, 8]  # q = 1: every client each round
+    assert [r["updates"] for r in plain_rounds] == [8, 8, 8]
+    assert all(sorted(r["cohort"]) == list(range(8)) for r in engine_rounds)  # plain reuses them
+    assert result["tax"] > 0 and all(r["training"] > 0 for r in engine_rounds)
+    parts = sum(result["parts_ms"].values())
+    assert abs(parts - result["steady_ms"]["engine"]) < 1e-6 * max(parts, 1.0)
+    assert "federated stage (engine, local backend)" in capsys.readouterr().out
