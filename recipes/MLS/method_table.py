@@ -59,6 +59,7 @@ from speechbrain_fl.recipe import insert_table as kit_insert_table
 from speechbrain_fl.recipe import markers, update_readme_table
 
 RECIPE_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(RECIPE_DIR))  # seed_table.py, compare.py: the recipe's own modules
 
 #: The hparams files, in the row order of the paper's Table III, with their display names.
 METHODS: dict[str, str] = {
@@ -580,6 +581,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "--private-variants", nargs="+", default=["unfrozen"], help="encoder variants of those"
     )
     parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="test-only seeds: run everything once per seed into <output-root>/seed<S> with "
+        "--sampler_seed S --noise_seed S (shared cohorts and noise across methods), and "
+        "tabulate the seeds pooled with paired comparisons (seed_table.py); the epsilon rows "
+        "run at the first seed only",
+    )
+    parser.add_argument(
         "--figure",
         default=None,
         help="the dev-WER-by-round figure of every run (default: method_table_dev_wer.png "
@@ -599,6 +610,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected runs, then write the table; exit status 1 if a run failed."""
     args, extra = parse_args(argv)
+    if args.seeds:
+        return main_seeds(args, extra)
     failed = []
     if not args.table_only:
         _run_all(args, args.output_root, args.methods, args.variants, extra, failed)
@@ -641,6 +654,73 @@ def main(argv: Sequence[str] | None = None) -> int:
         roots[f"ε ≤ {args.private_epsilon:g}"] = private
     figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
     figure = write_dev_wer_figure(roots, figure_path)
+    if figure is not None:
+        print(f"Dev WER figure: {figure}")
+    return _write_table(args, table, results, failed)
+
+
+def main_seeds(args, extra) -> int:
+    """``--seeds``: every run once per test-only seed, then the seed-pooled tables."""
+    from seed_table import format_seed_table, seed_overrides, seed_root
+
+    failed: list[str] = []
+    roots = [seed_root(args.output_root, s) for s in args.seeds]
+    first = roots[0]
+    if not args.table_only:
+        for seed, root in zip(args.seeds, roots, strict=True):
+            _run_all(args, root, args.methods, args.variants, [*extra, *seed_overrides(seed)],
+                     failed)  # fmt: skip
+    private = None
+    if args.private_epsilon > 0 and not args.dry_run:
+        private = private_root(first, args.private_epsilon)
+        reference = next(
+            (r for r in load_results(first).values() if _get(r, "privacy", "epsilon") is not None),
+            None,
+        )
+        if reference is None:
+            private = None
+        elif not args.table_only:
+            sigma = sigma_for_epsilon(
+                sampling_rate=reference["privacy"]["sampling_rate"],
+                rounds=reference["privacy"]["rounds"],
+                delta=reference["privacy"]["delta"],
+                target_epsilon=args.private_epsilon,
+            )
+            print(f"epsilon <= {args.private_epsilon:g}: noise multiplier {sigma:g}")
+            methods = [m for m in args.methods if m != BASELINE]
+            extra_sigma = [*extra, *seed_overrides(args.seeds[0]), "--noise_multiplier", str(sigma)]
+            _run_all(args, private, methods, args.private_variants, extra_sigma, failed)
+    if args.dry_run:
+        return 0
+    results = load_results(first)
+    if not results:
+        print(f"method_table.py: no results.json under {first}", file=sys.stderr)
+        return 1
+    parts = []
+    for variant in args.variants:
+        done = {
+            m: [run_folder(root, m, variant) for root in roots]
+            for m in METHODS
+        }  # fmt: skip
+        from seed_table import collect
+
+        found = collect(done)
+        if found:
+            parts.append(
+                f"Encoder {variant}, seeds {', '.join(map(str, args.seeds))}:\n\n"
+                + format_seed_table(found, METHODS)
+            )
+    parts.append(f"Per run at seed {args.seeds[0]}:\n\n" + format_change_table(results))
+    if private is not None:
+        parts.append(
+            format_private_table(load_results(private), target_epsilon=args.private_epsilon)
+        )
+    table = "\n\n".join(parts)
+    figure_roots = {f"σ 0.1, seed {args.seeds[0]}": first}
+    if private is not None:
+        figure_roots[f"ε ≤ {args.private_epsilon:g}"] = private
+    figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
+    figure = write_dev_wer_figure(figure_roots, figure_path)
     if figure is not None:
         print(f"Dev WER figure: {figure}")
     return _write_table(args, table, results, failed)
