@@ -17,8 +17,8 @@ before any federated round) and the settings the runs used. The table goes to
 ``<!-- method-table:end -->`` markers (the end marker is created the first time).
 
 With ``--private-epsilon E`` (default 10; 0 disables) it then runs every DP method again at the
-noise multiplier whose RDP epsilon is at most E at the runs' q, T and delta (encoder variants of
-``--private-variants``, default unfrozen) into ``<output-root>/eps<E>``, and tabulates them with
+noise multiplier whose epsilon (the default accountant, PLD) is at most E at the runs' q, T and
+delta (encoder variants of ``--private-variants``, default unfrozen) into ``<output-root>/eps<E>``, and tabulates them with
 what that guarantee costs at the paper's K = 316 and at 10,000 clients
 (:func:`speechbrain_fl.privacy.accounting.extrapolate_privacy`). A second table gives each run's
 change from round 0 with its paired CI, its noise norm against the mean client update norm, and
@@ -98,7 +98,7 @@ def private_root(output_root: str | os.PathLike, target_epsilon: float) -> Path:
 def sigma_for_epsilon(
     *, sampling_rate: float, rounds: int, delta: float, target_epsilon: float
 ) -> float:
-    """The noise multiplier, rounded up to 0.01, whose RDP epsilon is at most the target.
+    """The noise multiplier, rounded up to 0.01, whose epsilon (PLD) is at most the target.
 
     ``speechbrain_fl.privacy.noise_multiplier_for_epsilon`` (Opacus's bisection) may land a
     hair above the target; rounding sigma up to two decimals keeps epsilon at or below it.
@@ -312,7 +312,8 @@ def _legend() -> str:
         "significant (paired speaker-level bootstrap 95% CI of final - round-0 WER excludes 0). "
         "‡: stopped early (max_epsilon or "
         "too few clients). epsilon: joint client-level (epsilon, delta)-DP of the whole run from "
-        "Opacus's RDP accountant, one value when both variants agree, else frozen / unfrozen; "
+        "the run's accountant (PLD by default; results.json has RDP beside it), one value when "
+        "both variants agree, else frozen / unfrozen; "
         "*: not covered by it (profiling rounds, alpha: auto, a raw EMA signal or test-only "
         "seeds; see results.json privacy.caveats). sigma_eff: "
         "effective noise multiplier of the encoder pool and of the LLM + connector pool, from "
