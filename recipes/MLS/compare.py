@@ -9,10 +9,17 @@ utterances of a drawn speaker kept together; Bisani & Ney, 2004; the alpha-split
 Section V) and prints WER_A, WER_B, their difference with its percentile confidence interval,
 the two-sided bootstrap p-value and whether the difference is significant (interval excludes 0).
 
+Several seeds: ``--also A2 B2`` (repeatable) adds another pair of runs of the same two systems
+(e.g. the same methods at other test-only ``sampler_seed``/``noise_seed`` values). The pairs are
+pooled (:func:`pool_seeds`): each WER is the mean over the seeds' runs (sum of edits over sum of
+reference words), and a drawn speaker brings its utterances of every seed, so the interval
+covers both the speakers and the runs' cohort/noise draws.
+
 Usage::
 
     python recipes/MLS/compare.py results/flat/1986 results/alpha_split/1986
     python recipes/MLS/compare.py a/test_utterances.csv b/test_utterances.csv --num-resamples 10000
+    python recipes/MLS/compare.py s1/flat s1/pfl_uniform --also s2/flat s2/pfl_uniform
 
 Exit status: 0 after printing the comparison, 2 for bad input (missing file, different
 utterance sets), with the reason on stderr.
@@ -28,8 +35,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from speechbrain_fl.metrics import (
     DEFAULT_NUM_RESAMPLES,
+    UtteranceErrors,
     paired_bootstrap_details,
     read_utterance_details,
 )
@@ -55,9 +65,36 @@ def details_path(run: str | Path) -> Path:
     raise FileNotFoundError(f"no run folder or details file at {run}")
 
 
+def pool_seeds(details: list[UtteranceErrors]) -> UtteranceErrors:
+    """Several runs' details on the same test set as one set, speakers kept.
+
+    Utterance ``u`` of the ``k``-th run becomes ``"<k>/u"`` with its speaker unchanged, so a
+    speaker-level bootstrap draws a speaker with all its utterances of every run, and the
+    pooled WER is ``sum_k sum_u edits / sum_k sum_u ref words``: the mean of the runs' WERs
+    weighted by words (equal weights here: every run scores the same utterances).
+
+    Example
+    -------
+    >>> import numpy as np
+    >>> a = UtteranceErrors(("1",), ("s",), ("",), np.array([1]), np.array([4]))
+    >>> b = UtteranceErrors(("1",), ("s",), ("",), np.array([3]), np.array([4]))
+    >>> p = pool_seeds([a, b]); p.ids, p.speakers, p.wer
+    (('0/1', '1/1'), ('s', 's'), 0.5)
+    """
+    if not details:
+        raise ValueError("pool_seeds needs at least one run's details")
+    return UtteranceErrors(
+        tuple(f"{k}/{u}" for k, d in enumerate(details) for u in d.ids),
+        tuple(s for d in details for s in d.speakers),
+        tuple(lang for d in details for lang in d.languages),
+        np.concatenate([d.num_edits for d in details]),
+        np.concatenate([d.num_ref_tokens for d in details]),
+    )
+
+
 def compare_runs(
-    run_a: str | Path,
-    run_b: str | Path,
+    run_a: str | Path | list,
+    run_b: str | Path | list,
     *,
     num_resamples: int = DEFAULT_NUM_RESAMPLES,
     confidence: float = 0.95,
@@ -65,14 +102,21 @@ def compare_runs(
 ):
     """Paired bootstrap of ``WER_A - WER_B`` for two runs (folders or details CSVs).
 
+    ``run_a`` and ``run_b`` may be lists of runs of equal length (one per seed, paired in
+    order): they are pooled by :func:`pool_seeds` before the bootstrap.
+
     Returns
     -------
     speechbrain_fl.metrics.PairedWERComparison
     """
+    runs_a = list(run_a) if isinstance(run_a, list | tuple) else [run_a]
+    runs_b = list(run_b) if isinstance(run_b, list | tuple) else [run_b]
+    if len(runs_a) != len(runs_b):
+        raise ValueError(f"{len(runs_a)} runs of A against {len(runs_b)} of B: pair them by seed")
     return paired_bootstrap_details(
-        read_utterance_details(details_path(run_a)),
-        read_utterance_details(details_path(run_b)),
-        names=(str(run_a), str(run_b)),
+        pool_seeds([read_utterance_details(details_path(r)) for r in runs_a]),
+        pool_seeds([read_utterance_details(details_path(r)) for r in runs_b]),
+        names=(" + ".join(map(str, runs_a)), " + ".join(map(str, runs_b))),
         num_resamples=num_resamples,
         confidence=confidence,
         seed=seed,
@@ -109,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_a", help=f"run folder (with {DETAILS_FILE}) or the CSV itself")
     parser.add_argument("run_b", help="the same, for the second system")
+    parser.add_argument(
+        "--also",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("RUN_A", "RUN_B"),
+        help="another pair of runs of the same two systems (another seed), pooled",
+    )
     parser.add_argument("--num-resamples", type=int, default=DEFAULT_NUM_RESAMPLES)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--seed", type=int, default=0)
@@ -116,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = compare_runs(
-            args.run_a,
-            args.run_b,
+            [args.run_a, *(a for a, _ in args.also)],
+            [args.run_b, *(b for _, b in args.also)],
             num_resamples=args.num_resamples,
             confidence=args.confidence,
             seed=args.seed,

@@ -17,8 +17,8 @@ before any federated round) and the settings the runs used. The table goes to
 ``<!-- method-table:end -->`` markers (the end marker is created the first time).
 
 With ``--private-epsilon E`` (default 10; 0 disables) it then runs every DP method again at the
-noise multiplier whose RDP epsilon is at most E at the runs' q, T and delta (encoder variants of
-``--private-variants``, default unfrozen) into ``<output-root>/eps<E>``, and tabulates them with
+noise multiplier whose epsilon (the default accountant, PLD) is at most E at the runs' q, T and
+delta (encoder variants of ``--private-variants``, default unfrozen) into ``<output-root>/eps<E>``, and tabulates them with
 what that guarantee costs at the paper's K = 316 and at 10,000 clients
 (:func:`speechbrain_fl.privacy.accounting.extrapolate_privacy`). A second table gives each run's
 change from round 0 with its paired CI, its noise norm against the mean client update norm, and
@@ -59,6 +59,7 @@ from speechbrain_fl.recipe import insert_table as kit_insert_table
 from speechbrain_fl.recipe import markers, update_readme_table
 
 RECIPE_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(RECIPE_DIR))  # seed_table.py, compare.py: the recipe's own modules
 
 #: The hparams files, in the row order of the paper's Table III, with their display names.
 METHODS: dict[str, str] = {
@@ -97,7 +98,7 @@ def private_root(output_root: str | os.PathLike, target_epsilon: float) -> Path:
 def sigma_for_epsilon(
     *, sampling_rate: float, rounds: int, delta: float, target_epsilon: float
 ) -> float:
-    """The noise multiplier, rounded up to 0.01, whose RDP epsilon is at most the target.
+    """The noise multiplier, rounded up to 0.01, whose epsilon (PLD) is at most the target.
 
     ``speechbrain_fl.privacy.noise_multiplier_for_epsilon`` (Opacus's bisection) may land a
     hair above the target; rounding sigma up to two decimals keeps epsilon at or below it.
@@ -311,7 +312,8 @@ def _legend() -> str:
         "significant (paired speaker-level bootstrap 95% CI of final - round-0 WER excludes 0). "
         "‡: stopped early (max_epsilon or "
         "too few clients). epsilon: joint client-level (epsilon, delta)-DP of the whole run from "
-        "Opacus's RDP accountant, one value when both variants agree, else frozen / unfrozen; "
+        "the run's accountant (PLD by default; results.json has RDP beside it), one value when "
+        "both variants agree, else frozen / unfrozen; "
         "*: not covered by it (profiling rounds, alpha: auto, a raw EMA signal or test-only "
         "seeds; see results.json privacy.caveats). sigma_eff: "
         "effective noise multiplier of the encoder pool and of the LLM + connector pool, from "
@@ -580,6 +582,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
         "--private-variants", nargs="+", default=["unfrozen"], help="encoder variants of those"
     )
     parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="test-only seeds: run everything once per seed into <output-root>/seed<S> with "
+        "--sampler_seed S --noise_seed S (shared cohorts and noise across methods), and "
+        "tabulate the seeds pooled with paired comparisons (seed_table.py); the epsilon rows "
+        "run at the first seed only",
+    )
+    parser.add_argument(
         "--figure",
         default=None,
         help="the dev-WER-by-round figure of every run (default: method_table_dev_wer.png "
@@ -599,6 +611,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected runs, then write the table; exit status 1 if a run failed."""
     args, extra = parse_args(argv)
+    if args.seeds:
+        return main_seeds(args, extra)
     failed = []
     if not args.table_only:
         _run_all(args, args.output_root, args.methods, args.variants, extra, failed)
@@ -641,6 +655,73 @@ def main(argv: Sequence[str] | None = None) -> int:
         roots[f"ε ≤ {args.private_epsilon:g}"] = private
     figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
     figure = write_dev_wer_figure(roots, figure_path)
+    if figure is not None:
+        print(f"Dev WER figure: {figure}")
+    return _write_table(args, table, results, failed)
+
+
+def main_seeds(args, extra) -> int:
+    """``--seeds``: every run once per test-only seed, then the seed-pooled tables."""
+    from seed_table import format_seed_table, seed_overrides, seed_root
+
+    failed: list[str] = []
+    roots = [seed_root(args.output_root, s) for s in args.seeds]
+    first = roots[0]
+    if not args.table_only:
+        for seed, root in zip(args.seeds, roots, strict=True):
+            _run_all(args, root, args.methods, args.variants, [*extra, *seed_overrides(seed)],
+                     failed)  # fmt: skip
+    private = None
+    if args.private_epsilon > 0 and not args.dry_run:
+        private = private_root(first, args.private_epsilon)
+        reference = next(
+            (r for r in load_results(first).values() if _get(r, "privacy", "epsilon") is not None),
+            None,
+        )
+        if reference is None:
+            private = None
+        elif not args.table_only:
+            sigma = sigma_for_epsilon(
+                sampling_rate=reference["privacy"]["sampling_rate"],
+                rounds=reference["privacy"]["rounds"],
+                delta=reference["privacy"]["delta"],
+                target_epsilon=args.private_epsilon,
+            )
+            print(f"epsilon <= {args.private_epsilon:g}: noise multiplier {sigma:g}")
+            methods = [m for m in args.methods if m != BASELINE]
+            extra_sigma = [*extra, *seed_overrides(args.seeds[0]), "--noise_multiplier", str(sigma)]
+            _run_all(args, private, methods, args.private_variants, extra_sigma, failed)
+    if args.dry_run:
+        return 0
+    results = load_results(first)
+    if not results:
+        print(f"method_table.py: no results.json under {first}", file=sys.stderr)
+        return 1
+    parts = []
+    for variant in args.variants:
+        done = {
+            m: [run_folder(root, m, variant) for root in roots]
+            for m in METHODS
+        }  # fmt: skip
+        from seed_table import collect
+
+        found = collect(done)
+        if found:
+            parts.append(
+                f"Encoder {variant}, seeds {', '.join(map(str, args.seeds))}:\n\n"
+                + format_seed_table(found, METHODS)
+            )
+    parts.append(f"Per run at seed {args.seeds[0]}:\n\n" + format_change_table(results))
+    if private is not None:
+        parts.append(
+            format_private_table(load_results(private), target_epsilon=args.private_epsilon)
+        )
+    table = "\n\n".join(parts)
+    figure_roots = {f"σ 0.1, seed {args.seeds[0]}": first}
+    if private is not None:
+        figure_roots[f"ε ≤ {args.private_epsilon:g}"] = private
+    figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
+    figure = write_dev_wer_figure(figure_roots, figure_path)
     if figure is not None:
         print(f"Dev WER figure: {figure}")
     return _write_table(args, table, results, failed)

@@ -10,16 +10,21 @@ file holds only keys of the base (it is applied on top of it) and includes the p
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.recipe.hparams import load_layered_hparams
 
 HPARAMS = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "hparams"
 # The recipe's scripts and modules, and the kit they run on (the skeleton reads the engine keys)
 KIT = Path(__file__).resolve().parents[2] / "speechbrain_fl" / "recipe"
+sys.path.insert(0, str(HPARAMS.parent))
+from mls_settings import engine_hparams  # noqa: E402
+
 SCRIPT = "\n".join(p.read_text() for p in [*HPARAMS.parent.glob("*.py"), *KIT.glob("*.py")])
 
 
@@ -51,13 +56,52 @@ def test_method_files_only_override_base_keys(path):
         return
     values = yaml.safe_load(path.read_text())
     assert set(values) <= set(top_level_keys(HPARAMS / "base.yaml"))
-    assert {"method", "clip", "noise_multiplier"} <= set(values)
+    assert {"method", "noise_multiplier"} <= set(values)
+    # C is resolved in base.yaml and the model preset only (fedavg.yaml's null turns it off), so
+    # a method file cannot override the preset's C
+    assert "clip" not in values or (values["method"] == "fedavg" and values["clip"] is None)
 
 
 @pytest.mark.parametrize("path", sorted((HPARAMS / "models").glob("*.yaml")), ids=lambda p: p.name)
 def test_model_presets_only_override_base_keys(path):
     values = yaml.safe_load(path.read_text()) or {}
     assert set(values) <= set(top_level_keys(HPARAMS / "base.yaml"))
+
+
+DP_METHODS = sorted(p.stem for p in HPARAMS.glob("*.yaml") if p.stem not in ("base", "fedavg"))
+# The C each model preset states: the paper's 1.0 for the real presets (Sec. II-D), 0.25 for the
+# tiny default (its joint update norm is ~1, as the paper's LLM norm ~4 is to C = 1)
+PRESET_CLIP = {"tiny": 0.25, "whisper_tinyllama": 1.0, "whisper_eurollm": 1.0, "voxtral": 1.0}
+
+
+@pytest.mark.parametrize("method", DP_METHODS)
+@pytest.mark.parametrize("model", sorted(PRESET_CLIP))
+def test_each_model_preset_resolves_its_own_clip(tmp_path, method, model):
+    """Every DP method file resolves C from the model preset; --clip overrides it; FedAvg none."""
+    hp, _, _ = load_layered_hparams(
+        HPARAMS / f"{method}.yaml",
+        {"model": model, "output_folder": str(tmp_path)},
+        recipe_dir=HPARAMS.parent,
+    )
+    assert hp["clip"] == PRESET_CLIP[model]
+    assert FLConfig.from_hparams(engine_hparams(hp)).clip == PRESET_CLIP[model]
+    hp, _, _ = load_layered_hparams(
+        HPARAMS / f"{method}.yaml",
+        {"model": model, "clip": 0.5, "output_folder": str(tmp_path)},
+        recipe_dir=HPARAMS.parent,
+    )
+    assert hp["clip"] == 0.5
+    hp, _, _ = load_layered_hparams(
+        HPARAMS / "fedavg.yaml",
+        {"model": model, "output_folder": str(tmp_path)},
+        recipe_dir=HPARAMS.parent,
+    )
+    assert hp["clip"] is None and FLConfig.from_hparams(hp).clip is None
+
+
+def test_every_model_preset_states_its_clip():
+    for path in (HPARAMS / "models").glob("*.yaml"):
+        assert yaml.safe_load(path.read_text())["clip"] == PRESET_CLIP[path.stem], path.name
 
 
 def _base_values() -> dict:

@@ -52,6 +52,13 @@ def test_privacy_section(method, recipe_run):
     assert privacy["epsilon_covers_everything"] is True
     assert {"rounds.csv", "group_norms.csv"} <= set(privacy["outside_guarantee"])
     assert "Privacy: epsilon is client-level" in run.stdout
+    # issue 27: every DP method file audits its run (audit_canaries: 128), the audited figures
+    # beside the accountant's in results.json and in the printed table
+    audit = privacy["audit"]
+    assert audit["canaries"] == 128 and audit["accountant_epsilon"] == privacy["epsilon"]
+    assert 0 <= audit["epsilon_lower_bound"] <= privacy["epsilon"]
+    assert audit["exceeds_accountant"] is False
+    assert "Audit (128 canaries" in run.stdout and "one-shot estimate" in run.stdout
     if method.endswith("_ema"):
         assert privacy["ema_signal"]["signal"] == "noisy"
         with open(run.output_folder / "rounds.csv", newline="", encoding="utf-8") as handle:
@@ -108,7 +115,8 @@ def test_run_options_clip_only_run_and_transcribe(tmp_path, recipe_cache):
     text = (out / "results.json").read_text()
     assert "Infinity" not in text and "NaN" not in text
     privacy = json.loads(text)["privacy"]
-    assert privacy["epsilon"] is None and privacy["sigma_eff"] == {} and privacy["clip"] == 1.0
+    assert privacy["epsilon"] is None and privacy["sigma_eff"] == {} and privacy["clip"] == 0.25
+    assert "audit" not in privacy  # no noise: the canaries are ignored (nothing to audit)
     wav = next(Path(recipe_cache("MLS")).glob("mls_synth/mls_english/test/audio/*/*/*.flac"))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT.with_name("transcribe.py")), str(out / "final_model"),

@@ -81,3 +81,21 @@ def test_bad_input_is_named(two_runs, tmp_path):
     assert proc.returncode == 2 and "without test_utterances.csv" in proc.stderr
     proc = _run(tmp_path / "nowhere", run_b)
     assert proc.returncode == 2 and "no run folder or details file" in proc.stderr
+
+
+def test_also_pools_seeds_speaker_by_speaker(two_runs, tmp_path):
+    """--also adds a second seed's pair; the pooled WERs are the seeds' edits over their words
+    and the pooled difference is the mean of the two seeds' differences (same utterances)."""
+    run_a, run_b, expected = two_runs
+    a2, b2 = tmp_path / "a2", tmp_path / "b2"
+    for src, dst in ((run_b, a2), (run_a, b2)):  # seed 2: the systems swapped
+        dst.mkdir()
+        (dst / "test_utterances.csv").write_text((src / "test_utterances.csv").read_text())
+    proc = _run(run_a, run_b, "--also", a2, b2, "--num-resamples", 500, "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["difference"] == pytest.approx(0.0, abs=1e-12)
+    assert (result["num_speakers"], result["num_utterances"]) == (30, 600)
+    assert result["significant"] is False
+    bad = _run(run_a, run_b, "--also", a2, tmp_path / "missing")
+    assert bad.returncode == 2 and "missing" in bad.stderr

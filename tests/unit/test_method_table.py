@@ -313,3 +313,50 @@ def test_run_side_by_side_bounds_concurrency_and_reports_failures(tmp_path):
 def test_jobs_must_be_positive(tmp_path):
     with pytest.raises(SystemExit):
         method_table.parse_args(["--jobs", "0"])
+
+
+def _seed_run(root, method, seed, *, wer, round0=0.6, n=120, llm_retention=None):
+    """A run folder at <root>/seed<seed>/<method>/freeze_encoder_False with details CSVs."""
+    import numpy as np
+
+    from speechbrain_fl.metrics import UtteranceErrors, write_utterance_details
+
+    folder = method_table.run_folder(root / f"seed{seed}", method, "unfrozen")
+    folder.mkdir(parents=True)
+    ids = tuple(f"u{i:03d}" for i in range(n))
+    speakers = tuple(f"s{i % 24:02d}" for i in range(n))
+    refs = np.full(n, 10)
+    rng = np.random.default_rng(seed)
+    for name, rate in (("test_utterances.csv", wer), ("test_utterances_round0.csv", round0)):
+        edits = rng.binomial(refs, rate)
+        write_utterance_details(folder / name, UtteranceErrors(ids, speakers, ("",) * n,
+                                                               edits, refs))  # fmt: skip
+    results = _results(method, "unfrozen", wer, None if method == "fedavg" else 530.0, 0.1, 0.1)
+    results["pools"] = {"ratio_per_coordinate": 7.0,
+                        "retention": {"encoder": 0.9, "llm": llm_retention or 0.5}}  # fmt: skip
+    (folder / "results.json").write_text(json.dumps(results))
+    return folder
+
+
+def test_seeds_table_pools_runs_and_pairs_methods(tmp_path):
+    """--seeds --table-only: per method the seeds' WERs, the pooled change from round 0, the
+    LLM retention against Flat's, and paired seed-pooled comparisons (a clear gap significant)."""
+    root = tmp_path / "runs"
+    for seed in (1, 2, 3):
+        _seed_run(root, "fedavg", seed, wer=0.30, llm_retention=1.0)
+        _seed_run(root, "flat", seed, wer=0.35, llm_retention=0.8)
+        _seed_run(root, "pfl_uniform", seed, wer=0.55, llm_retention=0.4)
+    table_file = tmp_path / "table.md"
+    code = method_table.main(["--seeds", "1", "2", "3", "--table-only", "--no-readme",
+                              "--variants", "unfrozen", "--output-root", str(root),
+                              "--table-file", str(table_file), "--private-epsilon", "0"])  # fmt: skip
+    assert code == 0
+    table = table_file.read_text()
+    methods, pairs = table.split("Paired comparisons", 1)
+    row = _row(methods, "PFL-Uniform")
+    assert row[1] == "3" and len(row[2].split(" / ")) == 3
+    assert row[7] == "0.50x"  # 0.4 / 0.8
+    assert "§" in _row(methods, "FedAvg (no DP)")[4]
+    pair = _row(pairs, "PFL-Uniform | Flat")
+    assert pair[2] == "3" and pair[-1] == "yes" and float(pair[5].split()[0]) > 0.1
+    assert "Per run at seed 1" in table
