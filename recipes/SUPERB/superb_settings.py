@@ -110,6 +110,12 @@ def check_hparams(hparams):
         raise ValueError(f"server_momentum: {momentum!r} must be a number in [0, 1)")
     if not isinstance(server_lr, (int, float)) or not server_lr > 0.0:
         raise ValueError(f"server_lr: {server_lr!r} must be a number > 0")
+    session = hparams.get("test_session", 5)
+    if isinstance(session, bool) or not isinstance(session, int) or session < 1:
+        raise ValueError(
+            f"test_session: {session!r} must be an IEMOCAP session number >= 1 (1-5 on the "
+            "real corpus; er_folds.py runs all five)"
+        )
     if hparams.get("method", "fedavg") != "fedavg":
         raise ValueError(
             f"method: {hparams['method']!r}: the SUPERB recipe runs without clipping "
