@@ -27,6 +27,9 @@ participants, so untrained copies dilute the trained ones:
 
 ``n_i`` is the reply's ``num-examples`` and ``L_i`` its ``exit-depth`` metric.
 
+:class:`ServerMomentum` (ours) wraps either rule with server-side momentum (FedAvgM) on its
+aggregate delta, per parameter.
+
 Privacy: none of these rules is sensitivity-bounded for the engine's Gaussian mechanism (noise
 N(0, (sigma C / n)^2) with n the expected cohort size): the per-parameter denominator
 sum_{j in S_p} a_j depends on which (private) clients trained p, and a client alone in S_p
