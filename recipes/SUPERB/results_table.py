@@ -326,6 +326,7 @@ def tables_markdown(results, best_exit, shallow=3):
                 ),
                 ("heterogeneous_deep_only", best_exit, "deep clients only"),
                 ("heterogeneous_fedavg_full", best_exit, "fedavg_full"),
+                ("heterogeneous_layerwise_samples", best_exit, "layer-wise (samples)"),
             ]
             for key, e, label in against:
                 if key in results:

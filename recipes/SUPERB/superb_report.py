@@ -109,14 +109,13 @@ def results_table(results):
     rows = []
     for e, entry in results["test"].items():
         lo, hi = entry["ci95"]
-        mem = results["memory_mb"].get(e)
         row = [
             e,
             f"{entry[metric]:.4f}",
             f"[{lo:.4f}, {hi:.4f}]",
-            str(mem if mem is None else round(mem, 1)),
-            str(results.get("memory_model_mb", {}).get(e, "-")),
-            str(results["memory_step_mb"].get(e, "-")),
+            memory_cell(results["memory_mb"].get(e)),
+            memory_cell(results.get("memory_model_mb", {}).get(e)),
+            memory_cell(results.get("memory_step_mb", {}).get(e)),
         ]
         if asv:
             row += [f"{results['asv'][e]['EER']:.4f}", f"{results['asv'][e]['minDCF']:.4f}"]
@@ -125,7 +124,21 @@ def results_table(results):
         f"SUPERB {results['task']} | scenario {results['scenario']} | aggregation "
         f"{results['aggregation']} ({results['weighting']}) | model {results['checkpoint']}"
     )
-    return title + "\n" + render_table(header, rows, style="text")
+    table = render_table(header, rows, style="text")
+    if not any(results["memory_mb"].get(e) is not None for e in results["test"]):
+        table += "\nmemory: not measured (measure_memory: False, or no probe succeeded)"
+    return title + "\n" + table
+
+
+def memory_cell(value):
+    """A memory cell of the results table: MiB to one decimal, ``-`` when not measured.
+
+    Example
+    -------
+    >>> memory_cell(123.456), memory_cell(None)
+    ('123.5', '-')
+    """
+    return "-" if value is None else f"{float(value):.1f}"
 
 
 def report_run(settings, hparams, result, *, brain, test_set, timings, start):

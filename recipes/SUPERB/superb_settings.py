@@ -105,6 +105,17 @@ def check_hparams(hparams):
         if value is not None and int(value) not in exits:
             raise ValueError(f"{key}: {value!r} is not one of the exits {exits}")
     rule_name(hparams["aggregation"], hparams["weighting"])
+    momentum, server_lr = hparams.get("server_momentum", 0.0), hparams.get("server_lr", 1.0)
+    if not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"server_momentum: {momentum!r} must be a number in [0, 1)")
+    if not isinstance(server_lr, (int, float)) or not server_lr > 0.0:
+        raise ValueError(f"server_lr: {server_lr!r} must be a number > 0")
+    session = hparams.get("test_session", 5)
+    if isinstance(session, bool) or not isinstance(session, int) or session < 1:
+        raise ValueError(
+            f"test_session: {session!r} must be an IEMOCAP session number >= 1 (1-5 on the "
+            "real corpus; er_folds.py runs all five)"
+        )
     if hparams.get("method", "fedavg") != "fedavg":
         raise ValueError(
             f"method: {hparams['method']!r}: the SUPERB recipe runs without clipping "
@@ -338,7 +349,9 @@ def fl_config(hparams):
     ``method``, ``sampling_rate``, ``noise_multiplier``, ... like every recipe's. The one
     SUPERB difference: its ``aggregation`` (``layerwise`` | ``fedavg_full``) and ``weighting``
     keys name a registered rule of :mod:`speechbrain_fl.fl.layerwise`, passed as the config's
-    ``aggregation`` field.
+    ``aggregation`` field; with ``server_momentum`` > 0 (or ``server_lr`` != 1) the rule is
+    wrapped in :class:`~speechbrain_fl.fl.layerwise.ServerMomentum` (FedAvgM on its delta),
+    a fresh one per call (its buffers belong to one run).
 
     Example
     -------
@@ -347,12 +360,16 @@ def fl_config(hparams):
     >>> cfg.num_rounds, cfg.aggregation, cfg.private
     (3, 'layerwise_samples', False)
     """
+    from speechbrain_fl.fl.aggregation import get_rule
     from speechbrain_fl.fl.config import FLConfig
-    from speechbrain_fl.fl.layerwise import rule_name
+    from speechbrain_fl.fl.layerwise import ServerMomentum, rule_name
 
-    return FLConfig.from_hparams(
-        hparams, aggregation=rule_name(hparams["aggregation"], hparams["weighting"])
-    )
+    rule = rule_name(hparams["aggregation"], hparams["weighting"])
+    momentum = float(hparams.get("server_momentum", 0.0) or 0.0)
+    server_lr = float(hparams.get("server_lr", 1.0))
+    if momentum or server_lr != 1.0:
+        rule = ServerMomentum(get_rule(rule), momentum=momentum, server_lr=server_lr)
+    return FLConfig.from_hparams(hparams, aggregation=rule)
 
 
 def make_settings(hparams, run_opts):

@@ -27,6 +27,9 @@ participants, so untrained copies dilute the trained ones:
 
 ``n_i`` is the reply's ``num-examples`` and ``L_i`` its ``exit-depth`` metric.
 
+:class:`ServerMomentum` (ours) wraps either rule with server-side momentum (FedAvgM) on its
+aggregate delta, per parameter.
+
 Privacy: none of these rules is sensitivity-bounded for the engine's Gaussian mechanism (noise
 N(0, (sigma C / n)^2) with n the expected cohort size): the per-parameter denominator
 sum_{j in S_p} a_j depends on which (private) clients trained p, and a client alone in S_p
@@ -52,7 +55,14 @@ import torch
 
 from .updates import ClientUpdate
 
-__all__ = ["DEPTH_METRIC", "WEIGHTINGS", "fedavg_full", "layerwise_rule", "trained_sets"]
+__all__ = [
+    "DEPTH_METRIC",
+    "WEIGHTINGS",
+    "ServerMomentum",
+    "fedavg_full",
+    "layerwise_rule",
+    "trained_sets",
+]
 
 #: Reply metric holding the client's L_max (the exit it trained to).
 DEPTH_METRIC = "exit-depth"
@@ -174,6 +184,72 @@ fedavg_full.dp_refusal = _DP_REASON.replace(  # type: ignore[attr-defined]
     "layer-wise partial aggregation averages each parameter over the clients that trained it",
     "fedavg_full weights by the clients' example counts n_i",
 )
+
+
+class ServerMomentum:
+    """Server-side momentum (FedAvgM) on an aggregation rule's delta, per parameter.
+
+    The server treats the rule's aggregate delta Delta_p^t as a pseudo-gradient step and keeps a
+    momentum buffer per parameter (Hsu et al. 2019, "Measuring the effects of non-identical
+    data distribution for federated visual classification"; Reddi et al. 2021, "Adaptive
+    federated optimization")::
+
+        v_p^t = beta * v_p^(t-1) + Delta_p^t        (v_p^0 = 0)
+        step_p^t = eta * v_p^t
+
+    for every parameter p in this round's aggregate; a parameter no client trained this round
+    (absent from the aggregate, e.g. layers 4-6 in a round with no deep client) does not move
+    and keeps its buffer. ``beta = 0, eta = 1`` is the wrapped rule unchanged. The wrapper
+    carries the rule's flags (``accepts_partial``, ``dp_sensitivity_bounded``,
+    ``dp_refusal``, ``weighting``), so a private run is refused as the rule itself would be.
+
+    The buffers live in this object (one per run: build it in the server's process); a run
+    resumed from its server state starts them again at zero.
+
+    Arguments
+    ---------
+    rule : callable
+        ``rule(updates, *, expected_cohort_size) -> {name: delta}``.
+    momentum : float
+        beta in [0, 1).
+    server_lr : float
+        eta > 0.
+
+    Example
+    -------
+    >>> m = ServerMomentum(fedavg_full, momentum=0.5)
+    >>> u = [ClientUpdate(0, {"w": torch.ones(1)}, {"num-examples": 1})]
+    >>> [m(u, expected_cohort_size=1)["w"].item() for _ in range(3)]
+    [1.0, 1.5, 1.75]
+    """
+
+    def __init__(self, rule, *, momentum: float, server_lr: float = 1.0) -> None:
+        if not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"server_momentum: {momentum!r} must be in [0, 1)")
+        if not float(server_lr) > 0.0:
+            raise ValueError(f"server_lr: {server_lr!r} must be > 0")
+        self.rule = rule
+        self.momentum = float(momentum)
+        self.server_lr = float(server_lr)
+        self.buffers: dict[str, torch.Tensor] = {}
+        for flag in ("accepts_partial", "dp_sensitivity_bounded", "dp_refusal", "weighting"):
+            if hasattr(rule, flag):
+                setattr(self, flag, getattr(rule, flag))
+        self.__name__ = f"{getattr(rule, '__name__', 'rule')}_momentum"
+
+    def __call__(
+        self, updates: Sequence[ClientUpdate], *, expected_cohort_size: float
+    ) -> dict[str, torch.Tensor]:
+        aggregate = self.rule(updates, expected_cohort_size=expected_cohort_size)
+        out: dict[str, torch.Tensor] = {}
+        for name, delta in aggregate.items():
+            delta = delta.detach().to(torch.float64)
+            previous = self.buffers.get(name)
+            buffer = delta if previous is None else self.momentum * previous + delta
+            self.buffers[name] = buffer
+            out[name] = self.server_lr * buffer
+        return out
+
 
 #: The rules of this module by name; :mod:`.aggregation` puts them in its registry.
 RULES = {

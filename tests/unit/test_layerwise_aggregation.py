@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
 from speechbrain_fl.fl.aggregation import ClientUpdate, get_rule
-from speechbrain_fl.fl.layerwise import rule_name
+from speechbrain_fl.fl.layerwise import ServerMomentum, rule_name
 from speechbrain_fl.fl.replies import ReplyRejected, parse_train_reply
 from speechbrain_fl.privacy import Group, Layout
 
@@ -102,6 +102,41 @@ def test_rule_name_errors():
         rule_name("layerwise", "size")
 
 
+def test_server_momentum_accumulates_per_parameter():
+    # beta 0.5, eta 2: steps 2*1, 2*(0.5*1 + 1), ... for a tensor trained every round; a tensor
+    # absent from a round's aggregate does not move and keeps its buffer
+    momentum = ServerMomentum(get_rule("layerwise"), momentum=0.5, server_lr=2.0)
+    deep = _updates()
+    shallow = [deep[0]]  # client A alone: layers 1-3 and head 3 only
+    first = momentum(deep, expected_cohort_size=3)
+    second = momentum(shallow, expected_cohort_size=1)
+    third = momentum(deep, expected_cohort_size=3)
+    low = _mix({"A": 0.125, "B": 0.125, "C": 0.75})
+    _check(first, {_layer(1): 2 * low, _layer(8): 2 * VALUE["C"], _layer(11): None})
+    _check(second, {_layer(1): 2 * (0.5 * low + VALUE["A"]), _layer(8): None})
+    _check(third, {_layer(1): 2 * (0.5 * (0.5 * low + VALUE["A"]) + low)})
+    _check(third, {_layer(8): 2 * (0.5 * VALUE["C"] + VALUE["C"])})  # buffer kept in round 2
+    assert momentum.accepts_partial and not momentum.dp_sensitivity_bounded
+
+
+def test_server_momentum_zero_is_the_rule():
+    plain = get_rule("fedavg_full")(_updates(), expected_cohort_size=3)
+    wrapped = ServerMomentum(get_rule("fedavg_full"), momentum=0.0)
+    for _ in range(2):
+        out = wrapped(_updates(), expected_cohort_size=3)
+        assert set(out) == set(plain)
+        for name in plain:
+            assert torch.equal(out[name], plain[name].to(torch.float64)), name
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"momentum": 1.0}, {"momentum": -0.1}, {"momentum": 0.9, "server_lr": 0.0}]
+)
+def test_server_momentum_bad_values(kwargs):
+    with pytest.raises(ValueError, match="server_momentum|server_lr"):
+        ServerMomentum(get_rule("layerwise"), **kwargs)
+
+
 # ----------------------------------------------------------------------------- engine path
 def test_partial_replies_through_the_strategy(tmp_path, server_identity):
     layout = Layout([Group(p, "all", 2) for p in ALL])
@@ -131,9 +166,10 @@ def test_replies_partial_only_when_allowed(server_identity):
         parse_train_reply(extra, expected_shapes=shapes, allow_partial=True)
 
 
-@pytest.mark.parametrize("name", ["layerwise", "layerwise_samples", "fedavg_full"])
+@pytest.mark.parametrize("name", ["layerwise", "layerwise_samples", "fedavg_full", "momentum"])
 def test_private_run_with_partial_aggregation_is_refused(tmp_path, name):
-    cfg = FLConfig(output_folder=str(tmp_path), aggregation=name, noise_multiplier=1.0, clip=1.0)
+    rule = ServerMomentum(get_rule("layerwise"), momentum=0.9) if name == "momentum" else name
+    cfg = FLConfig(output_folder=str(tmp_path), aggregation=rule, noise_multiplier=1.0, clip=1.0)
     with pytest.raises(ValueError, match="sensitivity does not hold|does not hold"):
         DPFedAvg(config=cfg, layout=Layout([Group(BELOW, "all", 2)]))
 

@@ -1,0 +1,62 @@
+"""The SUPERB run's output names: the folder names the deep exit, the table says '-' for memory.
+
+Issue 25's rough edges: a default run wrote ``heterogeneous_None`` (``exit: null``) and its
+results table printed "None" in the memory columns when memory was not measured.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB"
+sys.path.insert(0, str(RECIPE))
+
+from superb_report import results_table  # noqa: E402
+from superb_task import load_hparams  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("hparams", "overrides", "folder"),
+    [
+        ("hparams/kws.yaml", {}, "kws12/heterogeneous_6/"),
+        ("hparams/er.yaml", {}, "er/heterogeneous_9/"),
+        ("hparams/kws.yaml", {"scenario": "homogeneous", "exit": 3}, "kws12/homogeneous_3/"),
+        ("hparams/sid.yaml", {"scenario": "centralized"}, "sid/centralized_9/"),
+    ],
+)
+def test_output_folder_names_the_exit(hparams, overrides, folder):
+    loaded, _, _ = load_hparams(RECIPE / hparams, overrides)
+    assert folder in loaded["output_folder"]
+    assert "None" not in loaded["output_folder"]
+    assert loaded["exit"] == int(folder.split("_")[-1].rstrip("/"))
+
+
+def _results(memory):
+    return {
+        "task": "kws12",
+        "scenario": "heterogeneous",
+        "aggregation": "layerwise",
+        "weighting": "depth_aware",
+        "checkpoint": "tiny",
+        "test": {"3": {"accuracy": 0.5, "ci95": [0.4, 0.6]}},
+        "memory_mb": memory.get("peak", {}),
+        "memory_model_mb": memory.get("model", {}),
+        "memory_step_mb": memory.get("step", {}),
+    }
+
+
+def test_table_without_memory_says_not_measured():
+    table = results_table(_results({}))
+    assert "None" not in table
+    assert "memory: not measured" in table
+    row = next(line for line in table.splitlines() if line.strip().startswith("3"))
+    assert row.count("-") >= 3  # peak, model and step cells
+
+
+def test_table_with_memory_rounds_to_one_decimal():
+    table = results_table(_results({"peak": {"3": 826.04}, "model": {"3": 119.2}, "step": {}}))
+    assert "826.0" in table and "119.2" in table
+    assert "not measured" not in table and "None" not in table
