@@ -34,6 +34,24 @@ def test_output_folder_names_the_exit(hparams, overrides, folder):
     assert loaded["exit"] == int(folder.split("_")[-1].rstrip("/"))
 
 
+def test_readmes_baselines_get_their_own_folders():
+    """The README's baseline commands run one after another without a resume refusal.
+
+    Each changes a key the engine refuses to change on resume (``shallow_clients``,
+    ``depth_policy``, ``server_momentum``): their output folders must differ from the default's.
+    """
+    variants = [
+        {},
+        {"shallow_clients": "drop"},
+        {"server_momentum": 0.9},
+        {"depth_policy": "memory_budget", "client_memory_budgets_mb": [900, 1200, 2000]},
+        {"aggregation": "fedavg_full"},
+        {"weighting": "samples"},
+    ]
+    folders = [load_hparams(RECIPE / "hparams/kws.yaml", v)[0]["output_folder"] for v in variants]
+    assert len(set(folders)) == len(folders), folders
+
+
 def _results(memory):
     return {
         "task": "kws12",
