@@ -60,6 +60,8 @@ from pathlib import Path
 
 import torch
 
+from speechbrain_fl.recipe.settings import RunSettings
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_DIR = ROOT / "recipes" / "MLS"
 TABLE_I_LAYOUT = ROOT / "docs" / "examples" / "whisper_tinyllama_layout.json"
@@ -272,7 +274,7 @@ def run_preset(args) -> dict:
         settings["run_opts"]["max_grad_norm"] = hparams["max_grad_norm"]
         row: dict = {"freeze_encoder": freeze, "options": settings["model"]["options"]}
         with Peak(device) as peak:
-            brain = recipe.build_brain(settings)
+            brain = recipe.build_brain(RunSettings(**settings))
         row["load"] = peak.row()
         model = brain.modules.model
         layout = recipe.component_layout(brain)
