@@ -608,6 +608,34 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     return args, extra
 
 
+def _private_rows(args, root, extra, failed):
+    """The epsilon <= target rows: sigma for the target at the runs' (q, T, delta), then runs.
+
+    Returns the folder of those rows, or ``None`` when they are off (``--private_epsilon 0``,
+    ``--dry_run``) or no private run under ``root`` gives q, T and delta (said).
+    """
+    if args.private_epsilon <= 0 or args.dry_run:
+        return None
+    done = load_results(root)
+    reference = next((r for r in done.values() if _get(r, "privacy", "epsilon") is not None), None)
+    if reference is None:
+        print("method_table.py: no private run to take q, T and delta from; epsilon rows skipped")
+        return None
+    private = private_root(root, args.private_epsilon)
+    if not args.table_only:
+        sigma = sigma_for_epsilon(
+            sampling_rate=reference["privacy"]["sampling_rate"],
+            rounds=reference["privacy"]["rounds"],
+            delta=reference["privacy"]["delta"],
+            target_epsilon=args.private_epsilon,
+        )
+        print(f"epsilon <= {args.private_epsilon:g}: noise multiplier {sigma:g}")
+        methods = [m for m in args.methods if m != BASELINE]
+        extra_sigma = [*extra, "--noise_multiplier", str(sigma)]
+        _run_all(args, private, methods, args.private_variants, extra_sigma, failed)
+    return private
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected runs, then write the table; exit status 1 if a run failed."""
     args, extra = parse_args(argv)
@@ -616,29 +644,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = []
     if not args.table_only:
         _run_all(args, args.output_root, args.methods, args.variants, extra, failed)
-    private = None
-    if args.private_epsilon > 0 and not args.dry_run:
-        private = private_root(args.output_root, args.private_epsilon)
-        done = load_results(args.output_root)
-        reference = next(
-            (r for r in done.values() if _get(r, "privacy", "epsilon") is not None), None
-        )
-        if reference is None:
-            print(
-                "method_table.py: no private run to take q, T and delta from; epsilon rows skipped"
-            )
-            private = None
-        elif not args.table_only:
-            sigma = sigma_for_epsilon(
-                sampling_rate=reference["privacy"]["sampling_rate"],
-                rounds=reference["privacy"]["rounds"],
-                delta=reference["privacy"]["delta"],
-                target_epsilon=args.private_epsilon,
-            )
-            print(f"epsilon <= {args.private_epsilon:g}: noise multiplier {sigma:g}")
-            methods = [m for m in args.methods if m != BASELINE]
-            extra_sigma = [*extra, "--noise_multiplier", str(sigma)]
-            _run_all(args, private, methods, args.private_variants, extra_sigma, failed)
+    private = _private_rows(args, args.output_root, extra, failed)
     if args.dry_run:
         return 0
     results = load_results(args.output_root)
@@ -671,26 +677,7 @@ def main_seeds(args, extra) -> int:
         for seed, root in zip(args.seeds, roots, strict=True):
             _run_all(args, root, args.methods, args.variants, [*extra, *seed_overrides(seed)],
                      failed)  # fmt: skip
-    private = None
-    if args.private_epsilon > 0 and not args.dry_run:
-        private = private_root(first, args.private_epsilon)
-        reference = next(
-            (r for r in load_results(first).values() if _get(r, "privacy", "epsilon") is not None),
-            None,
-        )
-        if reference is None:
-            private = None
-        elif not args.table_only:
-            sigma = sigma_for_epsilon(
-                sampling_rate=reference["privacy"]["sampling_rate"],
-                rounds=reference["privacy"]["rounds"],
-                delta=reference["privacy"]["delta"],
-                target_epsilon=args.private_epsilon,
-            )
-            print(f"epsilon <= {args.private_epsilon:g}: noise multiplier {sigma:g}")
-            methods = [m for m in args.methods if m != BASELINE]
-            extra_sigma = [*extra, *seed_overrides(args.seeds[0]), "--noise_multiplier", str(sigma)]
-            _run_all(args, private, methods, args.private_variants, extra_sigma, failed)
+    private = _private_rows(args, first, [*extra, *seed_overrides(args.seeds[0])], failed)
     if args.dry_run:
         return 0
     results = load_results(first)
