@@ -371,7 +371,7 @@ def run_preset(args) -> dict:
             decoded = True
         result["settings"].append(row)
         del brain, model, layout, global_state
-        recipe._WORKER_MODELS.clear()
+        recipe._MODELS.clear()
         gc.collect()
     return result
 
