@@ -608,6 +608,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     return args, extra
 
 
+def _write_figure(args, label, root, private) -> None:
+    """The dev-WER-by-round figure of the runs under ``root`` (and the epsilon rows, if any)."""
+    roots = {label: root}
+    if private is not None:
+        roots[f"ε ≤ {args.private_epsilon:g}"] = private
+    figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
+    figure = write_dev_wer_figure(roots, figure_path)
+    if figure is not None:
+        print(f"Dev WER figure: {figure}")
+
+
 def _private_rows(args, root, extra, failed):
     """The epsilon <= target rows: sigma for the target at the runs' (q, T, delta), then runs.
 
@@ -656,13 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table += "\n\n" + format_private_table(
             load_results(private), target_epsilon=args.private_epsilon
         )
-    roots = {"σ 0.1": args.output_root}
-    if private is not None:
-        roots[f"ε ≤ {args.private_epsilon:g}"] = private
-    figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
-    figure = write_dev_wer_figure(roots, figure_path)
-    if figure is not None:
-        print(f"Dev WER figure: {figure}")
+    _write_figure(args, "σ 0.1", args.output_root, private)
     return _write_table(args, table, results, failed)
 
 
@@ -704,13 +709,7 @@ def main_seeds(args, extra) -> int:
             format_private_table(load_results(private), target_epsilon=args.private_epsilon)
         )
     table = "\n\n".join(parts)
-    figure_roots = {f"σ 0.1, seed {args.seeds[0]}": first}
-    if private is not None:
-        figure_roots[f"ε ≤ {args.private_epsilon:g}"] = private
-    figure_path = args.figure or Path(args.table_file).with_name("method_table_dev_wer.png")
-    figure = write_dev_wer_figure(figure_roots, figure_path)
-    if figure is not None:
-        print(f"Dev WER figure: {figure}")
+    _write_figure(args, f"σ 0.1, seed {args.seeds[0]}", first, private)
     return _write_table(args, table, results, failed)
 
 
