@@ -1,11 +1,13 @@
-"""Gradient canaries in Opacus's DP-SGD: below Opacus's epsilon, above it with halved noise.
+"""Gradient canaries in Opacus's DP-SGD: below Opacus's epsilon, above it with a cut noise.
 
 A tiny linear model trained by Opacus (``PrivacyEngine.make_private``: Poisson batches,
 per-sample clipping, noise) with the audit's canary gradients appended to the per-sample
-gradients before each step (q = 0.5, 8 steps, sigma = 1.5). Canaries come from the OS; the
-settings leave wide margins (measured twice: Opacus's RDP epsilon 5.78, one-shot estimate
-3.76-3.80 on the real code and 6.92-7.14 with the noise halved; lower bound 1.13-1.26 and
-2.22-2.43).
+gradients before each step (q = 0.5, 8 steps, sigma = 1.5). Canaries come from the OS, so
+the figures vary run to run (25 runs each, min/median/max, sd; Opacus's RDP epsilon 5.78):
+one-shot 3.04/3.59/4.36 (sd 0.36) on the real code, 6.10/6.78/7.56 (sd 0.39) with the noise at
+0.5x and 7.15/7.59/8.46 (sd 0.31) at 0.4x; lower bound 1.00/1.24/1.89 and 1.89/2.34/2.64 at
+0.5x. The broken run uses 0.4x: at 0.5x the estimate sits ~2.6 sd above the accountant's
+figure (one failure in seven repeated runs of this test), at 0.4x ~5.8 sd.
 """
 
 import logging
@@ -60,13 +62,13 @@ def _train(noise_scale=1.0, monkeypatch=None):
     return canaries.audit(delta=1e-5, accountant_epsilon=eps), eps
 
 
-def test_dpsgd_audit_below_opacus_epsilon_and_catches_halved_noise(caplog, monkeypatch):
+def test_dpsgd_audit_below_opacus_epsilon_and_catches_a_cut_noise(caplog, monkeypatch):
     caplog.set_level(logging.ERROR)
     honest, eps = _train()
     assert honest["steps"] == EPOCHS * N // BATCH and honest["insertions"] > 0
     assert honest["epsilon_lower_bound"] <= eps  # provable, at 95%
     assert honest["epsilon_one_shot"] < eps and not honest["exceeds_accountant"]
-    broken, eps_broken = _train(noise_scale=0.5, monkeypatch=monkeypatch)
+    broken, eps_broken = _train(noise_scale=0.4, monkeypatch=monkeypatch)
     assert eps_broken == pytest.approx(eps)  # the accountant does not see the bug
     assert broken["epsilon_one_shot"] > eps and broken["exceeds_accountant"]
 
