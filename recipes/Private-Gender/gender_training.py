@@ -289,7 +289,7 @@ def _audit(canaries, audit: dict, info: dict, *, delta: float) -> dict:
     summary["expected_canaries_per_step"] = summary["inserted"] * info["sampling_rate"]
     if audit.get("plot") is not None:
         cos, member = canaries.scores()
-        plot_audit_cosines(cos, member, summary, audit["plot"])
+        plot_audit_cosines(cos, member, summary, audit["plot"], scored="theta_0 - theta_T")
     logger.info(
         "audit (%d gradient canaries, %d inserted, %d insertions over %d steps): one-shot "
         "epsilon %.3f, lower bound %.3f at %.0f%%, accountant %s %.3f (RDP %.3f)",

@@ -496,6 +496,8 @@ def plot_audit_cosines(
     is_inserted: Sequence[bool],
     audit: Mapping[str, Any],
     path: str | Path,
+    *,
+    scored: str = "final model delta",
 ) -> Path:
     """Histogram of the inserted and held-out canaries' cosines (``plots/audit_cosines.png``).
 
@@ -507,6 +509,10 @@ def plot_audit_cosines(
         :func:`audit_summary`'s output (the figures in the title).
     path : str or Path
         The PNG to write (its folder is created).
+    scored : str
+        What each canary's direction was compared with (the x axis): the final model delta in
+        DP-FedAvg; ``theta_0 - theta_T`` for gradient canaries in DP-SGD, whose inserted
+        gradients push the model against their direction.
     """
     import matplotlib
 
@@ -530,7 +536,7 @@ def plot_audit_cosines(
         f"({100 * audit['confidence']:.0f}%), accountant {audit['accountant_epsilon']:.3g}",
         fontsize=8,
     )
-    ax.set_xlabel("cos(final model delta, canary direction)")
+    ax.set_xlabel(f"cos({scored}, canary direction)")
     ax.set_ylabel("canaries")
     ax.legend(fontsize=8)
     fig.tight_layout()
