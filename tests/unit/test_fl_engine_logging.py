@@ -81,11 +81,13 @@ def test_round_lines_go_through_the_yamls_train_logger_speechbrain_tensorboard(t
     result = _toy_run(tmp_path, tb)
     tb.writer.flush()
     scalars = _scalars(tmp_path / "tb")
-    assert {"round", "epsilon", "loss/train", "valid_loss/valid"} <= set(scalars)
+    # the per-round figure is named by its accountant (round_accountant: rdp)
+    assert {"round", "epsilon_rdp", "loss/train", "valid_loss/valid"} <= set(scalars)
     assert [v for _, v in scalars["round"]] == [0, 1, 2, 3]  # round 0 = the starting model
-    epsilons = [v for _, v in scalars["epsilon"]]
+    epsilons = [v for _, v in scalars["epsilon_rdp"]]
     assert len(epsilons) == 3 and epsilons == sorted(epsilons)  # spent, round after round
-    assert epsilons[-1] == pytest.approx(result.epsilon, rel=1e-6)
+    assert epsilons[-1] == pytest.approx(result.privacy["epsilon_rdp"], rel=1e-6)
+    assert epsilons[-1] >= result.epsilon  # the guarantee (PLD) is the tighter figure
     assert len(scalars["loss/train"]) == 3 and len(scalars["valid_loss/valid"]) == 4
     assert not (tmp_path / "out" / "train_log.txt").exists()
 
@@ -114,7 +116,7 @@ def test_default_train_logger_is_a_file_train_logger_on_train_log_txt(tmp_path):
     assert [line.split(",")[0].split(" - ")[0] for line in lines] == [
         "round: 0", "round: 1", "round: 2"
     ]  # fmt: skip
-    assert "epsilon: " in lines[1] and "train loss" in lines[1]
+    assert "epsilon_rdp: " in lines[1] and "train loss" in lines[1]
 
 
 # -- readable recipe logs ----------------------------------------------------------------------
