@@ -26,12 +26,13 @@ time of ``speechbrain_fl.fl`` and of ``run_simulation`` (with torch, Flower), th
 round (which builds the clients) and the time from the last round to the end of
 ``run_simulation``.
 
-Like with like: the engine's Brain keeps SpeechBrain's per-step gradient-norm clipping
-(``max_grad_norm`` 5, never reached here: at most 2.89 over the 1,280 steps of a run, so the
-arithmetic equals the plain loop's, which does not clip per step; SpeechBrain computes the norm
-every step and has no switch to skip it) and SpeechBrain's data path (a DataLoader with ``PaddedBatch`` collation where the plain loop and
-pfl slice two tensors). Both are SpeechBrain's costs, counted in the engine's figures and in
-``brain``'s; ``--breakdown`` measures them.
+Like with like: the engine's Brain runs with ``max_grad_norm: inf`` (:data:`RUN_OPTS`),
+SpeechBrain's switch for no per-step gradient clipping, so its arithmetic equals the plain
+loop's and pfl's, which do not clip per step; the engine then skips SpeechBrain's per-step
+``clip_grad_norm_`` (``speechbrain_fl/fl/client.py``; before this, the Brain kept SpeechBrain's
+default bound 5, never reached, at ~2 ms a client round). The engine's data path stays
+SpeechBrain's (a DataLoader with ``PaddedBatch`` collation where the plain loop and pfl slice two
+tensors), counted in the engine's figures and in ``brain``'s; ``--breakdown`` measures it.
 
 ``--breakdown`` runs the local backend ``--repeats`` times per DP setting with
 ``perf_counter`` wrappers around the parts listed in :data:`TIMED` (the LocalGrid delivery,
@@ -68,6 +69,9 @@ T0 = time.perf_counter()
 
 CLIENTS, EXAMPLES, BATCH, ROUNDS, FEATURES, HIDDEN, LR = 32, 64, 16, 10, 136, 256, 0.05
 DP = {"clip": 1.0, "noise_multiplier": 1.0, "sampling_rate": 0.5}
+#: The Brains' run options: SpeechBrain's per-step gradient clipping off (``max_grad_norm`` inf),
+#: as in the plain loop and pfl-research, which do not clip per step.
+RUN_OPTS = {"device": "cpu", "noprogressbar": True, "max_grad_norm": float("inf")}
 HERE = os.path.abspath(__file__)
 
 
@@ -113,7 +117,7 @@ def mlp_task(hparams: str | None, overrides: dict):
         return ToyBrain(
             modules={"model": _mlp()},
             opt_class=lambda params: torch.optim.SGD(params, lr=LR),
-            run_opts={"device": "cpu", "noprogressbar": True},
+            run_opts=RUN_OPTS,
         )
 
     def client(context):
@@ -213,7 +217,7 @@ def run_plain(dp: bool, brain: bool = False) -> dict:
         sb_brain = ToyBrain(
             modules={"model": model},
             opt_class=lambda params: torch.optim.SGD(params, lr=LR),
-            run_opts={"device": "cpu", "noprogressbar": True},
+            run_opts=RUN_OPTS,
         )
         loaders = []  # (loader, its shuffling sampler, which Brain.fit calls set_epoch on)
         for d in data:
@@ -392,7 +396,12 @@ TIMED = [
     ("server: configure_train", "speechbrain_fl.fl.strategy", "DPFedAvg.configure_train"),
     ("server: save state (atomic, fsync)", "speechbrain_fl.fl.server", "atomic_torch_save"),
     ("server: rounds.csv / plots", "speechbrain_fl.fl.telemetry", "RoundsTelemetry.write_round"),
-    ("server: epsilon", "speechbrain_fl.fl.strategy", "DPFedAvg.epsilon"),
+    (
+        "server: per-round epsilon (round_accountant)",
+        "speechbrain_fl.fl.strategy",
+        "DPFedAvg.round_epsilon",
+    ),
+    ("server: epsilon (accountant)", "speechbrain_fl.fl.strategy", "DPFedAvg.epsilon"),
 ]
 
 
