@@ -147,3 +147,27 @@ def test_quiet_recipe_logs_third_party_debug_off_model_statistics_once():
     assert sum("Model Statistics" in m for m in messages) <= 1  # once per process
     assert "Using training precision" in messages and "ours at debug" in messages
     assert TORCHVISION_WARNING not in messages
+
+
+def test_hf_bars_go_off_without_importing_transformers():
+    """A Brain's first "Model Statistics" line turns the Hugging Face bars off; a process that
+    never loads a Hugging Face model does not import transformers for it (~1 s of start-up),
+    and transformers imported later starts with its bars off."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, speechbrain_fl\n"
+        "from speechbrain_fl.fl.toy import ToyBrain\n"
+        "ToyBrain(modules={'m': torch.nn.Linear(2, 1)}, run_opts={'device': 'cpu'})\n"
+        "assert 'transformers' not in sys.modules, 'imported'\n"
+        "from transformers.utils import logging as hf\n"
+        "assert not hf.is_progress_bar_enabled(), 'bars on'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    env.pop("SB_FL_VERBOSE_LOGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
