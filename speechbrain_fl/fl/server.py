@@ -400,6 +400,19 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
         )
     else:  # the committed round's rows, if the kill came between its commit and its writes
         _restore_outputs(task, state, telemetry, log_path, write_outputs)
+    if strategy.accountant is not None:
+        log(
+            INFO,
+            "privacy: q=%.4g sigma=%.4g delta=%g -> epsilon (%s) after %d rounds: %.4f; the "
+            "per-round figures below are %s's",
+            cfg.sampling_rate,
+            cfg.noise_multiplier,
+            cfg.delta,
+            cfg.accountant,
+            cfg.num_rounds,
+            strategy.accountant.epsilon_after(cfg.num_rounds - start),
+            cfg.round_accountant,
+        )
     # the max_epsilon stop with the run's accountant, found once (DPFedAvg's accountant
     # max_rounds): round r may start iff rounds + 1 <= last_allowed, i.e. the per-round rule
     # epsilon_after(1) <= max_epsilon without a look-ahead epsilon every round
@@ -410,33 +423,6 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
         if strategy.accountant is not None and cfg.max_epsilon is not None
         else None
     )
-    projection = None  # the thread computing the final epsilon during the rounds, if any
-    if strategy.accountant is not None:
-
-        def announce(epsilon: float, where: str = "") -> None:
-            log(
-                INFO,
-                "privacy: q=%.4g sigma=%.4g delta=%g -> epsilon (%s) after %d rounds: %.4f%s; "
-                "the per-round figures are %s's",
-                cfg.sampling_rate,
-                cfg.noise_multiplier,
-                cfg.delta,
-                cfg.accountant,
-                cfg.num_rounds,
-                epsilon,
-                where,
-                cfg.round_accountant,
-            )
-
-        if last_allowed is None and cfg.round_accountant != cfg.accountant:
-            # the run's final figure (a full run), computed while the rounds train: the final
-            # report joins this thread and reads the same cached value
-            projection = strategy.accountant.precompute(
-                cfg.num_rounds - start,
-                on_done=lambda eps: announce(eps, " (computed during the rounds)"),
-            )
-        else:
-            announce(strategy.accountant.epsilon_after(cfg.num_rounds - start))
     arrays = ArrayRecord({k: v.clone() for k, v in params.items()})
     started, stopped_early, done = time.time(), False, start
     round_seconds: list[float] = []
@@ -516,8 +502,6 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 accountant=accountant,
             ),
         )
-    if projection is not None:
-        projection.join()  # its epsilon is the report's when the run completed
     privacy = (
         privacy_report(
             layout,

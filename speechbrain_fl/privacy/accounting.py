@@ -39,9 +39,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .budgets import alpha_split_pools, check_clip, component_budgets
 from .layout import Layout
@@ -408,43 +407,6 @@ class PrivacyAccountant:
             delta=self.delta,
             accountant=self.accountant if accountant is None else accountant,
         )
-
-    def precompute(
-        self, extra_rounds: int, *, on_done: Callable[[float], None] | None = None
-    ) -> threading.Thread:
-        """Start computing ``epsilon_after(extra_rounds)`` in a daemon thread; return it.
-
-        The value lands in this process's cache (:func:`_epsilon`), so the call that needs it
-        later (a run's final report, once the rounds are done) finds it computed, after it
-        joins the thread: the same function on the same arguments, so the same float.
-        ``on_done(epsilon)`` runs in the thread when it is known (e.g. to log it). A failure is
-        logged and left to the later call to raise again. Nothing here reads or changes the
-        run's state: it is off the rounds' critical path, not off the guarantee's. The
-        accountants' modules are imported here, in the calling thread, before the thread starts
-        (two threads importing the same packages can see one half initialised).
-        """
-        import dp_accounting  # noqa: F401
-        from dp_accounting.pld import privacy_loss_distribution  # noqa: F401
-        from opacus.accountants.analysis import rdp  # noqa: F401
-
-        def work() -> None:
-            try:
-                eps = compute_epsilon(
-                    sampling_rate=self.sampling_rate,
-                    noise_multiplier=self.noise_multiplier,
-                    rounds=self.rounds + int(extra_rounds),
-                    delta=self.delta,
-                    accountant=self.accountant,
-                    warn=False,
-                )
-                if on_done is not None:
-                    on_done(eps)
-            except Exception as err:  # noqa: BLE001 - the caller computes it again and raises
-                logger.warning("background epsilon failed (%s: %s)", type(err).__name__, err)
-
-        thread = threading.Thread(target=work, name="sbfl-epsilon", daemon=True)
-        thread.start()
-        return thread
 
     def max_rounds(self, max_epsilon: float, *, limit: int) -> int:
         """The most rounds in total, at most ``limit``, whose epsilon is at most ``max_epsilon``.
