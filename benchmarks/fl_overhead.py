@@ -41,14 +41,15 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
 Last figures (README "Overhead of the Simulation Engine": ``--repeats 3 --kinds
-plain,local,local_rdp,pfl`` on the shared 2-core machine at load average 6.1-10.5, ratios to the
-plain loop, no DP / DP): ``local`` whole run 1.8x / 2.3x (1.6x with ``accountant: rdp``),
-steady round 3.1x / 6.5x (2.8x with RDP); pfl-research 1.4x / 1.3x and 1.6x / 1.4x. Per client
-update (``--breakdown``, load 8.5-9.9): 19.0 ms on ``local`` (49.2 with DP, about half of it
-the PLD epsilon of each round), of which SpeechBrain's training path ~11.7 ms (``fit_batch``
-9.9 with 2.0 in ``clip_grad_norm_``, DataLoader + ``PaddedBatch`` 1.8), against 5.1 ms (9.2)
-for the plain loop's whole client update. ``local_rdp`` is ``local`` with the per-round
-epsilon from the cached RDP (``accountant: rdp``) instead of the default PLD.
+plain,local,pfl`` on the shared 2-core machine at load average 4.1-4.5, ratios to the plain
+loop, no DP / DP): ``local`` whole run 1.7x / 2.1x, steady round 4.0x / 5.6x; pfl-research 1.3x /
+1.5x and 1.8x / 2.6x. Per client update (``--breakdown --repeats 3``, load 4.3-4.5): 5.9 ms on
+``local`` (9.4 with DP: the per-round fixed costs shared by 16 clients), of which SpeechBrain's
+training path ~3.5 ms (``fit_batch`` 2.8, DataLoader + ``PaddedBatch`` 0.7; its per-step
+``clip_grad_norm_`` skipped under ``max_grad_norm: inf``), against 2.0 ms for the plain loop's
+whole client update. The per-round epsilon is RDP's (``round_accountant``), ~0.02 ms; the
+final PLD is computed once. ``local_rdp`` is ``local`` with ``accountant: rdp`` (the final
+figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
 [--kinds plain,brain,local,local_rdp,ray,pfl] [--breakdown]``
@@ -147,7 +148,8 @@ def mlp_task(hparams: str | None, overrides: dict):
 def run_engine(dp: bool, backend: str, accountant: str | None = None) -> dict:
     """One engine run in this process on ``backend``; returns its timings.
 
-    ``accountant`` (DP only) replaces the engine's default (PLD) for the per-round epsilon.
+    ``accountant`` (DP only) replaces the engine's default (PLD) for the guarantee's epsilon
+    (the per-round figure is RDP's either way, ``round_accountant``).
     """
     t = time.perf_counter()
     import speechbrain_fl.fl  # noqa: F401
