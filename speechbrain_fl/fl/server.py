@@ -11,7 +11,8 @@ few replies, or to stop before a round that would exceed ``max_epsilon``. It cal
 exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
 ``aggregate_train``), so any :class:`flwr.serverapp.strategy.Strategy` hook behaviour is kept.
 
-Per round: refuse to start if the accountant says it would exceed ``max_epsilon``; train (a
+Per round: refuse to start if the run's accountant says it would exceed ``max_epsilon`` (the
+last round within it found once, :meth:`~speechbrain_fl.privacy.PrivacyAccountant.max_rounds`); train (a
 non-private run retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then
 records the round as failed, keeps the global model and goes on: no reply can end a run; it
 stops only when fewer nodes are connected than ``min_clients``; a private run releases every
@@ -22,7 +23,8 @@ pending outputs), then evaluate, append to ``rounds.csv``/``group_norms.csv`` an
 ``train_log.txt`` and log a progress line: nothing derived from a round's (noisy) aggregate is
 written before the round is committed. The round lines go through the task's ``train_logger``
 (the recipe YAML's, as in any SpeechBrain recipe; default SpeechBrain's ``FileTrainLogger`` on
-``<output_folder>/train_log.txt``): ``stats_meta={"round": r, "epsilon": e}``, ``train_stats=
+``<output_folder>/train_log.txt``): ``stats_meta={"round": r, "epsilon_rdp": e}`` (the
+running figure, keyed by its accountant, FLConfig ``round_accountant``), ``train_stats=
 {"loss": ...}``, ``valid_stats`` = the evaluation's metrics (e.g. ``WER``), so a
 ``TensorboardLogger`` shows rounds, losses, metrics and epsilon (a logger other than a
 ``FileTrainLogger`` gets the numeric meta values only: no ``"-"`` for a run without epsilon). A resume whose privacy settings (C, delta, q, sigma, clip
