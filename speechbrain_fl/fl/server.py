@@ -12,9 +12,9 @@ exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
 ``aggregate_train``), so any :class:`flwr.serverapp.strategy.Strategy` hook behaviour is kept.
 
 Per round: refuse to start if the run's accountant says it would exceed ``max_epsilon`` (the
-last round within it found once, :meth:`~speechbrain_fl.privacy.PrivacyAccountant.max_rounds`); train (a
-non-private run retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then
-records the round as failed, keeps the global model and goes on: no reply can end a run; it
+last round within it is found once,
+:meth:`~speechbrain_fl.privacy.PrivacyAccountant.max_rounds`); train (a non-private run
+retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then records the round as failed, keeps the global model and goes on: no reply can end a run; it
 stops only when fewer nodes are connected than ``min_clients``; a private run releases every
 draw and never retries);
 evaluate every ``eval_every`` rounds and at the last round (round 0 is always evaluated);
