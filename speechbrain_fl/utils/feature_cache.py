@@ -17,7 +17,8 @@ is a new tensor, so a caller writing into it changes nothing in the cache.
 Memory: at most ``max_bytes`` of feature rows are kept (least recently used evicted first;
 one Whisper row of 80 x 3000 float32 is 0.96 MB, so 1 GiB holds ~1,100 utterances). A node
 whose utterances fit in the bound computes each once; on a real corpus it keeps those it
-revisited last (the second local epoch, a later round) and computes the rest as before. Wiring it into a recipe's feature path (``speechbrain_fl/models/speech_llm.py``'s
+revisited last (the second local epoch, a later round) and computes the rest as before.
+Wiring it into a recipe's feature path (``speechbrain_fl/models/speech_llm.py``'s
 ``extract_features``) is the model owner's step; nothing calls it yet.
 """
 
