@@ -26,12 +26,13 @@ time of ``speechbrain_fl.fl`` and of ``run_simulation`` (with torch, Flower), th
 round (which builds the clients) and the time from the last round to the end of
 ``run_simulation``.
 
-Like with like: the engine's Brain keeps SpeechBrain's per-step gradient-norm clipping
-(``max_grad_norm`` 5, never reached here: at most 2.89 over the 1,280 steps of a run, so the
-arithmetic equals the plain loop's, which does not clip per step; SpeechBrain computes the norm
-every step and has no switch to skip it) and SpeechBrain's data path (a DataLoader with ``PaddedBatch`` collation where the plain loop and
-pfl slice two tensors). Both are SpeechBrain's costs, counted in the engine's figures and in
-``brain``'s; ``--breakdown`` measures them.
+Like with like: the engine's Brain runs with ``max_grad_norm: inf`` (:data:`RUN_OPTS`),
+SpeechBrain's switch for no per-step gradient clipping, so its arithmetic equals the plain
+loop's and pfl's, which do not clip per step; the engine then skips SpeechBrain's per-step
+``clip_grad_norm_`` (``speechbrain_fl/fl/client.py``; before this, the Brain kept SpeechBrain's
+default bound 5, never reached, at ~2 ms a client round). The engine's data path stays
+SpeechBrain's (a DataLoader with ``PaddedBatch`` collation where the plain loop and pfl slice two
+tensors), counted in the engine's figures and in ``brain``'s; ``--breakdown`` measures it.
 
 ``--breakdown`` runs the local backend ``--repeats`` times per DP setting with
 ``perf_counter`` wrappers around the parts listed in :data:`TIMED` (the LocalGrid delivery,
@@ -40,14 +41,15 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
 Last figures (README "Overhead of the Simulation Engine": ``--repeats 3 --kinds
-plain,local,local_rdp,pfl`` on the shared 2-core machine at load average 6.1-10.5, ratios to the
-plain loop, no DP / DP): ``local`` whole run 1.8x / 2.3x (1.6x with ``accountant: rdp``),
-steady round 3.1x / 6.5x (2.8x with RDP); pfl-research 1.4x / 1.3x and 1.6x / 1.4x. Per client
-update (``--breakdown``, load 8.5-9.9): 19.0 ms on ``local`` (49.2 with DP, about half of it
-the PLD epsilon of each round), of which SpeechBrain's training path ~11.7 ms (``fit_batch``
-9.9 with 2.0 in ``clip_grad_norm_``, DataLoader + ``PaddedBatch`` 1.8), against 5.1 ms (9.2)
-for the plain loop's whole client update. ``local_rdp`` is ``local`` with the per-round
-epsilon from the cached RDP (``accountant: rdp``) instead of the default PLD.
+plain,local,pfl`` on the shared 2-core machine at load average 4.1-4.5, ratios to the plain
+loop, no DP / DP): ``local`` whole run 1.7x / 2.1x, steady round 4.0x / 5.6x; pfl-research 1.3x /
+1.5x and 1.8x / 2.6x. Per client update (``--breakdown --repeats 3``, load 4.3-4.5): 5.9 ms on
+``local`` (9.4 with DP: the per-round fixed costs shared by 16 clients), of which SpeechBrain's
+training path ~3.5 ms (``fit_batch`` 2.8, DataLoader + ``PaddedBatch`` 0.7; its per-step
+``clip_grad_norm_`` skipped under ``max_grad_norm: inf``), against 2.0 ms for the plain loop's
+whole client update. The per-round epsilon is RDP's (``round_accountant``), ~0.02 ms; the
+final PLD is computed once. ``local_rdp`` is ``local`` with ``accountant: rdp`` (the final
+figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
 [--kinds plain,brain,local,local_rdp,ray,pfl] [--breakdown]``
@@ -68,6 +70,9 @@ T0 = time.perf_counter()
 
 CLIENTS, EXAMPLES, BATCH, ROUNDS, FEATURES, HIDDEN, LR = 32, 64, 16, 10, 136, 256, 0.05
 DP = {"clip": 1.0, "noise_multiplier": 1.0, "sampling_rate": 0.5}
+#: The Brains' run options: SpeechBrain's per-step gradient clipping off (``max_grad_norm`` inf),
+#: as in the plain loop and pfl-research, which do not clip per step.
+RUN_OPTS = {"device": "cpu", "noprogressbar": True, "max_grad_norm": float("inf")}
 HERE = os.path.abspath(__file__)
 
 
@@ -113,7 +118,7 @@ def mlp_task(hparams: str | None, overrides: dict):
         return ToyBrain(
             modules={"model": _mlp()},
             opt_class=lambda params: torch.optim.SGD(params, lr=LR),
-            run_opts={"device": "cpu", "noprogressbar": True},
+            run_opts=RUN_OPTS,
         )
 
     def client(context):
@@ -143,7 +148,8 @@ def mlp_task(hparams: str | None, overrides: dict):
 def run_engine(dp: bool, backend: str, accountant: str | None = None) -> dict:
     """One engine run in this process on ``backend``; returns its timings.
 
-    ``accountant`` (DP only) replaces the engine's default (PLD) for the per-round epsilon.
+    ``accountant`` (DP only) replaces the engine's default (PLD) for the guarantee's epsilon
+    (the per-round figure is RDP's either way, ``round_accountant``).
     """
     t = time.perf_counter()
     import speechbrain_fl.fl  # noqa: F401
@@ -213,7 +219,7 @@ def run_plain(dp: bool, brain: bool = False) -> dict:
         sb_brain = ToyBrain(
             modules={"model": model},
             opt_class=lambda params: torch.optim.SGD(params, lr=LR),
-            run_opts={"device": "cpu", "noprogressbar": True},
+            run_opts=RUN_OPTS,
         )
         loaders = []  # (loader, its shuffling sampler, which Brain.fit calls set_epoch on)
         for d in data:
@@ -392,7 +398,12 @@ TIMED = [
     ("server: configure_train", "speechbrain_fl.fl.strategy", "DPFedAvg.configure_train"),
     ("server: save state (atomic, fsync)", "speechbrain_fl.fl.server", "atomic_torch_save"),
     ("server: rounds.csv / plots", "speechbrain_fl.fl.telemetry", "RoundsTelemetry.write_round"),
-    ("server: epsilon", "speechbrain_fl.fl.strategy", "DPFedAvg.epsilon"),
+    (
+        "server: per-round epsilon (round_accountant)",
+        "speechbrain_fl.fl.strategy",
+        "DPFedAvg.round_epsilon",
+    ),
+    ("server: epsilon (accountant)", "speechbrain_fl.fl.strategy", "DPFedAvg.epsilon"),
 ]
 
 

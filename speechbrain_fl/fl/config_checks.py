@@ -130,6 +130,8 @@ def check_config(cfg: Any, *, hparams_keys: Mapping[str, str] | None = None) -> 
         raise bad("delta", "must be in (0, 1)")
     if cfg.accountant not in ACCOUNTANTS:
         raise bad("accountant", f"must be one of {list(ACCOUNTANTS)}")
+    if cfg.round_accountant not in ACCOUNTANTS:
+        raise bad("round_accountant", f"must be one of {list(ACCOUNTANTS)}")
     integer("audit_canaries", 0)
     if cfg.audit_canaries and cfg.noise_multiplier <= 0:
         raise bad("audit_canaries", "audits a private run: set noise_multiplier > 0 or 0 canaries")

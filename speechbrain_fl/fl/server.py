@@ -11,18 +11,21 @@ few replies, or to stop before a round that would exceed ``max_epsilon``. It cal
 exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
 ``aggregate_train``), so any :class:`flwr.serverapp.strategy.Strategy` hook behaviour is kept.
 
-Per round: refuse to start if the accountant says it would exceed ``max_epsilon``; train (a
-non-private run retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then
-records the round as failed, keeps the global model and goes on: no reply can end a run; it
-stops only when fewer nodes are connected than ``min_clients``; a private run releases every
-draw and never retries);
+Per round: refuse to start if the run's accountant says it would exceed ``max_epsilon`` (the
+last round within it is found once,
+:meth:`~speechbrain_fl.privacy.PrivacyAccountant.max_rounds`); train (a non-private run
+retries up to ``max_retries`` times on :class:`~.strategy.RoundFailed`, then records the round
+as failed, keeps the global model and goes on: no reply can end a run; it stops only when
+fewer nodes are connected than ``min_clients``; a private run releases every draw and never
+retries);
 evaluate every ``eval_every`` rounds and at the last round (round 0 is always evaluated);
 commit the state atomically (:mod:`.state`: the accountant step, the new model, the round's
 pending outputs), then evaluate, append to ``rounds.csv``/``group_norms.csv`` and
 ``train_log.txt`` and log a progress line: nothing derived from a round's (noisy) aggregate is
 written before the round is committed. The round lines go through the task's ``train_logger``
 (the recipe YAML's, as in any SpeechBrain recipe; default SpeechBrain's ``FileTrainLogger`` on
-``<output_folder>/train_log.txt``): ``stats_meta={"round": r, "epsilon": e}``, ``train_stats=
+``<output_folder>/train_log.txt``): ``stats_meta={"round": r, "epsilon_rdp": e}`` (the
+running figure, keyed by its accountant, FLConfig ``round_accountant``), ``train_stats=
 {"loss": ...}``, ``valid_stats`` = the evaluation's metrics (e.g. ``WER``), so a
 ``TensorboardLogger`` shows rounds, losses, metrics and epsilon (a logger other than a
 ``FileTrainLogger`` gets the numeric meta values only: no ``"-"`` for a run without epsilon). A resume whose privacy settings (C, delta, q, sigma, clip
@@ -299,12 +302,17 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
             cfg.max_retries,
         )
 
-    def write_outputs(done: int, report, epsilon, metrics) -> None:
-        """The round's rows and log lines: only ever after its state is committed."""
+    def write_outputs(done: int, report, epsilon, metrics, accountant=None) -> None:
+        """The round's rows and log lines: only ever after its state is committed.
+
+        ``epsilon`` is the running figure of ``accountant`` (:meth:`DPFedAvg.round_epsilon`);
+        the log line names it (``epsilon_rdp: 1.2``).
+        """
         telemetry.write_round(done, report=report, epsilon=epsilon, metrics=metrics)
         meta: dict[str, Any] = {"round": done}
         if report is not None:
-            meta["epsilon"] = epsilon if epsilon is not None else "-"
+            key = "epsilon" if accountant is None else f"epsilon_{accountant}"
+            meta[key] = epsilon if epsilon is not None else "-"
             if report.round_failed:
                 meta["round_failed"] = "yes"
         train_logger.log_stats(
@@ -370,9 +378,16 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
             out / STATE_FILE,
         )
 
+    def running() -> tuple[float | None, str | None]:
+        """The per-round figure and its accountant (``(None, None)`` without noise)."""
+        figure = strategy.round_epsilon()
+        return (None, None) if figure is None else figure
+
     if state is None:
-        save(0, {"report": None, "epsilon": strategy.epsilon(), "metrics": metrics})
-        write_outputs(0, None, strategy.epsilon(), metrics)
+        epsilon, accountant = running()
+        save(0, {"report": None, "epsilon": epsilon, "epsilon_accountant": accountant,
+                 "metrics": metrics})  # fmt: skip
+        write_outputs(0, None, epsilon, metrics, accountant)
         log(
             INFO,
             "%s",
@@ -391,13 +406,26 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
     if strategy.accountant is not None:
         log(
             INFO,
-            "privacy: q=%.4g sigma=%.4g delta=%g -> epsilon after %d rounds: %.4f",
+            "privacy: q=%.4g sigma=%.4g delta=%g -> epsilon (%s) after %d rounds: %.4f; the "
+            "per-round figures below are %s's",
             cfg.sampling_rate,
             cfg.noise_multiplier,
             cfg.delta,
+            cfg.accountant,
             cfg.num_rounds,
             strategy.accountant.epsilon_after(cfg.num_rounds - start),
+            cfg.round_accountant,
         )
+    # the max_epsilon stop with the run's accountant, found once (DPFedAvg's accountant
+    # max_rounds): round r may start iff rounds + 1 <= last_allowed, i.e. the per-round rule
+    # epsilon_after(1) <= max_epsilon without a look-ahead epsilon every round
+    last_allowed = (
+        strategy.accountant.max_rounds(
+            cfg.max_epsilon, limit=strategy.accountant.rounds + cfg.num_rounds - start
+        )
+        if strategy.accountant is not None and cfg.max_epsilon is not None
+        else None
+    )
     arrays = ArrayRecord({k: v.clone() for k, v in params.items()})
     started, stopped_early, done = time.time(), False, start
     round_seconds: list[float] = []
@@ -405,18 +433,18 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
     _fit_pull_interval(grid, None)
     for server_round in range(start + 1, cfg.num_rounds + 1):
         round_start = time.time()
-        if strategy.accountant is not None and cfg.max_epsilon is not None:
-            upcoming = float(strategy.accountant.epsilon_after(1))
-            if upcoming > cfg.max_epsilon:
-                log(
-                    WARNING,
-                    "stopping before round %d: epsilon would reach %.4f > max_epsilon=%g",
-                    server_round,
-                    upcoming,
-                    cfg.max_epsilon,
-                )
-                stopped_early = True
-                break
+        if last_allowed is not None and strategy.accountant.rounds + 1 > last_allowed:
+            upcoming = float(strategy.accountant.epsilon_after(1))  # cached by max_rounds
+            log(
+                WARNING,
+                "stopping before round %d: epsilon (%s) would reach %.4f > max_epsilon=%g",
+                server_round,
+                cfg.accountant,
+                upcoming,
+                cfg.max_epsilon,
+            )
+            stopped_early = True
+            break
         for attempt in range(cfg.max_retries + 1):
             strategy.learn_node_order(grid, timeout=cfg.round_timeout)
             messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
@@ -444,18 +472,25 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
                     cfg.max_retries,
                 )
         params = arrays.to_torch_state_dict()
-        report, epsilon = strategy.last_report, strategy.epsilon()
+        report, (epsilon, accountant) = strategy.last_report, running()
         reports.append(report)
         round_budgets.append(dict(report.component_budgets))
         # account first, then release: the accountant step, the new model and the round's
         # pending outputs are committed before anything derived from them is written
-        save(server_round, {"report": dataclasses.asdict(report), "epsilon": epsilon})
+        save(
+            server_round,
+            {
+                "report": dataclasses.asdict(report),
+                "epsilon": epsilon,
+                "epsilon_accountant": accountant,
+            },
+        )
         done = server_round
         round_seconds.append(time.time() - round_start)
         _fit_pull_interval(grid, round_seconds[-1])
         load_trainable(task.brain.modules, params)
         metrics = _evaluate_isolated(task) if _evaluate_due(cfg, server_round) else None
-        write_outputs(server_round, report, epsilon, metrics)
+        write_outputs(server_round, report, epsilon, metrics, accountant)
         log(
             INFO,
             "%s",
@@ -467,6 +502,7 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
                 metrics=metrics,
                 started=started,
                 rounds_done_here=server_round - start,
+                accountant=accountant,
             ),
         )
     privacy = (
@@ -483,6 +519,17 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
         if strategy.accountant is not None
         else None
     )
+    if privacy is not None:
+        log(
+            INFO,
+            "privacy: epsilon (%s) %.4f after %d rounds at delta=%g: the run's guarantee "
+            "(results.json); Opacus RDP gives %.4f",
+            cfg.accountant,
+            privacy["epsilon"],
+            strategy.accountant.rounds,
+            cfg.delta,
+            privacy["epsilon_rdp"],
+        )
     if privacy is not None and cfg.audit_canaries:
         privacy["audit"] = _audit(strategy, params, cfg.output_folder)
     return ServerResult(
@@ -538,7 +585,9 @@ def _restore_outputs(task, state, telemetry, log_path, write_outputs) -> None:
         metrics = _evaluate_isolated(task)
     if done in train_log_rounds(log_path):
         truncate_train_log(log_path, done - 1)
-    write_outputs(done, report, outputs["epsilon"], metrics)
+    # a state written before the per-round accountant was recorded held the run's accountant
+    accountant = outputs.get("epsilon_accountant", task.config.accountant)
+    write_outputs(done, report, outputs["epsilon"], metrics, accountant if report else None)
     log(INFO, "round %d: its outputs were committed but not written before the kill; written", done)
 
 

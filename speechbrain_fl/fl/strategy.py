@@ -317,8 +317,25 @@ class DPFedAvg(FedAvg):
         )
 
     def epsilon(self) -> float | None:
-        """Return epsilon spent so far (``None`` for a non-private run)."""
+        """Return epsilon spent so far from the run's accountant (``None``: not private).
+
+        This is the guarantee's figure (``config.accountant``, PLD by default): results.json
+        and the final :class:`~.server.ServerResult` report it.
+        """
         return None if self.accountant is None else float(self.accountant.epsilon())
+
+    def round_epsilon(self) -> tuple[float, str] | None:
+        """Return ``(epsilon so far, accountant)`` of the running per-round figure.
+
+        From ``config.round_accountant`` (default ``"rdp"``: a cached per-step RDP times the
+        rounds and one conversion, instead of the PLD's ``T``-fold self-composition every
+        round); ``None`` for a non-private run. Same mechanism and rounds as :meth:`epsilon`,
+        another (upper) bound: the figure always travels with its accountant's name.
+        """
+        if self.accountant is None:
+            return None
+        name = self.config.round_accountant
+        return float(self.accountant.epsilon(accountant=name)), name
 
     def expected_cohort_size(self) -> float:
         """Return n = qK with the declared population K (``None`` K: not a private run)."""
@@ -702,8 +719,9 @@ class DPFedAvg(FedAvg):
         self.current_arrays = None  # one release per configured draw
         if report.train_loss is not None:
             metrics["train-loss"] = report.train_loss
-        if self.accountant is not None:
-            metrics["epsilon"] = float(self.accountant.epsilon())
+        running = self.round_epsilon()
+        if running is not None:  # e.g. "epsilon-rdp": the figure names its accountant
+            metrics[f"epsilon-{running[1]}"] = running[0]
         return ArrayRecord(new_params), metrics
 
     # ------------------------------------------------------------------ audit

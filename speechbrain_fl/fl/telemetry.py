@@ -6,7 +6,10 @@ evaluation metric columns, then ``norm_<L>, clip_rate_<L>, budget_<L>`` per comp
 ``group_norms.csv`` has one row per (round, group). Round 0 is the starting model (evaluation
 only). Empty cells where a value does not apply. ``num_failed`` counts the sampled nodes whose
 reply did not count (dropped or missing), ``dropped_replies`` the replies that arrived and were
-dropped by a check (:mod:`.reply_checks`, one log line each).
+dropped by a check (:mod:`.reply_checks`, one log line each). ``epsilon`` is the running
+figure after the round from FLConfig's ``round_accountant`` (Opacus RDP by default, an upper
+bound of the same mechanism's); the run's guarantee, from its ``accountant`` (PLD by default),
+is results.json's ``privacy.epsilon`` and is at most the last row's figure for RDP over PLD.
 
 Norms, clip rates and the train loss are means of the *pre-clip* values the clients report (the
 paper's Fig. 3 and 5 quantities), and the cohort columns reveal who took part: diagnostics for
@@ -41,9 +44,12 @@ def _cell(value: Any) -> Any:
 
 
 #: A line the engine writes into ``train_log.txt`` (``write_outputs`` in :mod:`.server`):
-#: ``round: k`` then optionally ``, epsilon: e`` and ``, round_failed: yes``, then `` - `` or
+#: ``round: k`` then optionally ``, epsilon_<accountant>: e`` (``, epsilon: e`` in logs of
+#: earlier versions) and ``, round_failed: yes``, then `` - `` or
 #: the end. A recipe's own lines (``round: 0, stage: test - ...``) do not match.
-ENGINE_LOG_LINE = re.compile(r"^round: (\d+)(, epsilon: [^,\s]+)?(, round_failed: yes)?( - |\s*$)")
+ENGINE_LOG_LINE = re.compile(
+    r"^round: (\d+)(, epsilon(?:_[a-z]+)?: [^,\s]+)?(, round_failed: yes)?( - |\s*$)"
+)
 
 
 def _log_round(line: str) -> int | None:
@@ -206,8 +212,9 @@ def progress_line(
     metrics: dict[str, float] | None,
     started: float,
     rounds_done_here: int,
+    accountant: str | None = None,
 ) -> str:
-    """Return ``round k/T | cohort c/K | eps | last metric | time left``.
+    """Return ``round k/T | cohort c/K | eps (accountant) | last metric | time left``.
 
     Example
     -------
@@ -218,7 +225,8 @@ def progress_line(
     parts = [f"round {server_round}/{num_rounds}"]
     if report is not None:
         parts.append(f"cohort {report.num_replied}/{report.cohort_size} of K={report.population}")
-    parts.append("eps -" if epsilon is None else f"eps {epsilon:.3f}")
+    label = "eps" if accountant is None else f"eps ({accountant})"
+    parts.append("eps -" if epsilon is None else f"{label} {epsilon:.3f}")
     for key, value in (metrics or {}).items():
         parts.append(f"{key} {value:.4g}")
     if rounds_done_here > 0:

@@ -390,19 +390,69 @@ class PrivacyAccountant:
             raise ValueError(f"n must be an integer >= 0, got {n!r}")
         self.rounds += n
 
-    def epsilon(self) -> float:
-        """Epsilon spent so far (warns above 10)."""
-        return self.epsilon_after(0)
+    def epsilon(self, accountant: str | None = None) -> float:
+        """Epsilon spent so far (warns above 10).
 
-    def epsilon_after(self, extra_rounds: int) -> float:
+        ``accountant`` evaluates the same mechanism and rounds with another accountant (e.g.
+        ``"rdp"`` for a cheap running figure, see :meth:`max_rounds`); default this one's.
+        """
+        return self.epsilon_after(0, accountant=accountant)
+
+    def epsilon_after(self, extra_rounds: int, *, accountant: str | None = None) -> float:
         """Epsilon after ``extra_rounds`` more rounds (for planning)."""
         return compute_epsilon(
             sampling_rate=self.sampling_rate,
             noise_multiplier=self.noise_multiplier,
             rounds=self.rounds + int(extra_rounds),
             delta=self.delta,
-            accountant=self.accountant,
+            accountant=self.accountant if accountant is None else accountant,
         )
+
+    def max_rounds(self, max_epsilon: float, *, limit: int) -> int:
+        """The most rounds in total, at most ``limit``, whose epsilon is at most ``max_epsilon``.
+
+        ``T* = max {T in [rounds, limit] : eps(T) <= max_epsilon}`` with this accountant's
+        ``eps``, found by bisection on ``T`` (``1 + ceil(log2(limit - rounds))`` evaluations, once
+        per run, instead of one look-ahead epsilon every round); the current ``rounds`` count as
+        reached (what is spent is spent). Bisection needs ``eps`` non-decreasing in ``T``: one
+        more composed release never lowers the privacy loss (post-processing: the first ``T``
+        outputs are a function of the first ``T + 1``), and the discretised PLD, a dominating
+        pair of distributions itself, keeps that (checked on a grid in
+        ``tests/unit/test_accounting_round_figure.py``). A round ``r`` may then start iff
+        ``rounds + 1 <= T*``, which is ``epsilon_after(1) <= max_epsilon``, the per-round rule,
+        evaluated once.
+
+        Example
+        -------
+        >>> acc = PrivacyAccountant(sampling_rate=0.5, noise_multiplier=2.0, delta=1e-5)
+        >>> last = acc.max_rounds(3.0, limit=100)
+        >>> last, acc.epsilon_after(last) <= 3.0 < acc.epsilon_after(last + 1)
+        (5, True)
+        """
+        if not (isinstance(limit, int) and limit >= 0):
+            raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
+
+        def within(total: int) -> bool:
+            eps = compute_epsilon(
+                sampling_rate=self.sampling_rate,
+                noise_multiplier=self.noise_multiplier,
+                rounds=total,
+                delta=self.delta,
+                accountant=self.accountant,
+                warn=False,  # probes, not releases
+            )
+            return eps <= max_epsilon
+
+        low, high = self.rounds, max(limit, self.rounds)
+        if high == low or within(high):
+            return high
+        while high - low > 1:  # invariant: low is reached or within, high is not within
+            mid = (low + high) // 2
+            if within(mid):
+                low = mid
+            else:
+                high = mid
+        return low
 
     def state_dict(self) -> dict:
         return {

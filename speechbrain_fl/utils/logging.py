@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 
 __all__ = [
@@ -147,13 +148,25 @@ def _has_filter(logger: logging.Logger, kind: type, attr: str, value: str) -> bo
 
 
 def _hf_bars_off() -> None:
-    """Turn off ``transformers``' (and ``huggingface_hub``'s) progress bars in this process."""
-    try:
+    """Turn off ``transformers``' (and ``huggingface_hub``'s) progress bars in this process,
+    without importing either.
+
+    Already imported: their own switches. Not imported (a run that loads no Hugging Face model,
+    e.g. the toy task; importing ``transformers`` only to switch its bars off cost ~1 s of such a
+    run's start, ``benchmarks/fl_overhead.py``): ``HF_HUB_DISABLE_PROGRESS_BARS=1``, unless set
+    already, which both read when imported (``transformers``' ``_tqdm_active`` starts as ``not
+    huggingface_hub.utils.are_progress_bars_disabled()``).
+    """
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
+    elif "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def install_filters() -> None:

@@ -41,6 +41,7 @@ CASES = [
     ("ema_warmup_rounds", -1, {}, "ema_warmup_rounds=-1 must be an integer >= 0"),
     ("ema_signal", "loud", {}, "ema_signal='loud' must be 'noisy' or 'raw'"),
     ("accountant", "gdp", {}, "accountant='gdp' must be one of \\['pld', 'rdp', 'prv'\\]"),
+    ("round_accountant", "gdp", {}, "round_accountant='gdp' must be one of \\['pld', 'rdp'"),
     ("audit_canaries", -1, PRIVATE, "audit_canaries=-1 must be an integer >= 0"),
     ("audit_canaries", 1, PRIVATE, "audit_canaries=1 needs at least 2"),
     ("audit_canaries", 8, {"clip": 1.0}, "audit_canaries=8 audits a private run"),

@@ -81,11 +81,13 @@ def test_round_lines_go_through_the_yamls_train_logger_speechbrain_tensorboard(t
     result = _toy_run(tmp_path, tb)
     tb.writer.flush()
     scalars = _scalars(tmp_path / "tb")
-    assert {"round", "epsilon", "loss/train", "valid_loss/valid"} <= set(scalars)
+    # the per-round figure is named by its accountant (round_accountant: rdp)
+    assert {"round", "epsilon_rdp", "loss/train", "valid_loss/valid"} <= set(scalars)
     assert [v for _, v in scalars["round"]] == [0, 1, 2, 3]  # round 0 = the starting model
-    epsilons = [v for _, v in scalars["epsilon"]]
+    epsilons = [v for _, v in scalars["epsilon_rdp"]]
     assert len(epsilons) == 3 and epsilons == sorted(epsilons)  # spent, round after round
-    assert epsilons[-1] == pytest.approx(result.epsilon, rel=1e-6)
+    assert epsilons[-1] == pytest.approx(result.privacy["epsilon_rdp"], rel=1e-6)
+    assert epsilons[-1] >= result.epsilon  # the guarantee (PLD) is the tighter figure
     assert len(scalars["loss/train"]) == 3 and len(scalars["valid_loss/valid"]) == 4
     assert not (tmp_path / "out" / "train_log.txt").exists()
 
@@ -114,7 +116,7 @@ def test_default_train_logger_is_a_file_train_logger_on_train_log_txt(tmp_path):
     assert [line.split(",")[0].split(" - ")[0] for line in lines] == [
         "round: 0", "round: 1", "round: 2"
     ]  # fmt: skip
-    assert "epsilon: " in lines[1] and "train loss" in lines[1]
+    assert "epsilon_rdp: " in lines[1] and "train loss" in lines[1]
 
 
 # -- readable recipe logs ----------------------------------------------------------------------
@@ -145,3 +147,27 @@ def test_quiet_recipe_logs_third_party_debug_off_model_statistics_once():
     assert sum("Model Statistics" in m for m in messages) <= 1  # once per process
     assert "Using training precision" in messages and "ours at debug" in messages
     assert TORCHVISION_WARNING not in messages
+
+
+def test_hf_bars_go_off_without_importing_transformers():
+    """A Brain's first "Model Statistics" line turns the Hugging Face bars off; a process that
+    never loads a Hugging Face model does not import transformers for it (~1 s of start-up),
+    and transformers imported later starts with its bars off."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, speechbrain_fl\n"
+        "from speechbrain_fl.fl.toy import ToyBrain\n"
+        "ToyBrain(modules={'m': torch.nn.Linear(2, 1)}, run_opts={'device': 'cpu'})\n"
+        "assert 'transformers' not in sys.modules, 'imported'\n"
+        "from transformers.utils import logging as hf\n"
+        "assert not hf.is_progress_bar_enabled(), 'bars on'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    env.pop("SB_FL_VERBOSE_LOGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -84,7 +84,7 @@ def test_private_empty_cohort_is_released_and_accounted(tmp_path):
     strategy.cohort, strategy.population = [], 4
     arrays, metrics = strategy.aggregate_train(1, [])
     new = arrays.to_torch_state_dict()
-    assert strategy.accountant.rounds == 1 and metrics["epsilon"] > 0
+    assert strategy.accountant.rounds == 1 and metrics["epsilon-rdp"] > 0
     # pure noise of std sigma C / (qK) = 0.5 on every parameter: not the unchanged model
     assert all(not torch.equal(new[k], GLOBAL[k]) for k in GLOBAL)
     assert strategy.last_report.num_replied == 0 and strategy.last_report.noise_std == 0.5

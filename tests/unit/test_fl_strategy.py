@@ -253,7 +253,12 @@ def test_strategy_accounts_with_the_chosen_accountant(tmp_path):
         _set_round(strategy, [1], 2)
         good = ones()
         _, metrics = strategy.aggregate_train(1, [make_reply(1, good, {"num-examples": 1})])
-        eps[name] = metrics["epsilon"]
+        eps[name] = strategy.epsilon()
+        # the round's running figure is RDP's (round_accountant), named so, whatever the run's
+        rdp = RDPAccountant()
+        rdp.history = [(2.0, 0.5, 1)]
+        assert metrics["epsilon-rdp"] == pytest.approx(rdp.get_epsilon(delta=1e-5), rel=1e-9)
+        assert "epsilon" not in metrics and "epsilon-prv" not in metrics
     for name, cls in (("rdp", RDPAccountant), ("prv", PRVAccountant)):
         reference = cls()
         reference.history = [(2.0, 0.5, 1)]

@@ -1,0 +1,92 @@
+"""No per-step work a setting switches off: ``max_grad_norm: inf`` skips SpeechBrain's
+``clip_grad_norm_`` in ``Brain.optimizers_step`` (speechbrain_fl/fl/client.py), and the update
+is bit-identical to SpeechBrain's own step (issue 28, per-message costs)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import speechbrain as sb
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+
+from speechbrain_fl.fl import client as client_module
+from speechbrain_fl.fl.client import train_round
+from speechbrain_fl.fl.params import trainable_state
+from speechbrain_fl.fl.toy import toy_client, toy_settings
+
+
+def _client(max_grad_norm: float, adam: bool = True):
+    context = Context(
+        run_id=0, node_id=0, node_config={"partition-id": 1}, state=RecordDict(), run_config={}
+    )
+    client = toy_client(context, toy_settings())
+    if adam:
+        client.brain.opt_class = lambda params: torch.optim.Adam(params, lr=0.05)
+    client.brain.max_grad_norm = max_grad_norm
+    return client
+
+
+def _rounds(client):
+    start = trainable_state(client.brain.modules)
+    out = []
+    for server_round, params in ((1, start), (2, {k: v + 0.1 for k, v in start.items()})):
+        config = {"round-seed": 7 * server_round, "local-epochs": 2, "server-round": server_round}
+        content = RecordDict({"arrays": ArrayRecord(params), "config": ConfigRecord(config)})
+        reply = train_round(client, content, partition_id=1)
+        out.append((reply["arrays"].to_torch_state_dict(), float(reply["metrics"]["train-loss"])))
+    return out
+
+
+@pytest.fixture
+def clip_calls(monkeypatch):
+    """Count SpeechBrain's per-step ``torch.nn.utils.clip_grad_norm_`` calls."""
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def counting(*args, **kwargs):
+        calls.append(args[1] if len(args) > 1 else kwargs.get("max_norm"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counting)
+    return calls
+
+
+@pytest.mark.parametrize("adam", [True, False])
+def test_infinite_bound_skips_clip_grad_norm_bit_identically(monkeypatch, clip_calls, adam):
+    monkeypatch.setattr(client_module, "_OPTIMIZERS_STEP_RELEASES", ("no such release",))
+    expected = _rounds(_client(math.inf, adam))  # SpeechBrain's own optimizers_step
+    assert clip_calls and all(math.isinf(c) for c in clip_calls)
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", _fail)
+    client = _client(math.inf, adam)
+    got = _rounds(client)
+    for (update_a, loss_a), (update_b, loss_b) in zip(got, expected, strict=True):
+        assert loss_a == loss_b
+        assert all(torch.equal(update_a[k], update_b[k]) for k in update_a)
+    assert client.brain.optimizer_step == 2 * 2 * 4  # rounds x epochs x batches, counted
+    assert "optimizers_step" not in client.brain.__dict__  # the class method is back
+
+
+def _fail(*args, **kwargs):
+    raise AssertionError("clip_grad_norm_ ran although max_grad_norm is inf")
+
+
+def test_a_finite_bound_still_clips_every_step(clip_calls):
+    _rounds(_client(0.01))
+    assert clip_calls == [0.01] * (2 * 2 * 4)
+
+
+def test_a_brain_with_its_own_optimizers_step_keeps_it(clip_calls):
+    own = []
+
+    class Own(type(_client(math.inf).brain)):
+        def optimizers_step(self):
+            own.append(self.step)
+            sb.Brain.optimizers_step(self)
+
+    client = _client(math.inf)
+    client.brain.__class__ = Own
+    _rounds(client)
+    assert len(own) == len(clip_calls) == 2 * 2 * 4
