@@ -343,14 +343,18 @@ def plot_metrics(rounds: Table, path: Path, columns: Sequence[str]) -> Path:
     return _save(fig, path)
 
 
-def plot_epsilon(rounds: Table, path: Path) -> Path:
-    """Privacy spent (epsilon at the run's delta) after each round."""
+def plot_epsilon(rounds: Table, path: Path, *, accountant: str = "rdp") -> Path:
+    """Privacy spent (epsilon at the run's delta) after each round.
+
+    ``rounds.csv``'s ``epsilon`` is the per-round figure of FLConfig's ``round_accountant``
+    (``rdp`` by default, an upper bound of the PLD guarantee in results.json); the axis names it.
+    """
     fig = Figure(figsize=(6, 3.5))
     ax = fig.add_subplot()
     ax.plot(*series(rounds, "epsilon"), "-o", ms=3, color="tab:red")
     ax.set_xlabel("round")
-    ax.set_ylabel("ε so far")
-    ax.set_title("Privacy spent")
+    ax.set_ylabel(f"ε so far ({accountant.upper()})")
+    ax.set_title("Privacy spent (the run's guarantee: results.json)")
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -424,6 +428,7 @@ def write_run_plots(
     clip: float | None,
     alpha: float | None = None,
     expected_cohort_size: float | None = None,
+    round_accountant: str = "rdp",
 ) -> list[Path]:
     """Write every figure the run's logs support to ``<output_folder>/plots/``.
 
@@ -439,6 +444,9 @@ def write_run_plots(
         The alpha-split encoder fraction, marked on the sigma_eff figure.
     expected_cohort_size : float, optional
         n of the noise floor; by default the mean ``cohort_size`` of rounds >= 1.
+    round_accountant : str
+        The accountant of ``rounds.csv``'s per-round ``epsilon`` (FLConfig's
+        ``round_accountant``), named on the epsilon figure's axis.
 
     Returns
     -------
@@ -501,7 +509,9 @@ def write_run_plots(
         else:
             _skip("metrics_by_round.png", "no metric columns with values")
         if has_values(rounds, "epsilon"):
-            written.append(plot_epsilon(rounds, plots / "epsilon_by_round.png"))
+            written.append(
+                plot_epsilon(rounds, plots / "epsilon_by_round.png", accountant=round_accountant)
+            )
         else:
             _skip("epsilon_by_round.png", "no epsilon values (run without DP)")
 
