@@ -360,3 +360,19 @@ def test_seeds_table_pools_runs_and_pairs_methods(tmp_path):
     pair = _row(pairs, "PFL-Uniform | Flat")
     assert pair[2] == "3" and pair[-1] == "yes" and float(pair[5].split()[0]) > 0.1
     assert "Per run at seed 1" in table
+
+
+def test_seeds_table_pairs_alpha_split_with_pfl_dim(tmp_path):
+    """The frozen-encoder null pair (alpha-split runs as PFL-Dim there) is in the comparisons."""
+    from seed_table import collect, comparisons
+
+    root = tmp_path / "runs"
+    for seed in (1, 2):
+        _seed_run(root, "pfl_dim", seed, wer=0.40, n=48)
+        _seed_run(root, "alpha_split", seed, wer=0.40, n=48)
+    done = collect({
+        m: [method_table.run_folder(root / f"seed{s}", m, "unfrozen") for s in (1, 2)]
+        for m in ("pfl_dim", "alpha_split")
+    })  # fmt: skip
+    pairs = comparisons(done, num_resamples=200)
+    assert [(p["a"], p["b"], p["seeds"]) for p in pairs] == [("alpha_split", "pfl_dim", 2)]

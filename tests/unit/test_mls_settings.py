@@ -62,6 +62,29 @@ def test_alpha_split_with_the_encoder_frozen_runs_the_papers_alpha_zero_row():
     assert unfrozen["method"] == "alpha_split" and unfrozen["alpha"] == 0.05
 
 
+def test_frozen_alpha_split_budgets_are_eq13_at_alpha_zero_and_use_all_of_c():
+    """The engine's frozen alpha-split budgets are the paper's Eq. 13 with alpha = 0.
+
+    The layout is the tiny model's frozen-encoder update (LLM LoRA: 6 tensors of 1,024 and 2 of
+    512 values, from a run's group_norms.csv): C_l = C sqrt(p_l / sum p), sqrt(sum C_l^2) = C.
+    alpha-split taken literally at alpha = 0.05 would leave alpha C^2 unused (sqrt(0.95) C).
+    """
+    from speechbrain_fl.privacy.budgets import compute_budgets
+    from speechbrain_fl.privacy.layout import Group, Layout
+
+    sizes = [1024] * 6 + [512] * 2
+    layout = Layout([Group(f"llm.{i}", "llm", p) for i, p in enumerate(sizes)])
+    hparams = mls_settings.engine_hparams(_hparams("alpha_split", freeze_encoder=True))
+    clip = 0.25
+    budgets = compute_budgets(layout, method=hparams["method"], clip=clip, alpha=hparams["alpha"])
+    for i, p in enumerate(sizes):
+        assert budgets[f"llm.{i}"] == pytest.approx(clip * (p / sum(sizes)) ** 0.5)
+    assert sum(b**2 for b in budgets.values()) ** 0.5 == pytest.approx(clip)
+    with pytest.warns(UserWarning, match="unused"):
+        literal = compute_budgets(layout, method="alpha_split", clip=clip, alpha=0.05)
+    assert sum(b**2 for b in literal.values()) ** 0.5 == pytest.approx(clip * 0.95**0.5)
+
+
 def test_default_trains_both_adapters_and_not_the_connector_or_ctc_head():
     options = mls_settings.model_options(_hparams())
     assert options["train_llm_lora"] and not options["freeze_encoder"]
