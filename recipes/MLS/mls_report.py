@@ -358,6 +358,7 @@ def report_run(
         clip=hparams["clip"] or 1.0,
         alpha=hparams["alpha"] if hparams["method"] == "alpha_split" else None,
         expected_cohort_size=cohort,
+        round_accountant=config.round_accountant,
     )
     hparams["train_logger"].log_stats(
         stats_meta={"round": result.last_round, "method": hparams["method"]},
