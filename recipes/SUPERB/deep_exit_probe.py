@@ -119,8 +119,25 @@ def _loaders(settings, batch_size, folder):
     )
 
 
-def probe(settings, *, exit_, steps, lr, warmup_fraction, pre_ln, batch_size, window, seed, folder):
-    """Train exit ``exit_`` for ``steps`` steps; the per-window records and the valid accuracy."""
+def probe(
+    settings,
+    *,
+    exit_,
+    steps,
+    lr,
+    warmup_fraction,
+    pre_ln,
+    batch_size,
+    window,
+    seed,
+    folder,
+    schedule_steps=None,
+):
+    """Train exit ``exit_`` for ``steps`` steps; the per-window records and the valid accuracy.
+
+    The lr schedule spans ``schedule_steps`` (default ``steps``): a longer span runs the first
+    ``steps`` of a longer run's schedule (e.g. the 7 epochs of Table 1's centralized runs).
+    """
     options = dict(settings.model)
     overrides = dict(options.get("config_overrides") or {})
     overrides["do_stable_layer_norm"] = bool(pre_ln)
@@ -139,7 +156,9 @@ def probe(settings, *, exit_, steps, lr, warmup_fraction, pre_ln, batch_size, wi
     optimizer = build_optimizer(model, {"lr": lr, "backbone_lr_multiplier": 1.0})
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda done: lr_factor(done + 1, steps, warmup_fraction=warmup_fraction, min_ratio=0.05),
+        lambda done: lr_factor(
+            done + 1, schedule_steps or steps, warmup_fraction=warmup_fraction, min_ratio=0.05
+        ),
     )
     max_norm = float(settings.run_opts["max_grad_norm"])
     train, valid = _loaders(settings, batch_size, folder)
@@ -201,6 +220,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup_fraction", type=float, default=0.1)
+    parser.add_argument(
+        "--schedule_steps", type=int, default=None, help="the lr schedule's span (default: steps)"
+    )
     parser.add_argument("--pre_ln", action="store_true", help="do_stable_layer_norm (pre-LN)")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--window", type=int, default=25, help="steps per record")
@@ -212,6 +234,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     name = args.name or (
         f"exit{args.exit}_lr{args.lr:g}_wu{args.warmup_fraction:g}"
+        f"{f'_of{args.schedule_steps}' if args.schedule_steps else ''}_n{args.steps}"
         f"{'_preln' if args.pre_ln else ''}_s{args.seed}"
     )
     out = Path(args.output)
@@ -234,6 +257,7 @@ def main(argv=None):
         window=args.window,
         seed=args.seed,
         folder=str(run_folder),
+        schedule_steps=args.schedule_steps,
     )
     result["options"] = vars(args)
     out.mkdir(parents=True, exist_ok=True)
