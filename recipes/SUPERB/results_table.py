@@ -337,7 +337,46 @@ def tables_markdown(results, best_exit, shallow=3):
                     results[hetero], shallow, results["heterogeneous_fedavg_full"], shallow
                 )
                 lines.append(f"- at exit {shallow}, minus fedavg_full: {_difference_text(diff)}")
+            if len(_runs(results[hetero])) > 1:
+                lines += per_seed_markdown(results, names, against, hetero, best_exit, shallow)
     return "\n".join(lines)
+
+
+def per_seed_markdown(results, names, against, hetero, best_exit, shallow):
+    """Table 2 per seed: each cell's metric at both exits, then each paired difference.
+
+    ``names`` are the table's ``(cell, label)`` rows and ``against`` its ``(cell, exit,
+    label)`` baselines; a cell's runs are in the ``--seeds`` order, and the seeds are read
+    from each run's ``results.json``. Returns the markdown lines.
+    """
+    seeds = [r.get("seed", k) for k, r in enumerate(_runs(results[hetero]))]
+    lines = [
+        "",
+        f"Per seed, test metric at exit {shallow} / exit {best_exit}:",
+        "",
+        "| Setting | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+        "|---|" + "---|" * len(seeds),
+    ]
+    for key, label in names:
+        if key not in results:
+            continue
+        cells = []
+        for run in _runs(results[key]):
+            values = [run["test"].get(str(e)) for e in (shallow, best_exit)]
+            metric = "WER" if any(v and "WER" in v for v in values) else "accuracy"
+            cells.append(" / ".join("-" if v is None else f"{v[metric]:.3f}" for v in values))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", f"Layer-wise (depth_aware) at exit {best_exit} minus each baseline, per seed:"]
+    for key, e, label in against:
+        if key not in results:
+            continue
+        pairs = zip(_runs(results[hetero]), _runs(results[key]), strict=True)
+        diffs = [_difference_text(paired_difference(a, best_exit, b, e)) for a, b in pairs]
+        lines.append(
+            f"- minus {label}: "
+            + "; ".join(f"seed {s} {d}" for s, d in zip(seeds, diffs, strict=True))
+        )
+    return lines
 
 
 def write_readme(task, markdown, readme=RECIPE_DIR / "README.md"):

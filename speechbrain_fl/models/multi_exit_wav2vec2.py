@@ -17,7 +17,8 @@ Truncation reuses the backbone's own forward (feature encoder, projection, posit
 convolution, padding mask, SpecAugment masking) with ``encoder.layers`` cut to its first
 ``depth`` layers for the duration of the call, so the exit representation is exactly the
 backbone's hidden state after layer ``depth`` (``hidden_states[depth]`` of a full forward; for
-the post-LN "base" architecture). Exits of one evaluation pass are read with forward hooks on
+the post-LN "base" architecture; a pre-LN encoder gives LayerNorm(hidden_states[depth]) through
+its final, shared LayerNorm). Exits of one evaluation pass are read with forward hooks on
 the exit layers.
 
 Presets: ``wav2vec2-base-100h`` (``facebook/wav2vec2-base-100h``, the paper's initialisation:
@@ -286,10 +287,17 @@ class MultiExitWav2Vec2(nn.Module):
             raise ValueError(f"exits {exits} must lie in 1..{num_layers} (the backbone's layers)")
         if head not in ("utterance", "ctc"):
             raise ValueError(f"head: {head!r} must be 'utterance' or 'ctc'")
-        if getattr(backbone.config, "do_stable_layer_norm", False):
-            # the pre-LN (Large) encoder applies its final LayerNorm after the last layer; a
-            # truncated pass would normalise an intermediate state the model never normalised
-            raise ValueError("pre-LN (do_stable_layer_norm) backbones are not supported")
+        # A pre-LN encoder (``do_stable_layer_norm``: Large checkpoints, or the tiny preset's
+        # probe variant) applies its final LayerNorm after the last layer it runs, so with a
+        # truncated stack every exit reads LayerNorm(h_exit) through that one shared norm (as
+        # early-exit language models do); for a pre-LN *checkpoint* that norm was trained on
+        # layer 12's output only. The norm is a "below" parameter: every client trains it.
+        self.pre_ln = bool(getattr(backbone.config, "do_stable_layer_norm", False))
+        if self.pre_ln and upstream == "frozen":
+            raise ValueError(
+                "upstream: 'frozen' (a weighted sum of hidden states) is not supported for a "
+                "pre-LN (do_stable_layer_norm) backbone: its hidden states are un-normalised"
+            )
         self.backbone = backbone
         self.exits = exits
         self.head_type = head
@@ -427,6 +435,9 @@ class MultiExitWav2Vec2(nn.Module):
         if weighted:  # every exit reads the stack of hidden states 0..exit
             stack = torch.stack(out.hidden_states, dim=0)
             captured = {layer: stack[: layer + 1] for layer in capture if layer < depth}
+        if self.pre_ln:  # as the truncated pass at that depth: its final LayerNorm applied
+            norm = self.backbone.encoder.layer_norm
+            captured = {layer: norm(state) for layer, state in captured.items()}
         frames = out.last_hidden_state
         if mask is None:
             frame_mask = torch.ones(frames.shape[:2], dtype=torch.bool, device=frames.device)

@@ -145,3 +145,42 @@ def test_frozen_upstream_learns_a_weighted_sum_of_hidden_states(tiny_folder):
         # zero weights: the plain mean of hidden states 0..3
         expected = model.heads["3"].head(torch.stack(full.hidden_states[:4]).mean(0), frame_mask)
         torch.testing.assert_close(model.forward_exits(wavs, lens, exits=[3, 6])[3], expected)
+
+
+@pytest.fixture(scope="module")
+def pre_ln_folder(tiny_folder, tmp_path_factory):
+    """The tiny preset with a pre-LN encoder (``do_stable_layer_norm``; the deep-exit probe's)."""
+    backbone = Wav2Vec2Model.from_pretrained(tiny_folder, do_stable_layer_norm=True)
+    folder = tmp_path_factory.mktemp("w2v_pre_ln")
+    backbone.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("depth", [3, 12])
+def test_pre_ln_exit_reads_the_final_layer_norm_of_its_layer(pre_ln_folder, depth):
+    model = _model(pre_ln_folder).eval()
+    assert model.pre_ln
+    wavs, lens = torch.randn(2, 8000), torch.tensor([1.0, 0.6])
+    mask = model._attention_mask(wavs, lens)
+    with torch.no_grad():
+        full = model.backbone(wavs, attention_mask=mask, output_hidden_states=True)
+        frames, _, _ = model.hidden(wavs, lens, depth=depth)
+        # transformers' hidden_states[l] is the raw output of layer l (pre-LN or not)
+        expected = model.backbone.encoder.layer_norm(full.hidden_states[depth])
+    torch.testing.assert_close(frames, expected)
+    if depth == 12:
+        torch.testing.assert_close(frames, full.last_hidden_state)
+
+
+def test_pre_ln_forward_exits_match_single_exit_passes(pre_ln_folder):
+    model = _model(pre_ln_folder).eval()
+    wavs, lens = torch.randn(2, 8000), torch.tensor([1.0, 0.7])
+    with torch.no_grad():
+        together = model.forward_exits(wavs, lens, exits=[3, 6, 12])
+        for depth in (3, 6, 12):
+            torch.testing.assert_close(together[depth], model(wavs, lens, depth=depth))
+
+
+def test_pre_ln_frozen_upstream_refused(pre_ln_folder):
+    with pytest.raises(ValueError, match="pre-LN"):
+        _model(pre_ln_folder, upstream="frozen")

@@ -122,3 +122,36 @@ def test_several_seeds_pool_clips_and_pair_by_seed_and_speaker(tmp_path):
     # the same clip ids in two seeds are two units, not one
     with pytest.raises(ValueError, match="different clips"):
         paired_difference(a, 6, b[:1], 6)
+
+
+def test_table_2_per_seed_rows_and_differences(tmp_path):
+    # two seeds; layer-wise right on 8/8 and 4/8 clips at exit 6, deep-only on 4/8 in both
+    def run(name, seed, correct, exits=(3, 6)):
+        r = {
+            "task": "kws12",
+            "seed": seed,
+            "test": {str(e): {"accuracy": sum(correct) / 8, "ci95": [0, 1]} for e in exits},
+            "_folder": str(tmp_path / name),
+        }
+        (tmp_path / name).mkdir()
+        lines = ["ID,spk_id,label," + ",".join(f"pred_{e}" for e in exits)]
+        for i, ok in enumerate(correct):
+            lines.append(f"c{i},s{i // 4},yes," + ",".join(["yes" if ok else "no"] * len(exits)))
+        (tmp_path / name / "test_predictions.csv").write_text("\n".join(lines) + "\n")
+        return r
+
+    half = [1, 1, 0, 0, 1, 1, 0, 0]
+    results = {
+        "heterogeneous_layerwise_depth_aware": [run("a1", 11, [1] * 8), run("a2", 12, half)],
+        "heterogeneous_deep_only": [run("d1", 11, half, (6,)), run("d2", 12, half, (6,))],
+    }
+    text = tables_markdown(results, 6)
+    assert "| Setting | seed 11 | seed 12 |" in text
+    assert "| heterogeneous + layer-wise (depth_aware) | 1.000 / 1.000 | 0.500 / 0.500 |" in text
+    assert "| deep clients only (the exit-3 clients dropped) | - / 0.500 | - / 0.500 |" in text
+    # seed 11: every speaker +2/4, so the paired interval is the point; seed 12: identical runs
+    assert "- minus deep clients only: seed 11 +0.500 [+0.500, +0.500]" in text
+    assert "seed 12 +0.000 [+0.000, +0.000] (within speaker noise)" in text
+    # a single seed has no per-seed block
+    single = {k: v[0] for k, v in results.items()}
+    assert "Per seed" not in tables_markdown(single, 6)
