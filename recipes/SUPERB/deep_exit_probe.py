@@ -48,7 +48,7 @@ if str(RECIPE_DIR) not in sys.path:
 
 from superb_optim import build_optimizer, lr_factor  # noqa: E402
 
-from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit, layer_of  # noqa: E402
+from speechbrain_fl.models.multi_exit_wav2vec2 import layer_of  # noqa: E402
 
 
 def layer_grad_norms(model) -> dict[str, float]:
@@ -138,21 +138,13 @@ def probe(
     The lr schedule spans ``schedule_steps`` (default ``steps``): a longer span runs the first
     ``steps`` of a longer run's schedule (e.g. the 7 epochs of Table 1's centralized runs).
     """
+    from superb_task import new_model
+
     options = dict(settings.model)
     overrides = dict(options.get("config_overrides") or {})
     overrides["do_stable_layer_norm"] = bool(pre_ln)
     torch.manual_seed(seed)
-    model = build_multi_exit(
-        options["source"],
-        num_outputs=options["num_outputs"],
-        cache_dir=options["cache_dir"],
-        exits=options["exits"],
-        head=options["head"],
-        freeze_feature_encoder=options["freeze_feature_encoder"],
-        seed=seed,
-        config_overrides=overrides,
-        normalize_input=options.get("normalize_input", "auto"),
-    )
+    model = new_model({**options, "seed": seed, "config_overrides": overrides})
     optimizer = build_optimizer(model, {"lr": lr, "backbone_lr_multiplier": 1.0})
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,

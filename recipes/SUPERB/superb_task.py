@@ -215,27 +215,33 @@ class SuperbBrain(sb.Brain):
 _MODELS = ModelCache()
 
 
-def build_model(settings):
-    """The multi-exit model from the seed folder (one per process, :class:`ModelCache`)."""
+def new_model(options):
+    """A fresh multi-exit model built from the recipe's model options (``settings.model``).
+
+    :func:`build_model` caches it per process; ``deep_exit_probe.py`` builds its own variants
+    (another seed, ``config_overrides``) through here so both read the options the same way.
+    """
     from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit
 
-    options = settings.model
-    return _MODELS.get(
-        options,
-        lambda: build_multi_exit(
-            options["source"],
-            num_outputs=options["num_outputs"],
-            cache_dir=options["cache_dir"],
-            exits=options["exits"],
-            head=options["head"],
-            freeze_feature_encoder=options["freeze_feature_encoder"],
-            seed=options["seed"],
-            config_overrides=options.get("config_overrides"),
-            normalize_input=options.get("normalize_input", "auto"),
-            pooling=options.get("pooling", "stat"),
-            upstream=options.get("upstream", "finetune"),
-        ).to(settings.device),
+    return build_multi_exit(
+        options["source"],
+        num_outputs=options["num_outputs"],
+        cache_dir=options["cache_dir"],
+        exits=options["exits"],
+        head=options["head"],
+        freeze_feature_encoder=options["freeze_feature_encoder"],
+        seed=options["seed"],
+        config_overrides=options.get("config_overrides"),
+        normalize_input=options.get("normalize_input", "auto"),
+        pooling=options.get("pooling", "stat"),
+        upstream=options.get("upstream", "finetune"),
     )
+
+
+def build_model(settings):
+    """The multi-exit model from the seed folder (one per process, :class:`ModelCache`)."""
+    options = settings.model
+    return _MODELS.get(options, lambda: new_model(options).to(settings.device))
 
 
 def build_brain(settings, *, depth=None, checkpointer=None):
