@@ -203,6 +203,8 @@ def load_results(output_root: str | os.PathLike) -> dict[tuple[str, str], dict]:
 
 
 def _get(mapping, *keys):
+    """``mapping[k1][k2]...`` of a results.json, or ``None`` where a level is missing or None
+    (also used by seed_table.py)."""
     for key in keys:
         if not isinstance(mapping, Mapping) or mapping.get(key) is None:
             return None

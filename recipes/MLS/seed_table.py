@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from compare import compare_runs, pool_seeds
+from method_table import _get
 
 from speechbrain_fl.metrics import paired_bootstrap_details, read_utterance_details
 
@@ -54,14 +55,6 @@ def seed_root(output_root: str | os.PathLike, seed: int) -> Path:
 def seed_overrides(seed: int) -> list[str]:
     """The train_fl.py arguments of one seed: the cohort sampler's and the noise's seeds."""
     return ["--sampler_seed", str(seed), "--noise_seed", str(seed)]
-
-
-def _get(mapping, *keys):
-    for key in keys:
-        if not isinstance(mapping, Mapping) or mapping.get(key) is None:
-            return None
-        mapping = mapping[key]
-    return mapping
 
 
 def _read(folder: Path) -> dict | None:
