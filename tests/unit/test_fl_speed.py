@@ -69,10 +69,21 @@ def test_cached_pld_epsilon_equals_the_accountant_and_builds_one_step_once():
         compute_epsilon(sampling_rate=q, noise_multiplier=sigma, rounds=t, delta=delta)
         for t in (1, 2, 3)
     ]
-    interval = accounting.PLD_DISCRETIZATION  # RDP epsilon < PLD_COARSE_ABOVE here
-    expected = [_pld_accountant_epsilon(q, sigma, t, delta, interval) for t in (1, 2, 3)]
+    intervals = [  # the grid compute_epsilon picks for each T (accounting.pld_interval)
+        accounting.pld_interval(
+            compute_epsilon(
+                sampling_rate=q, noise_multiplier=sigma, rounds=t, delta=delta, accountant="rdp"
+            )
+        )
+        for t in (1, 2, 3)
+    ]
+    expected = [
+        _pld_accountant_epsilon(q, sigma, t, delta, h)
+        for t, h in zip((1, 2, 3), intervals, strict=True)
+    ]
     assert got == expected  # the same objects and calls: the same floats
-    assert accounting._pld_one_step.cache_info().misses == 1  # one build for three rounds
+    # one build per distinct grid, not per round (T = 1 on the default grid, 2 and 3 wider)
+    assert accounting._pld_one_step.cache_info().misses == len(set(intervals))
     assert got == sorted(got) and got[0] > 0
 
 
