@@ -34,6 +34,7 @@ def model_options(hparams):
         "train_llm_lora": hparams["train_llm_lora"],
         "connector_treatment": hparams["connector_treatment"],
         "ctc_treatment": hparams["ctc_treatment"],
+        "feature_cache_mb": hparams["feature_cache_mb"],
     }
 
 
@@ -150,6 +151,9 @@ def check_hparams(hparams):
             "train_llm_lora: False, connector_treatment: freeze and freeze_encoder: True leave "
             "nothing to train"
         )
+    cache_mb = hparams["feature_cache_mb"]
+    if isinstance(cache_mb, bool) or not isinstance(cache_mb, int) or cache_mb < 0:
+        raise ValueError(f"feature_cache_mb: {cache_mb!r} must be an integer >= 0 (MB; 0 = off)")
     workers = hparams.get("corpus_workers")
     if workers is not None and (
         isinstance(workers, bool) or not isinstance(workers, int) or workers < 1

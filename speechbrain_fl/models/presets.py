@@ -252,6 +252,7 @@ def build_speech_llm(
     train_llm_lora: bool = True,
     connector_treatment: str = "train",
     ctc_treatment: str = "train",
+    feature_cache_mb: int = 0,
 ) -> SpeechLLM:
     """Load a preset, add LoRA and mark trainable parameters (paper Sec. II-A and II-D).
 
@@ -285,6 +286,10 @@ def build_speech_llm(
         federated update is then the encoder adapters (unless frozen), CTC head and connector.
         Ours, for the tiny model: its LLM adapters, trained on client transcripts, learn to
         continue the text and stop reading the audio (``recipes/MLS/README.md``).
+    feature_cache_mb : int
+        Keep up to this many MB of per-utterance log-mel features and reuse them for the same
+        waveform (:meth:`SpeechLLM.use_feature_cache`: exact); 0 (default) computes them every
+        time.
 
     Returns
     -------
@@ -298,6 +303,12 @@ def build_speech_llm(
     >>> sorted(model.component_patterns())
     ['connector', 'encoder', 'llm']
     """
+    if (
+        isinstance(feature_cache_mb, bool)
+        or not isinstance(feature_cache_mb, int)
+        or feature_cache_mb < 0
+    ):
+        raise ValueError(f"feature_cache_mb: {feature_cache_mb!r} must be an integer >= 0 (MB)")
     spec = resolve_preset(preset, cache_dir=cache_dir)
     if spec.get("kind") == "tiny":
         folder = create_tiny_checkpoint(spec.pop("tiny_folder"))
@@ -361,6 +372,7 @@ def build_speech_llm(
             part.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+    model.use_feature_cache(feature_cache_mb << 20)
     return model.to(device)
 
 

@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from speechbrain_fl.models.connector import FrameStackConnector
+from speechbrain_fl.utils.feature_cache import FeatureCache
 
 ENCODER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj")
 LLM_LORA_TARGETS = ("q_proj", "v_proj")
@@ -194,6 +195,8 @@ class SpeechLLM(nn.Module):
                 f"{expected * feature_extractor.hop_length / feature_extractor.sampling_rate} s"
             )
         self._prompt_ids: dict[tuple[str, str | None], list[int]] = {}
+        #: :meth:`use_feature_cache`'s cache of per-utterance features (None: off).
+        self.feature_cache: FeatureCache | None = None
         self.ctc_head = None
         if self.ctc_weight > 0:
             # One extra class: the CTC blank is the last index.
@@ -258,23 +261,55 @@ class SpeechLLM(nn.Module):
         return [{"params": p, "lr": lrs[k], "name": k} for k, p in groups.items() if p]
 
     # ------------------------------------------------------------------ audio side
+    def use_feature_cache(self, max_bytes: int) -> None:
+        """Serve :meth:`extract_features`' log-mels from an exact cache of at most ``max_bytes``.
+
+        A client computes the same utterance's features every local epoch and every round it is
+        sampled; :class:`~speechbrain_fl.utils.feature_cache.FeatureCache` keys each waveform by
+        its bytes' digest, so a row is reused only for the identical input and the features are
+        bit for bit the extractor's (``tests/unit/test_speech_llm_feature_cache.py``). One model
+        per process (the recipes share it among a process's clients) has one cache. An
+        extractor that dithers (random noise added to the audio) is refused: its features are
+        not a function of the waveform. ``max_bytes = 0`` switches the cache off.
+        """
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"feature cache size must be an integer >= 0 bytes, got {max_bytes!r}")
+        if max_bytes == 0:
+            self.feature_cache = None
+            return
+        dither = float(getattr(self.feature_extractor, "dither", 0.0) or 0.0)
+        if dither != 0.0:
+            raise ValueError(
+                f"feature_cache_mb: the feature extractor dithers (dither={dither}), so its "
+                "features are random and a cache would not be exact; set feature_cache_mb: 0"
+            )
+        self.feature_cache = FeatureCache(self._log_mel, max_bytes=max_bytes)
+
+    def _log_mel(self, audio: list) -> torch.Tensor:
+        """The feature extractor on a list of 1-D float32 waveforms (padded to the window)."""
+        return self.feature_extractor(
+            audio,
+            sampling_rate=self.feature_extractor.sampling_rate,
+            return_tensors="pt",
+            padding="max_length",
+            truncation=True,
+        ).input_features
+
     def extract_features(self, wavs: torch.Tensor, wav_lens: torch.Tensor):
         """Log-mel features (B, n_mels, 2*max_source_positions) and valid encoder frames (B,).
 
         ``wav_lens`` are relative lengths in [0, 1] (SpeechBrain convention). Longer audio is
-        truncated to the encoder's window (30 s for Whisper, 5 s for ``tiny``).
+        truncated to the encoder's window (30 s for Whisper, 5 s for ``tiny``). With
+        :meth:`use_feature_cache` the rows already computed for the same waveform are reused.
         """
         samples = torch.round(wav_lens.float() * wavs.shape[1]).long().clamp(min=1).cpu()
         audio = [w[:n].float().cpu().numpy() for w, n in zip(wavs, samples.tolist(), strict=True)]
         # The extractor computes on CPU in float32; a caller's CPU autocast must not reach it.
         with torch.autocast("cpu", enabled=False):
-            features = self.feature_extractor(
-                audio,
-                sampling_rate=self.feature_extractor.sampling_rate,
-                return_tensors="pt",
-                padding="max_length",
-                truncation=True,
-            ).input_features
+            if self.feature_cache is not None:
+                features = self.feature_cache(audio)
+            else:
+                features = self._log_mel(audio)
         max_positions = self.encoder.config.max_source_positions
         mel_frames = torch.div(samples, self.feature_extractor.hop_length, rounding_mode="floor")
         enc_frames = torch.div(mel_frames + 1, 2, rounding_mode="floor").clamp(1, max_positions)

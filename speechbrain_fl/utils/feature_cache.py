@@ -18,8 +18,8 @@ Memory: at most ``max_bytes`` of feature rows are kept (least recently used evic
 one Whisper row of 80 x 3000 float32 is 0.96 MB, so 1 GiB holds ~1,100 utterances). A node
 whose utterances fit in the bound computes each once; on a real corpus it keeps those it
 revisited last (the second local epoch, a later round) and computes the rest as before.
-Wiring it into a recipe's feature path (``speechbrain_fl/models/speech_llm.py``'s
-``extract_features``) is the model owner's step; nothing calls it yet.
+``SpeechLLM.use_feature_cache`` (``speechbrain_fl/models/speech_llm.py``) serves
+``extract_features`` from it; the MLS recipe turns it on with ``feature_cache_mb``.
 """
 
 from __future__ import annotations
