@@ -18,7 +18,10 @@ configuration runs in a fresh Python process, so the "whole run" time is what a 
   engine's Brain on the engine's DataLoader with ``PaddedBatch`` collation, one loader per
   client): SpeechBrain's own cost, with no Flower and no engine;
 - ``pfl``: pfl-research's ``FederatedAveraging`` on the same model, data and DP settings
-  (``pip install pfl``; skipped when absent).
+  (``pip install pfl``; skipped when absent); its DP run computes no epsilon;
+- ``pfl_eps`` (DP only): ``pfl`` that also reports the run's epsilon with pfl's own
+  ``PLDPrivacyAccountant`` (dp-accounting's PLD), as the engine's DP run reports its PLD
+  guarantee: the like-with-like DP comparison.
 
 "steady round" is the median wall time of rounds 3..10. The engine's breakdown adds the import
 time of ``speechbrain_fl.fl`` and of ``run_simulation`` (with torch, Flower), the Ray start
@@ -52,7 +55,7 @@ final PLD is computed once. ``local_rdp`` is ``local`` with ``accountant: rdp`` 
 figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
-[--kinds plain,brain,local,local_rdp,ray,pfl] [--breakdown]``
+[--kinds plain,brain,local,local_rdp,ray,pfl,pfl_eps] [--breakdown]``
 """
 
 from __future__ import annotations
@@ -282,8 +285,14 @@ def run_plain(dp: bool, brain: bool = False) -> dict:
     }
 
 
-def run_pfl(dp: bool) -> dict:
-    """pfl-research's FederatedAveraging on the same workload (pfl's own simulator)."""
+def run_pfl(dp: bool, accountant: bool = False) -> dict:
+    """pfl-research's FederatedAveraging on the same workload (pfl's own simulator).
+
+    ``accountant`` (DP only): after the rounds, the run's epsilon from pfl's own
+    ``PLDPrivacyAccountant`` (dp-accounting's PLD, its default 1e-4 grid, connect-the-dots) for
+    the same ``(sigma, q, T, delta = 1e-5)``: what a pfl user reporting a guarantee computes,
+    like the engine's final PLD.
+    """
     import torch
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
@@ -361,7 +370,21 @@ def run_pfl(dp: bool) -> dict:
         model_eval_params=NNEvalHyperParams(local_batch_size=256),
         callbacks=[timer],
     )
-    return {"rounds": rounds, "first_round": rounds[0], "run": time.perf_counter() - t}
+    out = {"rounds": rounds, "first_round": rounds[0]}
+    if dp and accountant:
+        from pfl.privacy import PLDPrivacyAccountant
+
+        start = time.perf_counter()
+        out["epsilon"] = PLDPrivacyAccountant(
+            num_compositions=ROUNDS,
+            sampling_probability=DP["sampling_rate"],
+            mechanism="gaussian",
+            noise_parameter=DP["noise_multiplier"],
+            delta=1e-5,
+        ).epsilon
+        out["accountant_seconds"] = time.perf_counter() - start
+    out["run"] = time.perf_counter() - t
+    return out
 
 
 # (label, module, attribute): timed during the steady rounds by ``--breakdown`` (inclusive
@@ -483,6 +506,7 @@ def child(kind: str, dp: bool) -> None:
         "plain": run_plain,
         "brain": lambda dp: run_plain(dp, brain=True),
         "pfl": run_pfl,
+        "pfl_eps": lambda dp: run_pfl(dp, accountant=True),
         "breakdown": run_breakdown,
     }
     out = runners[kind](dp)
@@ -560,16 +584,18 @@ def main() -> None:
         breakdown(args.repeats)
         return
     kinds = args.kinds.split(",")
-    if "pfl" in kinds:
+    if any(k.startswith("pfl") for k in kinds):
         try:
             import pfl  # noqa: F401
         except ImportError:
             print("pfl-research not installed (pip install pfl): skipped")
-            kinds.remove("pfl")
+            kinds = [k for k in kinds if not k.startswith("pfl")]
     runs: dict = {}
     for rep in range(args.repeats):  # interleaved, so load changes hit every kind alike
         for dp in (False, True):
             for kind in kinds:
+                if kind == "pfl_eps" and not dp:
+                    continue  # pfl's run without DP has no epsilon: the same run as pfl
                 res = measure(kind, dp)
                 if res is not None:
                     runs.setdefault((kind, dp), []).append(res)
@@ -593,12 +619,21 @@ def main() -> None:
     )
     print("| | whole run | vs plain | steady round | vs plain |\n|---|---|---|---|---|")
     for (kind, dp), m in med.items():
+        if kind == "pfl_eps" and not dp:
+            continue  # the same run as pfl without DP (no epsilon to compute)
         base = med.get(("plain", dp))
         rw = f"{m['whole'] / base['whole']:.1f}x" if base else "-"
         rs = f"{m['steady'] / base['steady']:.1f}x" if base else "-"
         print(
             f"| {kind}{', DP' if dp else ''} | {m['whole']:.2f} s | {rw} | "
             f"{m['steady'] * 1000:.0f} ms | {rs} |"
+        )
+    eps_runs = runs.get(("pfl_eps", True))
+    if eps_runs:
+        print(
+            "pfl_eps DP: epsilon "
+            f"{eps_runs[0]['epsilon']} from pfl's PLDPrivacyAccountant, computed in "
+            f"{statistics.median(r['accountant_seconds'] for r in eps_runs):.2f} s (median)"
         )
     for kind in ("local", "local_rdp", "ray"):
         for dp in (False, True):
