@@ -83,6 +83,7 @@ from speechbrain.utils.data_utils import batch_pad_right
 
 from speechbrain_fl.privacy import Layout, clip_update
 
+from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import encode_record
 from .params import load_trainable, trainable_parameters
 
@@ -348,7 +349,7 @@ def lean_fit_applies(brain: sb.Brain) -> bool:
     )
 
 
-def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
+def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool = False) -> None:
     """``brain.fit(range(1, epochs + 1), train_loader, progressbar=False)`` without its
     per-call overhead, for a Brain where :func:`lean_fit_applies`.
 
@@ -375,12 +376,19 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
         The client's training loader (not a Dataset).
     epochs : int
         Local epochs (1, 2, ..., ``epochs``).
+    lean_step : bool
+        Train each batch with :func:`.lean_step.lean_fit_batch` instead of
+        ``brain.fit_batch`` (the caller checked :func:`.lean_step.lean_fit_batch_applies`
+        before anything was put in the Brain's ``__dict__``). With SpeechBrain's
+        ``update_average``, the running loss is then its arithmetic on the step's
+        ``loss.item()`` (one finiteness check a step instead of two).
     """
     brain.init_optimizers()  # on_fit_start with no compile, wrapping or checkpointer
+    own_average = not is_speechbrains_method(brain, "update_average")
     for epoch in range(1, epochs + 1):
         brain.on_stage_start(sb.Stage.TRAIN, epoch)
         brain.modules.train()
-        brain.zero_grad()
+        _zero_grad(brain, set_to_none=False)
         brain.nonfinite_count = 0
         sampler = brain.train_sampler
         if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -389,11 +397,22 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
             if brain._optimizer_step_limit_exceeded:
                 break
             brain.step += 1
-            loss = brain.fit_batch(batch)
-            brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
+            if not lean_step:
+                loss = brain.fit_batch(batch)
+                brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
+            elif own_average:
+                loss, _ = lean_fit_batch(brain, batch)
+                brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
+            else:  # SpeechBrain's update_average on float(loss), its finiteness read once
+                _, value = lean_fit_batch(brain, batch)
+                if math.isfinite(value):
+                    avg = brain.avg_train_loss
+                    avg -= avg / brain.step
+                    avg += value / brain.step
+                    brain.avg_train_loss = avg
             if brain.debug and brain.step == brain.debug_batches:
                 break
-        brain.zero_grad(set_to_none=True)
+        _zero_grad(brain, set_to_none=True)
         brain.on_stage_end(sb.Stage.TRAIN, brain.avg_train_loss, epoch)
         brain.avg_train_loss = 0.0
         brain.step = 0
@@ -401,15 +420,36 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
             break
 
 
-def _local_fit(task: ClientTask, train_loader: Any, epochs: int) -> None:
+def _zero_grad(brain: sb.Brain, *, set_to_none: bool) -> None:
+    """``brain.zero_grad(set_to_none)``, left out where it does nothing: SpeechBrain's
+    ``zero_grad`` and ``freeze_optimizers`` and no gradient on any optimised parameter (after
+    ``zero_grad(set_to_none=True)`` of the last step, or before the first backward)."""
+    if is_speechbrains_method(brain, "zero_grad") and is_speechbrains_method(
+        brain, "freeze_optimizers"
+    ):
+        if brain.optimizers_dict is not None:
+            optimizers = list(brain.optimizers_dict.values())
+        elif brain.opt_class is not None:
+            optimizers = [brain.optimizer]
+        else:
+            return
+        if all(p.grad is None for o in optimizers for g in o.param_groups for p in g["params"]):
+            return
+    brain.zero_grad(set_to_none=set_to_none)
+
+
+def _local_fit(
+    task: ClientTask, train_loader: Any, epochs: int, *, lean_step: bool = False
+) -> None:
     """One round's local training: :func:`lean_fit` where it applies (a DataLoader or
-    LoopedLoader, which ``Brain.fit`` would use as is), else ``brain.fit``."""
+    LoopedLoader, which ``Brain.fit`` would use as is), with :func:`.lean_step.lean_fit_batch`
+    when ``lean_step``, else ``brain.fit``."""
     if (
         task.lean_fit
         and isinstance(train_loader, (torch.utils.data.DataLoader, LoopedLoader))
         and lean_fit_applies(task.brain)
     ):
-        lean_fit(task.brain, train_loader, epochs)
+        lean_fit(task.brain, train_loader, epochs, lean_step=lean_step)
     else:
         task.brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
 
@@ -483,13 +523,15 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     # learning-rate decay over rounds read in ``init_optimizers``).
     task.brain.fl_round = int(config.get("server-round", 1))
     task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
+    # checked before the contexts below put methods in the Brain's __dict__
+    lean_step = task.lean_fit and lean_fit_batch_applies(task.brain)
     try:
         with (
             _record_stage_end(task.brain) as records,
             _reset_optimizer(task.brain),
             _skip_disabled_clipping(task.brain),
         ):
-            _local_fit(task, _train_loader(task), epochs)
+            _local_fit(task, _train_loader(task), epochs, lean_step=lean_step)
         with torch.no_grad():
             delta = {
                 n: params[n].detach().cpu().to(torch.float32) - v.to(torch.float32)
