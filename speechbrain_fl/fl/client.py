@@ -207,8 +207,15 @@ def pad_right_stacked(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch
 
 
 def _stacked_padded_batch(examples: list[dict[str, Any]]) -> PaddedBatch:
-    """``PaddedBatch(examples)`` with :func:`pad_right_stacked` as its padding function."""
-    return PaddedBatch(examples, padding_func=pad_right_stacked)
+    """``PaddedBatch(examples)`` with :func:`pad_right_stacked` as its padding function.
+
+    Where every value of every example is a tensor, ``PaddedBatch``'s ``default_convert``
+    (torch's NumPy-to-tensor conversion, one recursive call per example and key) returns a new
+    list of the same tensors, so it is switched off (``apply_default_convert=False``): the same
+    batch, without the calls.
+    """
+    tensors = all(isinstance(v, torch.Tensor) for example in examples for v in example.values())
+    return PaddedBatch(examples, padding_func=pad_right_stacked, apply_default_convert=not tensors)
 
 
 @contextlib.contextmanager
