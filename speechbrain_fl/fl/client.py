@@ -85,7 +85,7 @@ from speechbrain_fl.privacy import Layout, clip_update
 
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import encode_record
-from .params import load_trainable, trainable_parameters
+from .params import ParameterIndex, load_trainable
 
 __all__ = ["ClientTask", "make_client_app", "pad_right_stacked", "train_round"]
 
@@ -133,6 +133,7 @@ class ClientTask:
     lean_fit: bool = True
     fast_collate: bool = True
     _loader: Any = field(default=None, init=False, repr=False, compare=False)
+    _index: ParameterIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if getattr(self.brain, "checkpointer", None) is not None:
@@ -218,19 +219,48 @@ def _stacked_padded_batch(examples: list[dict[str, Any]]) -> PaddedBatch:
     return PaddedBatch(examples, padding_func=pad_right_stacked, apply_default_convert=not tensors)
 
 
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` is a number, string, None or a tuple of those (safe to share)."""
+    if isinstance(value, tuple):
+        return all(_immutable(v) for v in value)
+    return value is None or type(value) in (bool, int, float, complex, str)
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Put the param groups' hyperparameters back to ``groups`` (as recorded at build time).
+
+    ``group.update(copy.deepcopy(initial))`` without the copy where none is needed: a value
+    that is still the recorded object is left, an immutable one (a number, string, None, a
+    tuple of those) is assigned as is, any other (a tensor learning rate, a list) is a fresh
+    deep copy, so the record is never shared with the optimiser. Keys added during a round
+    stay, as ``update`` leaves them.
+    """
+    for group, initial in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in initial.items():
+            if group.get(key, _immutable) is value and _immutable(value):
+                continue
+            group[key] = value if _immutable(value) else copy.deepcopy(value)
+
+
 @contextlib.contextmanager
-def _reset_optimizer(brain: sb.Brain) -> Iterator[None]:
+def _reset_optimizer(
+    brain: sb.Brain, parameters: list[torch.nn.Parameter] | None = None
+) -> Iterator[None]:
     """Reuse ``brain``'s optimiser across rounds, reset to its freshly built state.
 
     ``Brain.on_fit_start`` calls ``init_optimizers``; for a Brain with SpeechBrain's own
     ``init_optimizers`` the first call builds the optimiser as usual and records its param
     groups' hyperparameters; later calls clear its state and restore those hyperparameters
-    (a freshly built optimiser, without building one). Another ``init_optimizers`` runs as is.
+    (:func:`_restore_groups`: a freshly built optimiser, without building one), as long as
+    ``brain.modules.parameters()`` are the same tensors (``parameters``, when the caller has
+    listed them, e.g. a :class:`.params.ParameterIndex`). Another ``init_optimizers`` runs as is.
     """
     if type(brain).init_optimizers is not sb.Brain.init_optimizers or brain.opt_class is None:
         yield
         return
-    params = [id(p) for p in brain.modules.parameters()]
+    if parameters is None:
+        parameters = list(brain.modules.parameters())
+    params = [id(p) for p in parameters]
 
     def init_optimizers() -> None:
         saved = brain.__dict__.get("_sbfl_optimizer")
@@ -239,17 +269,17 @@ def _reset_optimizer(brain: sb.Brain) -> Iterator[None]:
             and saved[0] is getattr(brain, "optimizer", None)
             and saved[1] == params
         ):
-            optimizer, _, groups = saved
+            optimizer, _, groups, _ = saved
             optimizer.state.clear()
-            for group, initial in zip(optimizer.param_groups, groups, strict=True):
-                group.update(copy.deepcopy(initial))
+            _restore_groups(optimizer, groups)
             brain.optimizers_dict = {"opt_class": optimizer}
             return
         sb.Brain.init_optimizers(brain)
         groups = [
             {k: v for k, v in g.items() if k != "params"} for g in brain.optimizer.param_groups
         ]
-        brain._sbfl_optimizer = (brain.optimizer, params, copy.deepcopy(groups))
+        # the parameters are held, so their ids in ``params`` stay theirs
+        brain._sbfl_optimizer = (brain.optimizer, params, copy.deepcopy(groups), parameters)
 
     brain.init_optimizers = init_optimizers
     try:
@@ -522,8 +552,10 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     """
     config = content["config"]
     global_params = _global_tensors(content["arrays"])
-    params = trainable_parameters(task.brain.modules)
-    load_trainable(task.brain.modules, global_params)
+    if task._index is None:
+        task._index = ParameterIndex(task.brain.modules)
+    params, parameters = task._index.get()
+    load_trainable(task.brain.modules, global_params, own=params)
     _seed(int(config.get("round-seed", 0)) + int(partition_id))
     epochs = int(config.get("local-epochs", 1))
     # The round's position, for Brains whose schedules span the federated run (e.g. a cosine
@@ -535,7 +567,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     try:
         with (
             _record_stage_end(task.brain) as records,
-            _reset_optimizer(task.brain),
+            _reset_optimizer(task.brain, parameters),
             _skip_disabled_clipping(task.brain),
         ):
             _local_fit(task, _train_loader(task), epochs, lean_step=lean_step)
@@ -545,7 +577,8 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
                 for n, v in global_params.items()
             }
     finally:  # never keep local state between rounds
-        load_trainable(task.brain.modules, global_params)
+        # listed again (the index's check): a Brain may freeze or unfreeze during a round
+        load_trainable(task.brain.modules, global_params, own=task._index.get()[0])
     train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
     metrics: dict[str, Any] = {
         "num-examples": len(task.train_set),
