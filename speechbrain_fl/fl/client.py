@@ -510,6 +510,18 @@ def _global_tensors(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _difference(param: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """``param - start`` in float32 on the CPU: one new tensor (the reply's), no other copy.
+
+    ``param.detach().cpu().to(float32) - start.to(float32)``, whose conversions return their
+    input when ``param`` already is a float32 CPU tensor (the subtraction is then done
+    directly; under ``torch.no_grad`` no graph is recorded either way).
+    """
+    if param.dtype is torch.float32 and start.dtype is torch.float32 and param.device.type == "cpu":
+        return torch.sub(param, start)
+    return param.detach().cpu().to(torch.float32) - start.to(torch.float32)
+
+
 def _seed(seed: int) -> None:
     """Seed the CPU generator (and CUDA's when CUDA is available), as a round's training."""
     torch.default_generator.manual_seed(seed)
@@ -572,10 +584,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         ):
             _local_fit(task, _train_loader(task), epochs, lean_step=lean_step)
         with torch.no_grad():
-            delta = {
-                n: params[n].detach().cpu().to(torch.float32) - v.to(torch.float32)
-                for n, v in global_params.items()
-            }
+            delta = {n: _difference(params[n], v) for n, v in global_params.items()}
     finally:  # never keep local state between rounds
         # listed again (the index's check): a Brain may freeze or unfreeze during a round
         load_trainable(task.brain.modules, global_params, own=task._index.get()[0])

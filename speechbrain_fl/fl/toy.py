@@ -61,13 +61,12 @@ class ToyBrain(sb.Brain):
     """Linear regression Brain (MSE loss)."""
 
     def compute_forward(self, batch, stage):
-        """Predict y from x."""
-        batch = batch.to(self.device)
-        return self.modules.model(batch.x.data)
+        """Predict y from x (the inputs moved to the Brain's device)."""
+        return self.modules.model(batch.x.data.to(self.device))
 
     def compute_objectives(self, predictions, batch, stage):
-        """Mean squared error."""
-        return torch.nn.functional.mse_loss(predictions, batch.y.data)
+        """Mean squared error (the targets moved to the Brain's device)."""
+        return torch.nn.functional.mse_loss(predictions, batch.y.data.to(self.device))
 
 
 class _Examples(torch.utils.data.Dataset):
