@@ -59,6 +59,21 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   gradient clipping off) ``Brain.optimizers_step`` runs without its ``clip_grad_norm_``, which
   SpeechBrain 1.1 calls every step whatever the bound (a norm over every gradient, then a
   multiplication by 1.0): :func:`_unclipped_optimizers_step`, the same steps otherwise.
+- The training step in fp32: a Brain that keeps SpeechBrain's ``fit_batch`` and
+  ``optimizers_step`` (fp32, no gradient accumulation, no DDP) is stepped by
+  :func:`.lean_step.lean_fit_batch`: SpeechBrain 1.1's calls without the no-op ``no_sync``,
+  autocast and disabled-scaler calls, the loss's finiteness read once a step (for
+  ``check_loss_isfinite`` and the running average); any other Brain gets its ``fit_batch``.
+  The per-epoch ``zero_grad`` is left out where no optimised parameter has a gradient.
+- Collation without ``default_convert`` where every value is already a tensor (it returns
+  the same tensors); the toy dataset serves a batch with torch's ``__getitems__``.
+- The parameters are listed once per client (:class:`.params.ParameterIndex`, rebuilt when
+  the module's structure or a ``requires_grad`` changed), for the loads, the delta and the
+  optimiser's parameter check; the optimiser's hyperparameters are restored without deep
+  copies of immutable values (:func:`_restore_groups`); the delta is one subtraction.
+
+Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
+``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``.
 """
 
 from __future__ import annotations
