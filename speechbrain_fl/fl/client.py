@@ -130,8 +130,10 @@ class ClientTask:
     lean_fit : bool
         Train with :func:`lean_fit` (default, our choice) instead of ``brain.fit``: the same
         Brain hooks and arithmetic without ``Brain.fit``'s per-call overhead; a Brain that
-        needs ``Brain.fit`` (see :func:`lean_fit_applies`) gets it either way. ``False``
-        always calls ``brain.fit``.
+        needs ``Brain.fit`` (see :func:`lean_fit_applies`) gets it either way; its steps are
+        :func:`.lean_step.lean_fit_batch` where :func:`.lean_step.lean_fit_batch_applies`,
+        the Brain's ``fit_batch`` otherwise. ``False`` always calls ``brain.fit`` (with
+        SpeechBrain's ``fit_batch``).
     fast_collate : bool
         Where ``train_loader_kwargs["collate_fn"]`` is SpeechBrain's ``PaddedBatch`` itself,
         collate with ``PaddedBatch(examples, padding_func=pad_right_stacked)``: the same batch
