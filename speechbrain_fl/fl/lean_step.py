@@ -13,9 +13,9 @@ When it applies (:func:`lean_fit_batch_applies`): the Brain keeps SpeechBrain's 
 and ``optimizers_step`` (the class attributes are ``sb.Brain``'s, nothing in the instance
 ``__dict__``), trains in fp32 (``precision == "fp32"``, the scaler disabled, ``training_ctx``
 SpeechBrain's ``TorchAutocast`` with autocast off), ``grad_accumulation_factor == 1``, no DDP
-(no ``distributed_launch``, no module with ``require_backward_grad_sync``), on a SpeechBrain
-release in :data:`FIT_BATCH_RELEASES` (whose ``core.py`` this was read from). Otherwise the
-Brain's own ``fit_batch`` runs.
+(no ``distributed_launch``, no module of ``brain.modules`` with ``require_backward_grad_sync``,
+what ``Brain.no_sync`` looks for), on a SpeechBrain release in :data:`FIT_BATCH_RELEASES`
+(whose ``core.py`` this was read from). Otherwise the Brain's own ``fit_batch`` runs.
 
 What is identical (``tests/unit/test_fl_client_lean_step.py``: parameters bit for bit against
 ``brain.fit`` over several rounds, SGD and Adam, a Brain overriding ``compute_objectives``):
@@ -97,7 +97,7 @@ def lean_fit_batch_applies(brain: sb.Brain) -> bool:
         and isinstance(ctx.context, nullcontext)
         and getattr(brain, "grad_accumulation_factor", None) == 1
         and not getattr(brain, "distributed_launch", False)
-        and not any(hasattr(m, "require_backward_grad_sync") for m in brain.modules.modules())
+        and not any(hasattr(m, "require_backward_grad_sync") for m in brain.modules.values())
     )
 
 
