@@ -239,3 +239,19 @@ def test_an_instance_level_fit_batch_or_optimizers_step_is_kept():
         assert not lean_fit_batch_applies(client.brain), name
         delattr(client.brain, name)
     assert lean_fit_batch_applies(client.brain)
+
+
+def test_epoch_start_zero_grad_runs_when_a_gradient_is_there(monkeypatch):
+    """The per-epoch zero_grad is left out only where it does nothing: a gradient left by a
+    hook is zeroed as by Brain.fit (else the first step would add it)."""
+
+    class LeavesGradients(Recording):
+        def on_stage_start(self, stage, epoch=None):
+            for p in self.modules.parameters():
+                p.grad = torch.ones_like(p)
+
+    expected = _speechbrains(monkeypatch, _client(LeavesGradients, "sgd"))
+    _same(_rounds(_client(LeavesGradients, "sgd")), expected)
+    with pytest.raises(AssertionError):  # the comparison sees a skipped zero_grad
+        monkeypatch.setattr(client_module, "_zero_grad", lambda brain, set_to_none: None)
+        _same(_rounds(_client(LeavesGradients, "sgd")), expected)
