@@ -138,8 +138,9 @@ class ClientTask:
         Where ``train_loader_kwargs["collate_fn"]`` is SpeechBrain's ``PaddedBatch`` itself,
         collate with ``PaddedBatch(examples, padding_func=pad_right_stacked)``: the same batch
         (:func:`pad_right_stacked` stacks a key whose tensors all have one shape, the case where
-        ``batch_pad_right``'s padding is a no-op, and calls ``batch_pad_right`` otherwise).
-        ``False`` keeps the collate function as given.
+        ``batch_pad_right``'s padding is a no-op, and calls ``batch_pad_right`` otherwise),
+        with ``apply_default_convert=False`` where every value is already a tensor
+        (:func:`_stacked_padded_batch`). ``False`` keeps the collate function as given.
     """
 
     brain: sb.Brain
