@@ -497,16 +497,26 @@ def _local_fit(
     task: ClientTask, train_loader: Any, epochs: int, *, lean_step: bool = False
 ) -> None:
     """One round's local training: :func:`lean_fit` where it applies (a DataLoader or
-    LoopedLoader, which ``Brain.fit`` would use as is), with :func:`.lean_step.lean_fit_batch`
-    when ``lean_step``, else ``brain.fit``."""
+    LoopedLoader, which ``Brain.fit`` would use as is), else ``brain.fit``; with ``lean_step``
+    (checked by the caller: :func:`.lean_step.lean_fit_batch_applies`) the steps are
+    :func:`.lean_step.lean_fit_batch` in both (for ``brain.fit``, as the Brain's ``fit_batch``
+    for this call only, so a Brain with its own ``on_fit_start``, e.g. SUPERB's, steps lean)."""
+    brain = task.brain
     if (
         task.lean_fit
         and isinstance(train_loader, (torch.utils.data.DataLoader, LoopedLoader))
-        and lean_fit_applies(task.brain)
+        and lean_fit_applies(brain)
     ):
-        lean_fit(task.brain, train_loader, epochs, lean_step=lean_step)
-    else:
-        task.brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+        lean_fit(brain, train_loader, epochs, lean_step=lean_step)
+        return
+    if not lean_step:
+        brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+        return
+    brain.fit_batch = lambda batch: lean_fit_batch(brain, batch)[0]
+    try:
+        brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+    finally:
+        del brain.fit_batch  # back to the class method
 
 
 # The last round's decoded global tensors: (names, the Arrays' bytes objects, tensors).

@@ -255,3 +255,25 @@ def test_epoch_start_zero_grad_runs_when_a_gradient_is_there(monkeypatch):
     with pytest.raises(AssertionError):  # the comparison sees a skipped zero_grad
         monkeypatch.setattr(client_module, "_zero_grad", lambda brain, set_to_none: None)
         _same(_rounds(_client(LeavesGradients, "sgd")), expected)
+
+
+def test_a_brain_needing_brain_fit_steps_lean_inside_it(monkeypatch):
+    """A Brain with its own on_fit_start (SUPERB's) runs Brain.fit; its steps are the lean
+    ones, bit for bit SpeechBrain's, and its fit_batch is the class's again afterwards."""
+
+    class OwnFitStart(Recording):
+        def on_fit_start(self):
+            self.calls.append(("fit_start", self.optimizer_step))
+            super().on_fit_start()
+
+    expected = _speechbrains(monkeypatch, reference := _client(OwnFitStart))
+    steps = []
+    real = lean_step_module.lean_fit_batch
+    monkeypatch.setattr(
+        client_module, "lean_fit_batch", lambda b, x: (steps.append(b.step), real(b, x))[1]
+    )
+    lean = _client(OwnFitStart)
+    assert not client_module.lean_fit_applies(lean.brain) and lean_fit_batch_applies(lean.brain)
+    _same(_rounds(lean), expected)
+    assert lean.brain.calls == reference.brain.calls
+    assert len(steps) == 3 * 2 * 4 and "fit_batch" not in lean.brain.__dict__
