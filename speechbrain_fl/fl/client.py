@@ -59,6 +59,21 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   gradient clipping off) ``Brain.optimizers_step`` runs without its ``clip_grad_norm_``, which
   SpeechBrain 1.1 calls every step whatever the bound (a norm over every gradient, then a
   multiplication by 1.0): :func:`_unclipped_optimizers_step`, the same steps otherwise.
+- The training step in fp32: a Brain that keeps SpeechBrain's ``fit_batch`` and
+  ``optimizers_step`` (fp32, no gradient accumulation, no DDP) is stepped by
+  :func:`.lean_step.lean_fit_batch`: SpeechBrain 1.1's calls without the no-op ``no_sync``,
+  autocast and disabled-scaler calls, the loss's finiteness read once a step (for
+  ``check_loss_isfinite`` and the running average); any other Brain gets its ``fit_batch``.
+  The per-epoch ``zero_grad`` is left out where no optimised parameter has a gradient.
+- Collation without ``default_convert`` where every value is already a tensor (it returns
+  the same tensors); the toy dataset serves a batch with torch's ``__getitems__``.
+- The parameters are listed once per client (:class:`.params.ParameterIndex`, rebuilt when
+  the module's structure or a ``requires_grad`` changed), for the loads, the delta and the
+  optimiser's parameter check; the optimiser's hyperparameters are restored without deep
+  copies of immutable values (:func:`_restore_groups`); the delta is one subtraction.
+
+Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
+``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``.
 """
 
 from __future__ import annotations
@@ -83,8 +98,9 @@ from speechbrain.utils.data_utils import batch_pad_right
 
 from speechbrain_fl.privacy import Layout, clip_update
 
+from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import encode_record
-from .params import load_trainable, trainable_parameters
+from .params import ParameterIndex, load_trainable
 
 __all__ = ["ClientTask", "make_client_app", "pad_right_stacked", "train_round"]
 
@@ -114,14 +130,17 @@ class ClientTask:
     lean_fit : bool
         Train with :func:`lean_fit` (default, our choice) instead of ``brain.fit``: the same
         Brain hooks and arithmetic without ``Brain.fit``'s per-call overhead; a Brain that
-        needs ``Brain.fit`` (see :func:`lean_fit_applies`) gets it either way. ``False``
-        always calls ``brain.fit``.
+        needs ``Brain.fit`` (see :func:`lean_fit_applies`) gets it either way; its steps are
+        :func:`.lean_step.lean_fit_batch` where :func:`.lean_step.lean_fit_batch_applies`,
+        the Brain's ``fit_batch`` otherwise. ``False`` always calls ``brain.fit`` (with
+        SpeechBrain's ``fit_batch``).
     fast_collate : bool
         Where ``train_loader_kwargs["collate_fn"]`` is SpeechBrain's ``PaddedBatch`` itself,
         collate with ``PaddedBatch(examples, padding_func=pad_right_stacked)``: the same batch
         (:func:`pad_right_stacked` stacks a key whose tensors all have one shape, the case where
-        ``batch_pad_right``'s padding is a no-op, and calls ``batch_pad_right`` otherwise).
-        ``False`` keeps the collate function as given.
+        ``batch_pad_right``'s padding is a no-op, and calls ``batch_pad_right`` otherwise),
+        with ``apply_default_convert=False`` where every value is already a tensor
+        (:func:`_stacked_padded_batch`). ``False`` keeps the collate function as given.
     """
 
     brain: sb.Brain
@@ -132,6 +151,7 @@ class ClientTask:
     lean_fit: bool = True
     fast_collate: bool = True
     _loader: Any = field(default=None, init=False, repr=False, compare=False)
+    _index: ParameterIndex | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if getattr(self.brain, "checkpointer", None) is not None:
@@ -206,23 +226,59 @@ def pad_right_stacked(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch
 
 
 def _stacked_padded_batch(examples: list[dict[str, Any]]) -> PaddedBatch:
-    """``PaddedBatch(examples)`` with :func:`pad_right_stacked` as its padding function."""
-    return PaddedBatch(examples, padding_func=pad_right_stacked)
+    """``PaddedBatch(examples)`` with :func:`pad_right_stacked` as its padding function.
+
+    Where every value of every example is a tensor, ``PaddedBatch``'s ``default_convert``
+    (torch's NumPy-to-tensor conversion, one recursive call per example and key) returns a new
+    list of the same tensors, so it is switched off (``apply_default_convert=False``): the same
+    batch, without the calls.
+    """
+    tensors = all(isinstance(v, torch.Tensor) for example in examples for v in example.values())
+    return PaddedBatch(examples, padding_func=pad_right_stacked, apply_default_convert=not tensors)
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` is a number, string, None or a tuple of those (safe to share)."""
+    if isinstance(value, tuple):
+        return all(_immutable(v) for v in value)
+    return value is None or type(value) in (bool, int, float, complex, str)
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Put the param groups' hyperparameters back to ``groups`` (as recorded at build time).
+
+    ``group.update(copy.deepcopy(initial))`` without the copy where none is needed: a value
+    that is still the recorded object is left, an immutable one (a number, string, None, a
+    tuple of those) is assigned as is, any other (a tensor learning rate, a list) is a fresh
+    deep copy, so the record is never shared with the optimiser. Keys added during a round
+    stay, as ``update`` leaves them.
+    """
+    for group, initial in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in initial.items():
+            if group.get(key, _immutable) is value and _immutable(value):
+                continue
+            group[key] = value if _immutable(value) else copy.deepcopy(value)
 
 
 @contextlib.contextmanager
-def _reset_optimizer(brain: sb.Brain) -> Iterator[None]:
+def _reset_optimizer(
+    brain: sb.Brain, parameters: list[torch.nn.Parameter] | None = None
+) -> Iterator[None]:
     """Reuse ``brain``'s optimiser across rounds, reset to its freshly built state.
 
     ``Brain.on_fit_start`` calls ``init_optimizers``; for a Brain with SpeechBrain's own
     ``init_optimizers`` the first call builds the optimiser as usual and records its param
     groups' hyperparameters; later calls clear its state and restore those hyperparameters
-    (a freshly built optimiser, without building one). Another ``init_optimizers`` runs as is.
+    (:func:`_restore_groups`: a freshly built optimiser, without building one), as long as
+    ``brain.modules.parameters()`` are the same tensors (``parameters``, when the caller has
+    listed them, e.g. a :class:`.params.ParameterIndex`). Another ``init_optimizers`` runs as is.
     """
     if type(brain).init_optimizers is not sb.Brain.init_optimizers or brain.opt_class is None:
         yield
         return
-    params = [id(p) for p in brain.modules.parameters()]
+    if parameters is None:
+        parameters = list(brain.modules.parameters())
+    params = [id(p) for p in parameters]
 
     def init_optimizers() -> None:
         saved = brain.__dict__.get("_sbfl_optimizer")
@@ -231,17 +287,17 @@ def _reset_optimizer(brain: sb.Brain) -> Iterator[None]:
             and saved[0] is getattr(brain, "optimizer", None)
             and saved[1] == params
         ):
-            optimizer, _, groups = saved
+            optimizer, _, groups, _ = saved
             optimizer.state.clear()
-            for group, initial in zip(optimizer.param_groups, groups, strict=True):
-                group.update(copy.deepcopy(initial))
+            _restore_groups(optimizer, groups)
             brain.optimizers_dict = {"opt_class": optimizer}
             return
         sb.Brain.init_optimizers(brain)
         groups = [
             {k: v for k, v in g.items() if k != "params"} for g in brain.optimizer.param_groups
         ]
-        brain._sbfl_optimizer = (brain.optimizer, params, copy.deepcopy(groups))
+        # the parameters are held, so their ids in ``params`` stay theirs
+        brain._sbfl_optimizer = (brain.optimizer, params, copy.deepcopy(groups), parameters)
 
     brain.init_optimizers = init_optimizers
     try:
@@ -348,7 +404,7 @@ def lean_fit_applies(brain: sb.Brain) -> bool:
     )
 
 
-def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
+def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool = False) -> None:
     """``brain.fit(range(1, epochs + 1), train_loader, progressbar=False)`` without its
     per-call overhead, for a Brain where :func:`lean_fit_applies`.
 
@@ -375,12 +431,19 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
         The client's training loader (not a Dataset).
     epochs : int
         Local epochs (1, 2, ..., ``epochs``).
+    lean_step : bool
+        Train each batch with :func:`.lean_step.lean_fit_batch` instead of
+        ``brain.fit_batch`` (the caller checked :func:`.lean_step.lean_fit_batch_applies`
+        before anything was put in the Brain's ``__dict__``). With SpeechBrain's
+        ``update_average``, the running loss is then its arithmetic on the step's
+        ``loss.item()`` (one finiteness check a step instead of two).
     """
     brain.init_optimizers()  # on_fit_start with no compile, wrapping or checkpointer
+    own_average = not is_speechbrains_method(brain, "update_average")
     for epoch in range(1, epochs + 1):
         brain.on_stage_start(sb.Stage.TRAIN, epoch)
         brain.modules.train()
-        brain.zero_grad()
+        _zero_grad(brain, set_to_none=False)
         brain.nonfinite_count = 0
         sampler = brain.train_sampler
         if sampler is not None and hasattr(sampler, "set_epoch"):
@@ -389,11 +452,22 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
             if brain._optimizer_step_limit_exceeded:
                 break
             brain.step += 1
-            loss = brain.fit_batch(batch)
-            brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
+            if not lean_step:
+                loss = brain.fit_batch(batch)
+                brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
+            elif own_average:
+                loss, _ = lean_fit_batch(brain, batch)
+                brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
+            else:  # SpeechBrain's update_average on float(loss), its finiteness read once
+                _, value = lean_fit_batch(brain, batch)
+                if math.isfinite(value):
+                    avg = brain.avg_train_loss
+                    avg -= avg / brain.step
+                    avg += value / brain.step
+                    brain.avg_train_loss = avg
             if brain.debug and brain.step == brain.debug_batches:
                 break
-        brain.zero_grad(set_to_none=True)
+        _zero_grad(brain, set_to_none=True)
         brain.on_stage_end(sb.Stage.TRAIN, brain.avg_train_loss, epoch)
         brain.avg_train_loss = 0.0
         brain.step = 0
@@ -401,17 +475,48 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
             break
 
 
-def _local_fit(task: ClientTask, train_loader: Any, epochs: int) -> None:
+def _zero_grad(brain: sb.Brain, *, set_to_none: bool) -> None:
+    """``brain.zero_grad(set_to_none)``, left out where it does nothing: SpeechBrain's
+    ``zero_grad`` and ``freeze_optimizers`` and no gradient on any optimised parameter (after
+    ``zero_grad(set_to_none=True)`` of the last step, or before the first backward)."""
+    if is_speechbrains_method(brain, "zero_grad") and is_speechbrains_method(
+        brain, "freeze_optimizers"
+    ):
+        if brain.optimizers_dict is not None:
+            optimizers = list(brain.optimizers_dict.values())
+        elif brain.opt_class is not None:
+            optimizers = [brain.optimizer]
+        else:
+            return
+        if all(p.grad is None for o in optimizers for g in o.param_groups for p in g["params"]):
+            return
+    brain.zero_grad(set_to_none=set_to_none)
+
+
+def _local_fit(
+    task: ClientTask, train_loader: Any, epochs: int, *, lean_step: bool = False
+) -> None:
     """One round's local training: :func:`lean_fit` where it applies (a DataLoader or
-    LoopedLoader, which ``Brain.fit`` would use as is), else ``brain.fit``."""
+    LoopedLoader, which ``Brain.fit`` would use as is), else ``brain.fit``; with ``lean_step``
+    (checked by the caller: :func:`.lean_step.lean_fit_batch_applies`) the steps are
+    :func:`.lean_step.lean_fit_batch` in both (for ``brain.fit``, as the Brain's ``fit_batch``
+    for this call only, so a Brain with its own ``on_fit_start``, e.g. SUPERB's, steps lean)."""
+    brain = task.brain
     if (
         task.lean_fit
         and isinstance(train_loader, (torch.utils.data.DataLoader, LoopedLoader))
-        and lean_fit_applies(task.brain)
+        and lean_fit_applies(brain)
     ):
-        lean_fit(task.brain, train_loader, epochs)
-    else:
-        task.brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+        lean_fit(brain, train_loader, epochs, lean_step=lean_step)
+        return
+    if not lean_step:
+        brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+        return
+    brain.fit_batch = lambda batch: lean_fit_batch(brain, batch)[0]
+    try:
+        brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+    finally:
+        del brain.fit_batch  # back to the class method
 
 
 # The last round's decoded global tensors: (names, the Arrays' bytes objects, tensors).
@@ -431,6 +536,18 @@ def _global_tensors(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
     tensors = arrays.to_torch_state_dict()
     _DECODED[:] = [names, payload, tensors]  # keeps the bytes alive, so their ids stay unique
     return tensors
+
+
+def _difference(param: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """``param - start`` in float32 on the CPU: one new tensor (the reply's), no other copy.
+
+    ``param.detach().cpu().to(float32) - start.to(float32)``, whose conversions return their
+    input when ``param`` already is a float32 CPU tensor (the subtraction is then done
+    directly; under ``torch.no_grad`` no graph is recorded either way).
+    """
+    if param.dtype is torch.float32 and start.dtype is torch.float32 and param.device.type == "cpu":
+        return torch.sub(param, start)
+    return param.detach().cpu().to(torch.float32) - start.to(torch.float32)
 
 
 def _seed(seed: int) -> None:
@@ -475,28 +592,30 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     """
     config = content["config"]
     global_params = _global_tensors(content["arrays"])
-    params = trainable_parameters(task.brain.modules)
-    load_trainable(task.brain.modules, global_params)
+    if task._index is None:
+        task._index = ParameterIndex(task.brain.modules)
+    params, parameters = task._index.get()
+    load_trainable(task.brain.modules, global_params, own=params)
     _seed(int(config.get("round-seed", 0)) + int(partition_id))
     epochs = int(config.get("local-epochs", 1))
     # The round's position, for Brains whose schedules span the federated run (e.g. a cosine
     # learning-rate decay over rounds read in ``init_optimizers``).
     task.brain.fl_round = int(config.get("server-round", 1))
     task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
+    # checked before the contexts below put methods in the Brain's __dict__
+    lean_step = task.lean_fit and lean_fit_batch_applies(task.brain)
     try:
         with (
             _record_stage_end(task.brain) as records,
-            _reset_optimizer(task.brain),
+            _reset_optimizer(task.brain, parameters),
             _skip_disabled_clipping(task.brain),
         ):
-            _local_fit(task, _train_loader(task), epochs)
+            _local_fit(task, _train_loader(task), epochs, lean_step=lean_step)
         with torch.no_grad():
-            delta = {
-                n: params[n].detach().cpu().to(torch.float32) - v.to(torch.float32)
-                for n, v in global_params.items()
-            }
+            delta = {n: _difference(params[n], v) for n, v in global_params.items()}
     finally:  # never keep local state between rounds
-        load_trainable(task.brain.modules, global_params)
+        # listed again (the index's check): a Brain may freeze or unfreeze during a round
+        load_trainable(task.brain.modules, global_params, own=task._index.get()[0])
     train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
     metrics: dict[str, Any] = {
         "num-examples": len(task.train_set),

@@ -15,7 +15,13 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["load_trainable", "params_fingerprint", "trainable_parameters", "trainable_state"]
+__all__ = [
+    "ParameterIndex",
+    "load_trainable",
+    "params_fingerprint",
+    "trainable_parameters",
+    "trainable_state",
+]
 
 
 def trainable_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -44,8 +50,70 @@ def trainable_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in trainable_parameters(module).items()}
 
 
+class ParameterIndex:
+    """A module's parameters, listed once and listed again only when its structure changed.
+
+    :meth:`get` returns ``(trainable_parameters(module), list(module.parameters()))`` as they
+    are now. They are rebuilt by walking the module (``named_parameters``) when the structure
+    signature changed since the last walk: for every submodule of that walk, its children and
+    its parameters (by identity, so a replaced, added or removed submodule or parameter
+    counts) and each parameter's ``requires_grad`` (a frozen or unfrozen tensor counts). The
+    index holds the objects it compared, so an identity cannot be reused by a new object.
+    Checking the signature reads each submodule's ``_modules`` and ``_parameters`` dicts,
+    without ``named_modules``' recursive generators and name strings: the per-round listing a
+    client makes three times a round (before training, for the delta, after the reset).
+
+    Example
+    -------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    >>> index = ParameterIndex(net)
+    >>> trainable, params = index.get()
+    >>> sorted(trainable), len(params)
+    (['0.bias', '0.weight', '1.bias', '1.weight'], 4)
+    >>> _ = net[0].requires_grad_(False)
+    >>> sorted(index.get()[0])
+    ['1.bias', '1.weight']
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._modules: list[torch.nn.Module] = []
+        self._held: list[object] = []
+        self._signature: list[object] = []
+        self._trainable: dict[str, torch.nn.Parameter] = {}
+        self._parameters: list[torch.nn.Parameter] = []
+
+    def _current(self) -> list[object]:
+        signature: list[object] = []
+        for m in self._modules:
+            signature.append(len(m._modules))
+            signature.extend(map(id, m._modules.values()))
+            signature.append(len(m._parameters))
+            for p in m._parameters.values():
+                signature.append(id(p))
+                signature.append(p is not None and p.requires_grad)
+        return signature
+
+    def get(self) -> tuple[dict[str, torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """``(trainable_parameters(module), list(module.parameters()))`` (see the class)."""
+        if not self._modules or self._current() != self._signature:
+            named = list(self.module.named_parameters())
+            self._trainable = {n: p for n, p in named if p.requires_grad}
+            self._parameters = [p for _, p in named]
+            self._modules = list(self.module.modules())
+            self._held = [
+                v for m in self._modules for d in (m._modules, m._parameters) for v in d.values()
+            ]
+            self._signature = self._current()
+        return self._trainable, self._parameters
+
+
 def load_trainable(
-    module: torch.nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = False
+    module: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = False,
+    own: Mapping[str, torch.nn.Parameter] | None = None,
 ) -> None:
     """Copy ``state`` into the trainable parameters of ``module`` (device and dtype kept).
 
@@ -58,6 +126,9 @@ def load_trainable(
     strict : bool
         Also require every trainable parameter to be in ``state`` (a whole checkpoint, not a
         partial update).
+    own : mapping of str to Parameter, optional
+        ``trainable_parameters(module)`` when the caller has it (e.g. from a
+        :class:`ParameterIndex`); listed from ``module`` otherwise.
 
     Raises
     ------
@@ -72,7 +143,8 @@ def load_trainable(
     >>> lin.bias.item()
     1.0
     """
-    own = trainable_parameters(module)
+    if own is None:
+        own = trainable_parameters(module)
     unknown = sorted(set(state) - set(own))
     missing = sorted(set(own) - set(state)) if strict else []
     if unknown or missing:

@@ -61,24 +61,55 @@ class ToyBrain(sb.Brain):
     """Linear regression Brain (MSE loss)."""
 
     def compute_forward(self, batch, stage):
-        """Predict y from x."""
-        batch = batch.to(self.device)
-        return self.modules.model(batch.x.data)
+        """Predict y from x (the inputs moved to the Brain's device)."""
+        return self.modules.model(batch.x.data.to(self.device))
 
     def compute_objectives(self, predictions, batch, stage):
-        """Mean squared error."""
-        return torch.nn.functional.mse_loss(predictions, batch.y.data)
+        """Mean squared error (the targets moved to the Brain's device)."""
+        return torch.nn.functional.mse_loss(predictions, batch.y.data.to(self.device))
 
 
 class _Examples(torch.utils.data.Dataset):
+    """Examples ``{"x": x[i], "y": y[i]}`` of two tensors.
+
+    The rows are the views ``x.unbind(0)``, made when ``x`` (or ``y``) is set (``x[i]`` is the
+    same view: the same storage, offset and strides), so an example is two tuple look-ups
+    instead of two tensor indexing calls; ``__getitems__`` is torch's batched protocol
+    (``DataLoader`` fetches a batch's examples in one call), the same examples in the same order.
+    """
+
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if len(x) != len(y):
+            raise ValueError(f"toy examples: {len(x)} inputs but {len(y)} targets")
         self.x, self.y = x, y
 
+    @property
+    def x(self) -> torch.Tensor:
+        """The inputs, one row per example."""
+        return self._x
+
+    @x.setter
+    def x(self, value: torch.Tensor) -> None:
+        self._x, self._xs = value, value.unbind(0)
+
+    @property
+    def y(self) -> torch.Tensor:
+        """The targets, one row per example."""
+        return self._y
+
+    @y.setter
+    def y(self, value: torch.Tensor) -> None:
+        self._y, self._ys = value, value.unbind(0)
+
     def __len__(self) -> int:
-        return len(self.x)
+        return len(self._xs)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i], "y": self.y[i]}
+        return {"x": self._xs[i], "y": self._ys[i]}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        xs, ys = self._xs, self._ys
+        return [{"x": xs[i], "y": ys[i]} for i in indices]
 
 
 def _data(settings: dict[str, Any], seed: int, count: int) -> _Examples:

@@ -12,6 +12,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from speechbrain_fl.fl import client as client_module
+from speechbrain_fl.fl import lean_step as lean_step_module
 from speechbrain_fl.fl.client import train_round
 from speechbrain_fl.fl.params import trainable_state
 from speechbrain_fl.fl.toy import toy_client, toy_settings
@@ -53,14 +54,22 @@ def clip_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("lean_step", [True, False])
 @pytest.mark.parametrize("adam", [True, False])
-def test_infinite_bound_skips_clip_grad_norm_bit_identically(monkeypatch, clip_calls, adam):
+def test_infinite_bound_skips_clip_grad_norm_bit_identically(
+    monkeypatch, clip_calls, adam, lean_step
+):
+    """Both paths without the clip: the lean fit_batch (speechbrain_fl/fl/lean_step.py) and
+    SpeechBrain's fit_batch with :func:`client._unclipped_optimizers_step` (Brain.fit)."""
     monkeypatch.setattr(client_module, "_OPTIMIZERS_STEP_RELEASES", ("no such release",))
-    expected = _rounds(_client(math.inf, adam))  # SpeechBrain's own optimizers_step
+    monkeypatch.setattr(lean_step_module, "FIT_BATCH_RELEASES", ("no such release",))
+    expected = _rounds(_client(math.inf, adam))  # SpeechBrain's own fit_batch, optimizers_step
     assert clip_calls and all(math.isinf(c) for c in clip_calls)
     monkeypatch.undo()
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", _fail)
     client = _client(math.inf, adam)
+    client.lean_fit = lean_step  # False: Brain.fit, SpeechBrain's fit_batch
+    assert lean_step_module.lean_fit_batch_applies(client.brain)
     got = _rounds(client)
     for (update_a, loss_a), (update_b, loss_b) in zip(got, expected, strict=True):
         assert loss_a == loss_b

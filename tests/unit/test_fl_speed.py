@@ -250,10 +250,10 @@ def test_lean_loop_comparison_catches_a_wrong_loop(monkeypatch):
     expected = _two_rounds(_recording_client(False, []))
     real = client_module.lean_fit
 
-    def without_set_epoch(brain, loader, epochs):
+    def without_set_epoch(brain, loader, epochs, **kwargs):
         sampler, brain.train_sampler = brain.train_sampler, None
         try:
-            real(brain, loader, epochs)
+            real(brain, loader, epochs, **kwargs)
         finally:
             brain.train_sampler = sampler
 
