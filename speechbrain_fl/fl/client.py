@@ -98,6 +98,7 @@ from speechbrain.utils.data_utils import batch_pad_right
 
 from speechbrain_fl.privacy import Layout, clip_update
 
+from ..utils.gc_freeze import refreeze
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import encode_record
 from .params import ParameterIndex, load_trainable
@@ -678,6 +679,7 @@ def make_client_app(
     app = ClientApp()
     shared_key = getattr(build_client, "cache_key", None)
     own_cache: OrderedDict[Any, ClientTask] = OrderedDict()
+    evictions = [0]
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -686,12 +688,18 @@ def make_client_app(
         # _process_cache is found by name in the worker (pickled by reference), so it is the
         # worker's own dict; a dict captured here would be pickled along with the app.
         cache = _process_cache() if shared_key is not None else own_cache
-        if key not in cache:
+        built = key not in cache
+        if built:
             while len(cache) >= max(1, cache_size):
                 cache.popitem(last=False)
+                evictions[0] += 1
             cache[key] = build_client(context)
         cache.move_to_end(key)
         content = train_round(cache[key], msg.content, partition_id=partition_id)
+        if built and not evictions[0]:
+            # kept to the run's end: out of the collector's full scans inside the local
+            # backend's frozen_heap (nothing outside it); never once a client was evicted
+            refreeze()
         content["metrics"]["partition-id"] = partition_id
         return Message(content=content, reply_to=msg)
 
