@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .layerwise import RULES as LAYERWISE_RULES
@@ -41,6 +42,28 @@ __all__ = [
 AggregationRule = Callable[..., dict[str, torch.Tensor]]
 
 
+#: Dtypes accumulated through NumPy (:func:`_add_weighted`); others (bfloat16) through torch.
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def _add_weighted(
+    total: torch.Tensor, tensor: torch.Tensor, weight: float, scratch: torch.Tensor
+) -> None:
+    """``total += tensor.to(float64) * weight`` in place, the same two roundings (the product
+    in float64, then the sum), ``scratch`` a float64 buffer of ``tensor``'s shape.
+
+    On CPU, NumPy's ``multiply(..., dtype=float64)`` casts (exactly) and multiplies in one
+    pass, where torch's ``copy_`` then ``mul_`` make two: one pass over the update fewer.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES and type(weight) is float:
+        out = scratch.numpy()
+        np.multiply(tensor.numpy(), weight, out=out, dtype=np.float64)
+        np.add(total.numpy(), out, out=total.numpy())
+    else:
+        total.add_(scratch.copy_(tensor).mul_(weight))
+
+
 def _weighted_sum(
     updates: Sequence[ClientUpdate], weights: Sequence[float]
 ) -> dict[str, torch.Tensor]:
@@ -55,7 +78,7 @@ def _weighted_sum(
                 continue
             if name not in scratch:
                 scratch[name] = torch.empty(tensor.shape, dtype=torch.float64)
-            total[name].add_(scratch[name].copy_(tensor.detach()).mul_(weight))
+            _add_weighted(total[name], tensor, weight, scratch[name])
     return total
 
 
