@@ -15,13 +15,19 @@ per ``(dtype, shape)`` by ``np.save`` itself and reused:
   and values, when the bytes are exactly the cached header of the declared dtype and shape
   followed by that many bytes of data; any other bytes (another header, a wrong length, a
   corrupt or foreign payload) go through ``Array.numpy()``, so what it accepts and rejects is
-  unchanged. The array it returns is a read-only view of the message's bytes.
+  unchanged. The array it returns is a read-only view of the message's bytes. What it derives
+  from the declared ``(dtype, shape)`` (the NumPy dtype, the header, the element count) is
+  cached per pair too.
+- :func:`decode_record` is ``ArrayRecord.to_torch_state_dict()`` on :func:`decode`: writable
+  tensors, one copy each (the server decodes the global arrays with it every round).
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import math
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
@@ -29,7 +35,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
-__all__ = ["decode", "encode", "encode_record"]
+__all__ = ["decode", "decode_record", "encode", "encode_record"]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -80,6 +86,23 @@ def encode_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord({name: encode(t) for name, t in tensors.items()})
 
 
+@functools.lru_cache(maxsize=1024)
+def _layout(dtype: str, shape: tuple) -> tuple[np.dtype, tuple[int, ...], bytes, int] | None:
+    """``(dtype, shape, header, count)`` of the ``.npy`` bytes of a C-ordered array of
+    ``dtype`` and ``shape`` (an ``Array``'s declared fields), or ``None`` when the fast path of
+    :func:`decode` does not apply (another dtype kind, a negative or non-integer size)."""
+    try:
+        descr = np.dtype(dtype)
+        dims = tuple(int(n) for n in shape)
+        if descr.kind not in _KINDS or any(n < 0 for n in dims):
+            return None
+        header = _header(descr.str, dims)
+        count = math.prod(dims)
+        return descr, dims, header, count
+    except (TypeError, ValueError, OverflowError, MemoryError):
+        return None  # not a dtype/shape this fast path knows: Flower's own decoding decides
+
+
 def decode(array: Array) -> np.ndarray:
     """``array.numpy()``: a view of the data after a known header, else Flower's ``np.load``.
 
@@ -89,18 +112,34 @@ def decode(array: Array) -> np.ndarray:
     >>> np.array_equal(decode(a), a.numpy()), decode(a).dtype
     (True, dtype('float32'))
     """
-    try:
-        if array.stype == SType.NUMPY and isinstance(array.data, bytes):
-            dtype = np.dtype(array.dtype)
-            shape = tuple(int(n) for n in array.shape)
-            if dtype.kind in _KINDS and all(n >= 0 for n in shape):
-                header = _header(dtype.str, shape)
-                count = int(np.prod(shape, dtype=np.int64))
-                data = array.data
-                if len(data) == len(header) + count * dtype.itemsize and data.startswith(header):
-                    return np.frombuffer(
-                        data, dtype=dtype, count=count, offset=len(header)
-                    ).reshape(shape)
-    except (TypeError, ValueError, OverflowError, MemoryError):
-        pass  # not a dtype/shape this fast path knows: Flower's own decoding below decides
+    if array.stype == SType.NUMPY and isinstance(array.data, bytes):
+        try:
+            layout = _layout(array.dtype, array.shape)
+        except TypeError:  # an unhashable dtype or shape
+            layout = None
+        if layout is not None:
+            dtype, shape, header, count = layout
+            data = array.data
+            if len(data) == len(header) + count * dtype.itemsize and data.startswith(header):
+                view = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
+                return view.reshape(shape)
     return array.numpy()
+
+
+def decode_record(arrays: ArrayRecord) -> OrderedDict[str, torch.Tensor]:
+    """``arrays.to_torch_state_dict()``: writable tensors of the same dtypes, shapes, values.
+
+    One copy of each array (of the read-only view :func:`decode` returns; ``np.load``'s own
+    result, already a fresh array, is used as it is), without ``np.load``'s header parsing.
+
+    Example
+    -------
+    >>> record = encode_record({"w": torch.arange(4.0)})
+    >>> decode_record(record)["w"].tolist() == record.to_torch_state_dict()["w"].tolist()
+    True
+    """
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, array in arrays.items():
+        ndarray = decode(array)
+        out[name] = torch.from_numpy(ndarray if ndarray.flags.writeable else ndarray.copy())
+    return out
