@@ -104,20 +104,26 @@ def _copy(value: Any, memo: dict[int, Any]) -> Any:
     if cls in STRUCTURAL:
         new = cls.__new__(cls)
         memo[key] = new
-        new.__dict__.update({k: _copy(v, memo) for k, v in value.__dict__.items()})
+        new.__dict__.update(
+            {k: v if type(v) in _ATOMIC else _copy(v, memo) for k, v in value.__dict__.items()}
+        )
     elif cls is dict:
         new = {}
         memo[key] = new
         for k, v in value.items():
-            new[_copy(k, memo)] = _copy(v, memo)
+            new[k if type(k) in _ATOMIC else _copy(k, memo)] = (
+                v if type(v) in _ATOMIC else _copy(v, memo)
+            )
     elif cls is list:
         new = []
         memo[key] = new
-        new.extend(_copy(v, memo) for v in value)
+        new.extend(v if type(v) in _ATOMIC else _copy(v, memo) for v in value)
     elif cls is tuple:
+        if all(type(v) in _ATOMIC for v in value):
+            return value  # deepcopy returns a tuple of unchanged items as it is
         items = tuple(_copy(v, memo) for v in value)
         if all(a is b for a, b in zip(items, value, strict=True)):
-            return value  # deepcopy returns a tuple of unchanged items as it is
+            return value
         new = memo.setdefault(key, items)
     else:
         return copy.deepcopy(value, memo)

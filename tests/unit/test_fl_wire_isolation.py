@@ -189,3 +189,35 @@ def test_a_client_changing_run_config_is_an_error_reply():
     with grid.identity():
         (reply,) = grid.send_and_receive([Message(RecordDict(), n, "train") for n in grid.contexts])
     assert reply.has_error() and "run_config" in reply.error.reason
+
+
+def test_message_copy_of_what_deepcopy_would_recurse_into():
+    loop: list = [1]
+    loop.append(loop)  # self-reference: copied once, as by deepcopy
+    nested = {"t": (1, [2, 3]), "f": frozenset({1})}
+    for copied in (message_copy([loop, nested]), copy.deepcopy([loop, nested])):
+        assert copied[0][1] is copied[0] and copied[0] is not loop
+        assert copied[1]["t"] == (1, [2, 3]) and copied[1]["t"][1] is not nested["t"][1]
+        assert copied[1]["f"] == nested["f"]
+
+
+def test_process_state_falls_back_to_numpys_own_state_form(monkeypatch):
+    from speechbrain_fl.fl.local_grid import _ProcessState
+
+    np.random.seed(3)
+    expected = np.random.random(4)
+    np.random.seed(3)
+    saved = _ProcessState()
+    original = np.random.set_state
+
+    def strict(state):  # a NumPy that accepts only an ndarray key
+        if not isinstance(state[1], np.ndarray):
+            raise TypeError("key must be an ndarray")
+        original(state)
+
+    monkeypatch.setattr(np.random, "set_state", strict)
+    for _ in range(2):
+        np.random.seed(99)
+        saved.restore()
+        assert np.array_equal(np.random.random(4), expected)
+    assert saved._numpy_fast is None
