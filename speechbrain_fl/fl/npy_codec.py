@@ -77,7 +77,8 @@ def encode(tensor: torch.Tensor) -> Array:
         dtype=dtype,
         shape=shape,
         stype=SType.NUMPY,
-        data=_header(ndarray.dtype.str, shape) + ndarray.tobytes(),
+        # one copy of the data (``header + tobytes()`` would make two)
+        data=b"".join((_header(ndarray.dtype.str, shape), ndarray.data)),
     )
 
 
