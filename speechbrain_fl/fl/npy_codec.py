@@ -60,6 +60,38 @@ def _header(descr: str, shape: tuple[int, ...]) -> bytes:
 _KINDS = "fiub"
 
 
+def _fields_only() -> bool:
+    """Whether Flower's ``Array(dtype=, shape=, stype=, data=)`` stores exactly its four fields
+    and a set dirty flag (Flower 1.42: ``__setattr__`` marks the object dirty, nothing else),
+    so that :func:`_array` may set them directly."""
+    made = Array(dtype="float32", shape=(1,), stype=SType.NUMPY, data=b"x")
+    return vars(made) == {
+        "_is_dirty": True,
+        "dtype": "float32",
+        "shape": (1,),
+        "stype": SType.NUMPY,
+        "data": b"x",
+    }
+
+
+#: Flower's ``Array`` constructor checks its arguments through closures and sets each field
+#: through ``__setattr__``: ~4 us an Array, 12 per reply (``ArrayRecord(dict)`` builds every
+#: Array again). Where the constructor stores only the fields (checked once, above), the
+#: Array is made with the same ``__dict__`` directly.
+_DIRECT = _fields_only()
+
+
+def _array(dtype: str, shape: tuple[int, ...], data: bytes) -> Array:
+    """``Array(dtype=dtype, shape=shape, stype=SType.NUMPY, data=data)`` (same ``__dict__``)."""
+    if not _DIRECT:
+        return Array(dtype=dtype, shape=shape, stype=SType.NUMPY, data=data)
+    array = Array.__new__(Array)
+    array.__dict__.update(
+        {"_is_dirty": True, "dtype": dtype, "shape": shape, "stype": SType.NUMPY, "data": data}
+    )
+    return array
+
+
 def encode(tensor: torch.Tensor) -> Array:
     """``Array.from_torch_tensor(tensor)``, with the ``.npy`` header cached (same bytes).
 
@@ -72,19 +104,22 @@ def encode(tensor: torch.Tensor) -> Array:
     ndarray = tensor.detach().cpu().numpy()
     if not ndarray.flags.c_contiguous or ndarray.dtype.kind not in _KINDS:
         return Array.from_numpy_ndarray(ndarray)
-    dtype, shape = str(ndarray.dtype), tuple(ndarray.shape)
-    return Array(
-        dtype=dtype,
-        shape=shape,
-        stype=SType.NUMPY,
-        # one copy of the data (``header + tobytes()`` would make two)
-        data=b"".join((_header(ndarray.dtype.str, shape), ndarray.data)),
-    )
+    shape = tuple(ndarray.shape)
+    # one copy of the data (``header + tobytes()`` would make two)
+    data = b"".join((_header(ndarray.dtype.str, shape), ndarray.data))
+    return _array(str(ndarray.dtype), shape, data)
 
 
 def encode_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """``ArrayRecord(tensors)`` for a dict of torch tensors, each through :func:`encode`."""
-    return ArrayRecord({name: encode(t) for name, t in tensors.items()})
+    """``ArrayRecord(tensors)`` for a dict of torch tensors, each through :func:`encode`.
+
+    The Arrays are put into an empty record one by one, as ``ArrayRecord(tensors)`` does
+    (``ArrayRecord({name: Array})`` would rebuild each Array from its fields).
+    """
+    record = ArrayRecord()
+    for name, tensor in tensors.items():
+        record[name] = encode(tensor)
+    return record
 
 
 @functools.lru_cache(maxsize=1024)

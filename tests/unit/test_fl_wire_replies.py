@@ -121,3 +121,24 @@ def test_weighted_sum_numpy_and_torch_paths_are_the_allocating_formula():
             assert got.dtype == torch.float64 and torch.equal(got, expected)
     ups = [ClientUpdate(0, {"x": base}), ClientUpdate(1, {"x": -base})]
     assert torch.equal(uniform_mean(ups, expected_cohort_size=3.0)["x"], torch.zeros(6, 5).double())
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_encoded_arrays_are_flowers_objects(monkeypatch, direct):
+    import speechbrain_fl.fl.npy_codec as codec
+
+    assert codec._DIRECT  # Flower 1.42's Array stores its four fields: made directly
+    monkeypatch.setattr(codec, "_DIRECT", direct)
+    tensors = {
+        "a": torch.randn(3, 4),
+        "s": torch.tensor(2.0),
+        "e": torch.zeros(0, 3),
+        "h": torch.randn(4).half(),
+        "i": torch.arange(5),
+        "t": torch.randn(3, 4).t(),  # not contiguous: Flower's own encoder
+    }
+    ours, flowers = encode_record(tensors), ArrayRecord(tensors)
+    assert list(ours) == list(flowers)
+    for name in tensors:
+        assert vars(ours[name]) == vars(flowers[name]), name
+        assert ours[name].object_id == flowers[name].object_id  # what a Grid would send
