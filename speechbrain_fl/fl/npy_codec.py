@@ -9,8 +9,14 @@ on one CPU thread). The header depends only on the dtype and the shape, so here 
 per ``(dtype, shape)`` by ``np.save`` itself and reused:
 
 - :func:`encode` returns the very ``Array`` that ``Array.from_torch_tensor`` would (the same
-  ``dtype``, ``shape``, ``stype`` and byte-identical ``data``, tested), for a C-contiguous
-  array; anything else goes through Flower's own ``Array.from_numpy_ndarray``.
+  ``dtype``, ``shape``, ``stype`` and byte-identical ``data``, the same ``__dict__``, tested),
+  for a C-contiguous array, with the data copied once (``header + tobytes()`` copies twice);
+  anything else goes through Flower's own ``Array.from_numpy_ndarray``. The Array is made
+  with the ``__dict__`` Flower's constructor gives it, without the constructor's argument
+  checks (~4 us an Array), where the installed Flower's constructor stores exactly that
+  (checked once at import; otherwise the constructor is called). :func:`encode_record` puts
+  them into an empty ArrayRecord one by one, as ``ArrayRecord(tensors)`` does (an
+  ``ArrayRecord({name: Array})`` would build every Array a second time).
 - :func:`decode` returns what ``Array.numpy()`` (``np.load``) would, the same dtype, shape
   and values, when the bytes are exactly the cached header of the declared dtype and shape
   followed by that many bytes of data; any other bytes (another header, a wrong length, a
