@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .layerwise import RULES as LAYERWISE_RULES
@@ -41,21 +42,58 @@ __all__ = [
 AggregationRule = Callable[..., dict[str, torch.Tensor]]
 
 
+#: Dtypes accumulated through NumPy (:func:`_add_weighted`); others (bfloat16) through torch.
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def _numpy_path(tensor: torch.Tensor, weight: float) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES and type(weight) is float
+
+
+def _add_weighted(
+    total: torch.Tensor, tensor: torch.Tensor, weight: float, scratch: torch.Tensor
+) -> None:
+    """``total += tensor.to(float64) * weight`` in place, the same two roundings (the product
+    in float64, then the sum), ``scratch`` a float64 buffer of ``tensor``'s shape.
+
+    On CPU, NumPy's ``multiply(..., dtype=float64)`` casts (exactly) and multiplies in one
+    pass, where torch's ``copy_`` then ``mul_`` make two: one pass over the update fewer.
+    """
+    tensor = tensor.detach()
+    if _numpy_path(tensor, weight):
+        out = scratch.numpy()
+        np.multiply(tensor.numpy(), weight, out=out, dtype=np.float64)
+        np.add(total.numpy(), out, out=total.numpy())
+    else:
+        total.add_(scratch.copy_(tensor).mul_(weight))
+
+
+def _weighted(tensor: torch.Tensor, weight: float) -> torch.Tensor:
+    """``tensor.to(float64) * weight`` (a new tensor), in one NumPy pass on CPU."""
+    tensor = tensor.detach()
+    if _numpy_path(tensor, weight):
+        out = torch.empty(tensor.shape, dtype=torch.float64)
+        np.multiply(tensor.numpy(), weight, out=out.numpy(), dtype=np.float64)
+        return out
+    return tensor.to(torch.float64) * weight
+
+
 def _weighted_sum(
     updates: Sequence[ClientUpdate], weights: Sequence[float]
 ) -> dict[str, torch.Tensor]:
-    """``sum_i w_i u_i`` in float64, accumulated in place (one scratch buffer per tensor name:
-    the same roundings as ``total + u.to(float64) * w``, without three allocations per term)."""
+    """``sum_i w_i u_i`` in float64, accumulated in place into the first term (one scratch
+    buffer per tensor name: the same roundings as ``total + u.to(float64) * w``, without
+    three allocations per term)."""
     total: dict[str, torch.Tensor] = {}
     scratch: dict[str, torch.Tensor] = {}
     for update, weight in zip(updates, weights, strict=True):
         for name, tensor in update.delta.items():
             if name not in total:
-                total[name] = tensor.detach().to(torch.float64) * weight
+                total[name] = _weighted(tensor, weight)
                 continue
             if name not in scratch:
                 scratch[name] = torch.empty(tensor.shape, dtype=torch.float64)
-            total[name].add_(scratch[name].copy_(tensor.detach()).mul_(weight))
+            _add_weighted(total[name], tensor, weight, scratch[name])
     return total
 
 

@@ -9,19 +9,31 @@ on one CPU thread). The header depends only on the dtype and the shape, so here 
 per ``(dtype, shape)`` by ``np.save`` itself and reused:
 
 - :func:`encode` returns the very ``Array`` that ``Array.from_torch_tensor`` would (the same
-  ``dtype``, ``shape``, ``stype`` and byte-identical ``data``, tested), for a C-contiguous
-  array; anything else goes through Flower's own ``Array.from_numpy_ndarray``.
+  ``dtype``, ``shape``, ``stype`` and byte-identical ``data``, the same ``__dict__``, tested),
+  for a C-contiguous array, with the data copied once (``header + tobytes()`` copies twice);
+  anything else goes through Flower's own ``Array.from_numpy_ndarray``. The Array is made
+  with the ``__dict__`` Flower's constructor gives it, without the constructor's argument
+  checks (~4 us an Array), where the installed Flower's constructor stores exactly that
+  (checked once at import; otherwise the constructor is called). :func:`encode_record` puts
+  them into an empty ArrayRecord one by one, as ``ArrayRecord(tensors)`` does (an
+  ``ArrayRecord({name: Array})`` would build every Array a second time).
 - :func:`decode` returns what ``Array.numpy()`` (``np.load``) would, the same dtype, shape
   and values, when the bytes are exactly the cached header of the declared dtype and shape
   followed by that many bytes of data; any other bytes (another header, a wrong length, a
   corrupt or foreign payload) go through ``Array.numpy()``, so what it accepts and rejects is
-  unchanged. The array it returns is a read-only view of the message's bytes.
+  unchanged. The array it returns is a read-only view of the message's bytes. What it derives
+  from the declared ``(dtype, shape)`` (the NumPy dtype, the header, the element count) is
+  cached per pair too.
+- :func:`decode_record` is ``ArrayRecord.to_torch_state_dict()`` on :func:`decode`: writable
+  tensors, one copy each (the server decodes the global arrays with it every round).
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import math
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
@@ -29,7 +41,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 from flwr.common.constant import SType
 
-__all__ = ["decode", "encode", "encode_record"]
+__all__ = ["decode", "decode_record", "encode", "encode_record"]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -54,6 +66,38 @@ def _header(descr: str, shape: tuple[int, ...]) -> bytes:
 _KINDS = "fiub"
 
 
+def _fields_only() -> bool:
+    """Whether Flower's ``Array(dtype=, shape=, stype=, data=)`` stores exactly its four fields
+    and a set dirty flag (Flower 1.42: ``__setattr__`` marks the object dirty, nothing else),
+    so that :func:`_array` may set them directly."""
+    made = Array(dtype="float32", shape=(1,), stype=SType.NUMPY, data=b"x")
+    return vars(made) == {
+        "_is_dirty": True,
+        "dtype": "float32",
+        "shape": (1,),
+        "stype": SType.NUMPY,
+        "data": b"x",
+    }
+
+
+#: Flower's ``Array`` constructor checks its arguments through closures and sets each field
+#: through ``__setattr__``: ~4 us an Array, 12 per reply (``ArrayRecord(dict)`` builds every
+#: Array again). Where the constructor stores only the fields (checked once, above), the
+#: Array is made with the same ``__dict__`` directly.
+_DIRECT = _fields_only()
+
+
+def _array(dtype: str, shape: tuple[int, ...], data: bytes) -> Array:
+    """``Array(dtype=dtype, shape=shape, stype=SType.NUMPY, data=data)`` (same ``__dict__``)."""
+    if not _DIRECT:
+        return Array(dtype=dtype, shape=shape, stype=SType.NUMPY, data=data)
+    array = Array.__new__(Array)
+    array.__dict__.update(
+        {"_is_dirty": True, "dtype": dtype, "shape": shape, "stype": SType.NUMPY, "data": data}
+    )
+    return array
+
+
 def encode(tensor: torch.Tensor) -> Array:
     """``Array.from_torch_tensor(tensor)``, with the ``.npy`` header cached (same bytes).
 
@@ -66,18 +110,39 @@ def encode(tensor: torch.Tensor) -> Array:
     ndarray = tensor.detach().cpu().numpy()
     if not ndarray.flags.c_contiguous or ndarray.dtype.kind not in _KINDS:
         return Array.from_numpy_ndarray(ndarray)
-    dtype, shape = str(ndarray.dtype), tuple(ndarray.shape)
-    return Array(
-        dtype=dtype,
-        shape=shape,
-        stype=SType.NUMPY,
-        data=_header(ndarray.dtype.str, shape) + ndarray.tobytes(),
-    )
+    shape = tuple(ndarray.shape)
+    # one copy of the data (``header + tobytes()`` would make two)
+    data = b"".join((_header(ndarray.dtype.str, shape), ndarray.data))
+    return _array(str(ndarray.dtype), shape, data)
 
 
 def encode_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """``ArrayRecord(tensors)`` for a dict of torch tensors, each through :func:`encode`."""
-    return ArrayRecord({name: encode(t) for name, t in tensors.items()})
+    """``ArrayRecord(tensors)`` for a dict of torch tensors, each through :func:`encode`.
+
+    The Arrays are put into an empty record one by one, as ``ArrayRecord(tensors)`` does
+    (``ArrayRecord({name: Array})`` would rebuild each Array from its fields).
+    """
+    record = ArrayRecord()
+    for name, tensor in tensors.items():
+        record[name] = encode(tensor)
+    return record
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(dtype: str, shape: tuple) -> tuple[np.dtype, tuple[int, ...], bytes, int] | None:
+    """``(dtype, shape, header, count)`` of the ``.npy`` bytes of a C-ordered array of
+    ``dtype`` and ``shape`` (an ``Array``'s declared fields), or ``None`` when the fast path of
+    :func:`decode` does not apply (another dtype kind, a negative or non-integer size)."""
+    try:
+        descr = np.dtype(dtype)
+        dims = tuple(int(n) for n in shape)
+        if descr.kind not in _KINDS or any(n < 0 for n in dims):
+            return None
+        header = _header(descr.str, dims)
+        count = math.prod(dims)
+        return descr, dims, header, count
+    except (TypeError, ValueError, OverflowError, MemoryError):
+        return None  # not a dtype/shape this fast path knows: Flower's own decoding decides
 
 
 def decode(array: Array) -> np.ndarray:
@@ -89,18 +154,34 @@ def decode(array: Array) -> np.ndarray:
     >>> np.array_equal(decode(a), a.numpy()), decode(a).dtype
     (True, dtype('float32'))
     """
-    try:
-        if array.stype == SType.NUMPY and isinstance(array.data, bytes):
-            dtype = np.dtype(array.dtype)
-            shape = tuple(int(n) for n in array.shape)
-            if dtype.kind in _KINDS and all(n >= 0 for n in shape):
-                header = _header(dtype.str, shape)
-                count = int(np.prod(shape, dtype=np.int64))
-                data = array.data
-                if len(data) == len(header) + count * dtype.itemsize and data.startswith(header):
-                    return np.frombuffer(
-                        data, dtype=dtype, count=count, offset=len(header)
-                    ).reshape(shape)
-    except (TypeError, ValueError, OverflowError, MemoryError):
-        pass  # not a dtype/shape this fast path knows: Flower's own decoding below decides
+    if array.stype == SType.NUMPY and isinstance(array.data, bytes):
+        try:
+            layout = _layout(array.dtype, array.shape)
+        except TypeError:  # an unhashable dtype or shape
+            layout = None
+        if layout is not None:
+            dtype, shape, header, count = layout
+            data = array.data
+            if len(data) == len(header) + count * dtype.itemsize and data.startswith(header):
+                view = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
+                return view.reshape(shape)
     return array.numpy()
+
+
+def decode_record(arrays: ArrayRecord) -> OrderedDict[str, torch.Tensor]:
+    """``arrays.to_torch_state_dict()``: writable tensors of the same dtypes, shapes, values.
+
+    One copy of each array (of the read-only view :func:`decode` returns; ``np.load``'s own
+    result, already a fresh array, is used as it is), without ``np.load``'s header parsing.
+
+    Example
+    -------
+    >>> record = encode_record({"w": torch.arange(4.0)})
+    >>> decode_record(record)["w"].tolist() == record.to_torch_state_dict()["w"].tolist()
+    True
+    """
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, array in arrays.items():
+        ndarray = decode(array)
+        out[name] = torch.from_numpy(ndarray if ndarray.flags.writeable else ndarray.copy())
+    return out

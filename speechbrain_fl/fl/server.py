@@ -58,6 +58,7 @@ from speechbrain_fl.utils.run_lock import hold_run_lock
 
 from .config import FLConfig
 from .config_checks import check_delta_population
+from .npy_codec import decode_record
 from .params import load_trainable, params_fingerprint, trainable_parameters, trainable_state
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
 from .strategy import AggregateFailed, DPFedAvg, RoundFailed, RoundReport
@@ -471,7 +472,7 @@ def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
                     server_round,
                     cfg.max_retries,
                 )
-        params = arrays.to_torch_state_dict()
+        params = decode_record(arrays)  # arrays.to_torch_state_dict(), the header cached
         report, (epsilon, accountant) = strategy.last_report, running()
         reports.append(report)
         round_budgets.append(dict(report.component_budgets))

@@ -74,6 +74,7 @@ from .aggregation import ClientUpdate, get_rule
 from .canaries import FederatedAudit
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
+from .npy_codec import decode_record, encode_record
 from .replies import ReplyLimits, ReplyRejected, parse_train_reply
 from .sampling import PoissonSampler
 
@@ -600,7 +601,7 @@ class DPFedAvg(FedAvg):
         """
         if self.current_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
-        global_params = self.current_arrays.to_torch_state_dict()
+        global_params = decode_record(self.current_arrays)  # to_torch_state_dict(), cached header
         shapes = {k: tuple(v.shape) for k, v in global_params.items()}
         limits = self.reply_limits(global_params)
         budgets = self.budgets()
@@ -722,7 +723,7 @@ class DPFedAvg(FedAvg):
         running = self.round_epsilon()
         if running is not None:  # e.g. "epsilon-rdp": the figure names its accountant
             metrics[f"epsilon-{running[1]}"] = running[0]
-        return ArrayRecord(new_params), metrics
+        return encode_record(new_params), metrics  # ArrayRecord(new_params), byte for byte
 
     # ------------------------------------------------------------------ audit
     def audit_report(self, params: Mapping[str, torch.Tensor], *, confidence: float = 0.95):
