@@ -395,6 +395,7 @@ TIMED = [
         "speechbrain_fl.fl.local_grid",
         "LocalGrid._deliver",
     ),
+    ("  message copy (local backend)", "speechbrain_fl.fl.local_grid", "message_copy"),
     ("  ClientApp train handler (ours)", "speechbrain_fl.fl.client", "train_round"),
     ("    decode global tensors (cached per round)", "speechbrain_fl.fl.client", "_global_tensors"),
     ("    load global into model (x2)", "speechbrain_fl.fl.client", "load_trainable"),

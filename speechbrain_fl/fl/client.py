@@ -100,7 +100,7 @@ from speechbrain_fl.privacy import Layout, clip_update
 
 from ..utils.gc_freeze import refreeze
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
-from .npy_codec import encode_record
+from .npy_codec import decode_record, encode_record
 from .params import ParameterIndex, load_trainable
 
 __all__ = ["ClientTask", "make_client_app", "pad_right_stacked", "train_round"]
@@ -525,7 +525,8 @@ _DECODED: list[Any] = []
 
 
 def _global_tensors(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
-    """``arrays.to_torch_state_dict()``, decoded once per distinct payload (read-only)."""
+    """``arrays.to_torch_state_dict()`` (:func:`.npy_codec.decode_record`: the same tensors,
+    without ``np.load``'s header parsing), decoded once per distinct payload (read-only)."""
     names = tuple(arrays.keys())
     payload = tuple(a.data for a in arrays.values())
     if (
@@ -534,7 +535,7 @@ def _global_tensors(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
         and all(x is y for x, y in zip(_DECODED[1], payload, strict=True))
     ):
         return _DECODED[2]
-    tensors = arrays.to_torch_state_dict()
+    tensors = decode_record(arrays)
     _DECODED[:] = [names, payload, tensors]  # keeps the bytes alive, so their ids stay unique
     return tensors
 
