@@ -536,3 +536,50 @@ def write_speaker_overlap(train_rows: list[dict], test_rows: list[dict], save_fo
         100 * total["fraction_of_train_utterances"],
     )
     return path
+
+
+def node_train_manifest(node, hparams) -> str:
+    """A data-owning SuperNode's training manifest, prepared from its own MLS-layout folder.
+
+    The recipe's ``node_manifest`` hook (:class:`speechbrain_fl.recipe.FederatedRecipe`): a
+    SuperNode started with ``--node-config "data-folder=<folder>"`` trains on the utterances
+    of that folder. ``data-manifest=<csv>`` or a ``<folder>/train.csv`` is used as it is (the
+    engine's default); otherwise the folder must hold MLS's layout,
+    ``mls_<language>/train/transcripts.txt`` with ``audio/<speaker>/<book>/<id>.flac`` (or
+    ``.opus``) beside it, for some of the run's ``languages``, and :func:`prepare_mls` writes
+    its ``train.csv`` under the node's ``work-dir`` (``sbfl_mls_node/``; durations from
+    ``segments.txt`` where it has a line, else the audio header; reused while the folder's
+    transcripts are unchanged). The manifest's ``$data_root`` is the node's ``data-folder``.
+
+    Raises
+    ------
+    OSError
+        When the folder is neither: it names the folder and what is missing.
+    ValueError
+        When the folder's train split has no usable utterance.
+    """
+    if node.manifest is not None or (
+        node.data_folder and os.path.isfile(os.path.join(node.data_folder, "train.csv"))
+    ):
+        return node.train_manifest
+    save_folder = os.path.join(node.work_dir, "sbfl_mls_node")
+    report = prepare_mls(
+        node.data_folder,
+        save_folder,
+        languages=hparams.get("languages"),
+        splits=("train",),
+        durations="segments",
+    )
+    count = sum(report["counts"]["train"].values())
+    if count == 0:
+        raise ValueError(
+            f"node_config data-folder={node.data_folder!r}: no usable training utterance in "
+            f"its MLS folders ({report['num_skipped']} skipped; see {save_folder}/skipped.json)"
+        )
+    logger.info(
+        "SuperNode data: %d training utterances of %s prepared from %s",
+        count,
+        ", ".join(report["languages"]),
+        node.data_folder,
+    )
+    return report["csv"]["train"]

@@ -69,7 +69,7 @@ from speechbrain_fl.recipe import (
 
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
-from mls_prepare import prepare_mls  # noqa: E402
+from mls_prepare import node_train_manifest, prepare_mls  # noqa: E402
 from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis API)
     PAPER_SIGMA,
     _log_noise_ratio,
@@ -474,6 +474,8 @@ RECIPE = FederatedRecipe(
     task_ref=TASK,
     default_hparams="hparams/fedavg.yaml",
     check=check_hparams,
+    # a SuperNode with its own data: its MLS-layout folder prepared on the node
+    node_manifest=node_train_manifest,
     # --debug: 2 rounds, 2 local epochs of 2 batches (SpeechBrain's debug); the EMA methods
     # must leave their warm-up within the 2 debug rounds. The embedded corpus shrinks to 2
     # languages x (2 client speakers x 4 + 1 public speaker x 8 + eval 2 x 2) utterances, in
