@@ -15,7 +15,9 @@ Objects a run builds once and keeps to its end (a client's Brain, loader and opt
 at its first message; ``torch._dynamo``, imported by the first optimiser) are frozen by
 :func:`refreeze` after they are built (the ClientApp calls it after a client's first round):
 without it one full collection of ~344,000 objects landed inside the benchmark's steady rounds,
-190-370 ms at load 2.5-3.5, ~0.8 ms per client update.
+190-370 ms at load 2.5-3.5, ~0.8 ms per client update. The price: cyclic garbage that is alive
+(not yet collected) at a freeze stays until the run ends; that is what the young generations
+held at that moment, once per client built, not a growth per round.
 
 Nothing in Python's, torch's or Flower's own run loops does this (Python documents
 :func:`gc.freeze` for pre-fork servers); it is a process-wide setting, so it is scoped to one
