@@ -45,15 +45,15 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
 Last figures (README "Overhead of the Simulation Engine": ``--repeats 3 --kinds
-plain,local,pfl`` on the shared 2-core machine at load average 4.1-4.5, ratios to the plain
-loop, no DP / DP): ``local`` whole run 1.7x / 2.1x, steady round 4.0x / 5.6x; pfl-research 1.3x /
-1.5x and 1.8x / 2.6x. Per client update (``--breakdown --repeats 3``, load 4.3-4.5): 5.9 ms on
-``local`` (9.4 with DP: the per-round fixed costs shared by 16 clients), of which SpeechBrain's
-training path ~3.5 ms (``fit_batch`` 2.8, DataLoader + ``PaddedBatch`` 0.7; its per-step
-``clip_grad_norm_`` skipped under ``max_grad_norm: inf``), against 2.0 ms for the plain loop's
-whole client update. The per-round epsilon is RDP's (``round_accountant``), ~0.02 ms; the
-final PLD is computed once. ``local_rdp`` is ``local`` with ``accountant: rdp`` (the final
-figure from RDP too).
+plain,brain,local,pfl,pfl_eps`` on the 2-core machine at load 0.5-0.9, ratios to the plain
+loop, no DP / DP): ``local`` whole run 1.7x / 1.7x, steady round 1.9x / 2.6x; pfl-research
+1.4x / 1.4x and 1.3x / 1.4x (``pfl_eps`` 1.5x / 1.3x). Paired whole processes: ours / pfl
+1.13x without DP, 1.23x with DP (1.07x against ``pfl_eps``). Per client update (``--breakdown
+--repeats 3``, load ~1.0): 3.2 ms on ``local`` (5.2 with DP: the per-round fixed costs shared
+by 16 clients, and the clips), of which the client's training 2.1 ms (4 lean steps 1.6,
+DataLoader + ``PaddedBatch`` 0.3), against 2.1 ms for the plain loop's whole client update.
+The per-round epsilon is RDP's (``round_accountant``), ~0.02 ms; the final PLD is computed
+once. ``local_rdp`` is ``local`` with ``accountant: rdp`` (the final figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
 [--kinds plain,brain,local,local_rdp,ray,pfl,pfl_eps] [--breakdown]``
