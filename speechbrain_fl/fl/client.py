@@ -94,11 +94,12 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from speechbrain.dataio.batch import PaddedBatch
 from speechbrain.dataio.dataloader import LoopedLoader
-from speechbrain.utils.data_utils import batch_pad_right
 
 from speechbrain_fl.privacy import Layout, clip_update
 
 from ..utils.gc_freeze import refreeze
+from .collation import pad_right_stacked
+from .collation import stacked_padded_batch as _stacked_padded_batch
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import decode_record, encode_record
 from .params import ParameterIndex, load_trainable
@@ -201,41 +202,6 @@ def _train_loader(task: ClientTask) -> Any:
         task._loader = (loader, task.brain.train_sampler)
     loader, task.brain.train_sampler = task._loader
     return loader
-
-
-def pad_right_stacked(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """SpeechBrain's ``batch_pad_right`` with the no-padding case done as one ``torch.stack``.
-
-    When every tensor has the same shape, ``batch_pad_right`` pads each by zero elements
-    (``pad_right_to``: a copy per example) and stacks them, with relative lengths
-    ``torch.tensor([1.0, ...])``; this returns ``torch.stack(tensors)`` and
-    ``torch.ones(len(tensors))``, the same values, dtypes and shapes (tested), in one call
-    instead of one per example. Any other input (different shapes, one tensor, padding
-    keyword arguments) goes to ``batch_pad_right`` unchanged.
-
-    Example
-    -------
-    >>> data, lengths = pad_right_stacked([torch.ones(2), torch.zeros(2)])
-    >>> data.tolist(), lengths.tolist()
-    ([[1.0, 1.0], [0.0, 0.0]], [1.0, 1.0])
-    """
-    if not kwargs and len(tensors) > 1:
-        shape = tensors[0].shape
-        if all(isinstance(t, torch.Tensor) and t.shape == shape for t in tensors):
-            return torch.stack(tensors), torch.ones(len(tensors))
-    return batch_pad_right(tensors, **kwargs)
-
-
-def _stacked_padded_batch(examples: list[dict[str, Any]]) -> PaddedBatch:
-    """``PaddedBatch(examples)`` with :func:`pad_right_stacked` as its padding function.
-
-    Where every value of every example is a tensor, ``PaddedBatch``'s ``default_convert``
-    (torch's NumPy-to-tensor conversion, one recursive call per example and key) returns a new
-    list of the same tensors, so it is switched off (``apply_default_convert=False``): the same
-    batch, without the calls.
-    """
-    tensors = all(isinstance(v, torch.Tensor) for example in examples for v in example.values())
-    return PaddedBatch(examples, padding_func=pad_right_stacked, apply_default_convert=not tensors)
 
 
 def _immutable(value: Any) -> bool:
