@@ -409,7 +409,8 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
     own_average = not is_speechbrains_method(brain, "update_average")
     for epoch in range(1, epochs + 1):
         brain.on_stage_start(sb.Stage.TRAIN, epoch)
-        brain.modules.train()
+        if not _in_train_mode(brain.modules):
+            brain.modules.train()
         _zero_grad(brain, set_to_none=False)
         brain.nonfinite_count = 0
         sampler = brain.train_sampler
@@ -440,6 +441,17 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
         brain.step = 0
         if (brain.debug and epoch == brain.debug_epochs) or brain._optimizer_step_limit_exceeded:
             break
+
+
+def _in_train_mode(modules: torch.nn.Module) -> bool:
+    """Whether ``modules.train()`` would change nothing: every submodule is in training mode
+    and keeps ``torch.nn.Module.train`` (which only sets ``training = True`` down the tree);
+    a module with its own ``train`` (e.g. one keeping a frozen part in eval) gets the call."""
+    train = torch.nn.Module.train
+    for module in modules.modules():
+        if not module.training or type(module).train is not train:
+            return False
+    return True
 
 
 def _zero_grad(brain: sb.Brain, *, set_to_none: bool) -> None:
@@ -541,6 +553,41 @@ def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str
     }
 
 
+def _plain_metric(value: Any) -> bool:
+    """Whether ``value`` is an ``int`` or ``float`` (not ``bool``, not a subclass), or a
+    non-empty list of one of those types: values Flower's ``MetricRecord`` check accepts."""
+    kind = type(value)
+    if kind is int or kind is float:
+        return True
+    if kind is not list or not value:
+        return False
+    first = type(value[0])
+    return (first is int or first is float) and all(type(v) is first for v in value)
+
+
+def _metric_record_fields_only() -> bool:
+    """Whether ``MetricRecord(metrics)`` stores exactly ``metrics`` in its ``_data`` dict (Flower
+    1.42: a type check per key and value, then the item), so :func:`_metric_record` may."""
+    metrics = {"n": 3, "loss": 0.5, "norms": [0.1, 0.2], "flags": [1, 0]}
+    made, direct = MetricRecord(metrics), MetricRecord()
+    direct.__dict__["_data"].update(metrics)
+    return list(vars(made)) == list(vars(direct)) and vars(made)["_data"] == metrics
+
+
+_DIRECT_METRICS = _metric_record_fields_only()
+
+
+def _metric_record(metrics: dict[str, Any]) -> MetricRecord:
+    """``MetricRecord(metrics)``: where every key is a ``str`` and every value plainly valid
+    (:func:`_plain_metric`), stored without Flower's per-item checks (~2 us an item: the
+    list-valued norms of a DP reply made it ~30 us); otherwise Flower's constructor."""
+    if _DIRECT_METRICS and all(type(k) is str and _plain_metric(v) for k, v in metrics.items()):
+        record = MetricRecord()
+        record.__dict__["_data"].update(metrics)
+        return record
+    return MetricRecord(metrics)
+
+
 def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0) -> RecordDict:
     """Run one local round on ``task`` for a training message's content.
 
@@ -564,15 +611,23 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         task._index = ParameterIndex(task.brain.modules)
     params, parameters = task._index.get()
     load_trainable(task.brain.modules, global_params, own=params)
-    _seed(int(config.get("round-seed", 0)) + int(partition_id))
-    epochs = int(config.get("local-epochs", 1))
-    # The round's position, for Brains whose schedules span the federated run (e.g. a cosine
-    # learning-rate decay over rounds read in ``init_optimizers``).
-    task.brain.fl_round = int(config.get("server-round", 1))
-    task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
-    # checked before the contexts below put methods in the Brain's __dict__
-    lean_step = task.lean_fit and lean_fit_batch_applies(task.brain)
-    try:
+    reset = [True]  # the model still to be put back to global_params
+
+    def reset_model() -> None:
+        if reset[0]:
+            reset[0] = False
+            # listed again (the index's check): a Brain may freeze or unfreeze during a round
+            load_trainable(task.brain.modules, global_params, own=task._index.get()[0])
+
+    try:  # never keep local state between rounds: the model is reset before this returns
+        _seed(int(config.get("round-seed", 0)) + int(partition_id))
+        epochs = int(config.get("local-epochs", 1))
+        # The round's position, for Brains whose schedules span the federated run (e.g. a
+        # cosine learning-rate decay over rounds read in ``init_optimizers``).
+        task.brain.fl_round = int(config.get("server-round", 1))
+        task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
+        # checked before the contexts below put methods in the Brain's __dict__
+        lean_step = task.lean_fit and lean_fit_batch_applies(task.brain)
         with (
             _record_stage_end(task.brain) as records,
             _reset_optimizer(task.brain, parameters),
@@ -581,37 +636,39 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             _local_fit(task, _train_loader(task), epochs, lean_step=lean_step)
         with torch.no_grad():
             delta = {n: _difference(params[n], v) for n, v in global_params.items()}
-    finally:  # never keep local state between rounds
-        # listed again (the index's check): a Brain may freeze or unfreeze during a round
-        load_trainable(task.brain.modules, global_params, own=task._index.get()[0])
-    train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
-    metrics: dict[str, Any] = {
-        "num-examples": len(task.train_set),
-        "train-loss": train_losses[-1] if train_losses else float("nan"),
-    }
-    if task.partial is not None:
-        names, extra = task.partial(task.brain)
-        names = set(names)
-        unknown = sorted(names - set(delta))
-        if unknown:
-            raise KeyError(
-                f"ClientTask.partial named tensors {unknown[:5]} not in the global model"
+        train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
+        metrics: dict[str, Any] = {
+            "num-examples": len(task.train_set),
+            "train-loss": train_losses[-1] if train_losses else float("nan"),
+        }
+        if task.partial is not None:
+            reset_model()  # ``partial`` reads the Brain: as reset, as before
+            names, extra = task.partial(task.brain)
+            names = set(names)
+            unknown = sorted(names - set(delta))
+            if unknown:
+                raise KeyError(
+                    f"ClientTask.partial named tensors {unknown[:5]} not in the global model"
+                )
+            delta = {n: v for n, v in delta.items() if n in names}
+            metrics.update(extra)
+        # the clip and the encoding read the delta while it is in cache; the reset after them
+        if "clip-budgets" in config or "clip-groups" in config:
+            # no budgets but groups asked for (a non-DP run recording norms): a bound no
+            # update reaches, so the statistics are measured and every tensor is unchanged
+            budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
+            delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
+            metrics.update(
+                _client_metrics(
+                    stats,
+                    json.loads(str(config["clip-groups"])),
+                    json.loads(str(config["clip-components"])),
+                )
             )
-        delta = {n: v for n, v in delta.items() if n in names}
-        metrics.update(extra)
-    if "clip-budgets" in config or "clip-groups" in config:
-        # no budgets but groups asked for (a non-DP run recording norms): a bound no update
-        # reaches, so the statistics are measured and every tensor is returned unchanged
-        budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
-        delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
-        metrics.update(
-            _client_metrics(
-                stats,
-                json.loads(str(config["clip-groups"])),
-                json.loads(str(config["clip-components"])),
-            )
-        )
-    return RecordDict({"arrays": encode_record(delta), "metrics": MetricRecord(metrics)})
+        arrays = encode_record(delta)
+    finally:
+        reset_model()
+    return RecordDict({"arrays": arrays, "metrics": _metric_record(metrics)})
 
 
 def _process_cache() -> OrderedDict[Any, ClientTask]:

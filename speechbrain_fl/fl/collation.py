@@ -72,7 +72,9 @@ def pad_right_stacked(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch
 
 
 #: ``PaddedBatch``'s private attributes, name-mangled, in the order its ``__init__`` sets them.
-_PRIVATE = tuple(f"_PaddedBatch__{n}" for n in ("length", "keys", "padded_keys", "device_prep_keys"))
+_PRIVATE = tuple(
+    f"_PaddedBatch__{n}" for n in ("length", "keys", "padded_keys", "device_prep_keys")
+)
 #: Keys that ``setattr`` on a ``PaddedBatch`` would not store as a plain instance attribute
 #: (a class attribute such as the ``batchsize`` property, or a private name): ``PaddedBatch``.
 _RESERVED = frozenset(dir(PaddedBatch)) | frozenset(_PRIVATE)
@@ -81,7 +83,10 @@ _RESERVED = frozenset(dir(PaddedBatch)) | frozenset(_PRIVATE)
 def _direct_build_matches() -> bool:
     """Whether this SpeechBrain's ``PaddedBatch`` of equal-shape tensors is exactly the object
     :func:`_build` makes (its ``__dict__``: names, order, values; checked once at import)."""
-    examples = [{"a": torch.arange(3.0), "b": torch.ones(1, 2)}, {"a": torch.zeros(3), "b": torch.ones(1, 2)}]
+    examples = [
+        {"a": torch.arange(3.0), "b": torch.ones(1, 2)},
+        {"a": torch.zeros(3), "b": torch.ones(1, 2)},
+    ]
     reference, built = vars(PaddedBatch(examples)), vars(_build(["a", "b"], examples))
     if list(reference) != list(built):
         return False

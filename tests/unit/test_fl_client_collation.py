@@ -118,7 +118,10 @@ def test_reserved_and_missing_keys_go_to_padded_batch():
     with pytest.raises(AttributeError):
         PaddedBatch(examples)
     for key in ("to", "_PaddedBatch__keys"):  # shadowing a method, or PaddedBatch's own list
-        examples = [{key: torch.ones(2), "x": torch.ones(1)}, {key: torch.zeros(2), "x": torch.ones(1)}]
+        examples = [
+            {key: torch.ones(2), "x": torch.ones(1)},
+            {key: torch.zeros(2), "x": torch.ones(1)},
+        ]
         for batch in (examples, TensorRows(examples)):
             assert vars(stacked_padded_batch(batch)).keys() == vars(PaddedBatch(examples)).keys()
     examples = [{"x": torch.ones(2)}, {"z": torch.ones(2)}]
