@@ -103,6 +103,7 @@ from .collation import stacked_padded_batch as _stacked_padded_batch
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import decode_record, encode_record
 from .params import ParameterIndex, load_trainable
+from .records import metric_record, reply_record
 
 __all__ = ["ClientTask", "make_client_app", "pad_right_stacked", "train_round"]
 
@@ -553,41 +554,6 @@ def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str
     }
 
 
-def _plain_metric(value: Any) -> bool:
-    """Whether ``value`` is an ``int`` or ``float`` (not ``bool``, not a subclass), or a
-    non-empty list of one of those types: values Flower's ``MetricRecord`` check accepts."""
-    kind = type(value)
-    if kind is int or kind is float:
-        return True
-    if kind is not list or not value:
-        return False
-    first = type(value[0])
-    return (first is int or first is float) and all(type(v) is first for v in value)
-
-
-def _metric_record_fields_only() -> bool:
-    """Whether ``MetricRecord(metrics)`` stores exactly ``metrics`` in its ``_data`` dict (Flower
-    1.42: a type check per key and value, then the item), so :func:`_metric_record` may."""
-    metrics = {"n": 3, "loss": 0.5, "norms": [0.1, 0.2], "flags": [1, 0]}
-    made, direct = MetricRecord(metrics), MetricRecord()
-    direct.__dict__["_data"].update(metrics)
-    return list(vars(made)) == list(vars(direct)) and vars(made)["_data"] == metrics
-
-
-_DIRECT_METRICS = _metric_record_fields_only()
-
-
-def _metric_record(metrics: dict[str, Any]) -> MetricRecord:
-    """``MetricRecord(metrics)``: where every key is a ``str`` and every value plainly valid
-    (:func:`_plain_metric`), stored without Flower's per-item checks (~2 us an item: the
-    list-valued norms of a DP reply made it ~30 us); otherwise Flower's constructor."""
-    if _DIRECT_METRICS and all(type(k) is str and _plain_metric(v) for k, v in metrics.items()):
-        record = MetricRecord()
-        record.__dict__["_data"].update(metrics)
-        return record
-    return MetricRecord(metrics)
-
-
 def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0) -> RecordDict:
     """Run one local round on ``task`` for a training message's content.
 
@@ -668,7 +634,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         arrays = encode_record(delta)
     finally:
         reset_model()
-    return RecordDict({"arrays": arrays, "metrics": _metric_record(metrics)})
+    return reply_record(arrays, metric_record(metrics))
 
 
 def _process_cache() -> OrderedDict[Any, ClientTask]:

@@ -20,12 +20,12 @@ from speechbrain_fl.fl import npy_codec
 from speechbrain_fl.fl.client import (
     _client_metrics,
     _in_train_mode,
-    _metric_record,
     _record_stage_end,
     lean_fit,
     train_round,
 )
 from speechbrain_fl.fl.params import load_trainable, trainable_state
+from speechbrain_fl.fl.records import metric_record, reply_record
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 from speechbrain_fl.privacy import clip_update
 
@@ -146,12 +146,16 @@ def test_metric_record_is_flowers(metrics):
         expected = MetricRecord(metrics)
     except TypeError as error:
         with pytest.raises(TypeError, match=str(error)[:20]):
-            _metric_record(metrics)
+            metric_record(metrics)
         return
-    got = _metric_record(metrics)
+    got = metric_record(metrics)
     assert list(vars(got)) == list(vars(expected))
     assert dict(got).keys() == dict(expected).keys()
     assert repr(got) == repr(expected) and got.object_id == expected.object_id
+    arrays = ArrayRecord({"w": torch.ones(2)})
+    reply, flowers = reply_record(arrays, got), RecordDict({"arrays": arrays, "metrics": got})
+    assert list(vars(reply)) == list(vars(flowers)) and dict(reply) == dict(flowers)
+    assert reply.object_id == flowers.object_id
 
 
 def test_load_trainable_one_call_is_the_copies():
