@@ -49,12 +49,18 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   without ``Brain.fit``'s per-call extras (:func:`lean_fit`; bit-identical updates).
 - Seeding: the CPU generator and, if present, CUDA's, not every accelerator backend torch
   knows (``torch.manual_seed`` also seeds XPU, MTIA, MPS: ~1 ms per call for nothing here).
-- Collation: a loader whose ``collate_fn`` is SpeechBrain's ``PaddedBatch`` itself pads with
-  :func:`pad_right_stacked`, which stacks a key whose tensors share one shape in one call
-  instead of padding each example by nothing (``PaddedBatch`` and ``batch_pad_right``
-  otherwise; the same batches, tested; ``ClientTask.fast_collate=False`` keeps it as given).
-- The reply's ArrayRecord is written by :func:`.npy_codec.encode_record`: Flower's ``.npy``
-  bytes, byte for byte, with the header made once per dtype and shape.
+- Collation: a loader whose ``collate_fn`` is SpeechBrain's ``PaddedBatch`` itself gets
+  :func:`.collation.stacked_padded_batch`: the same ``PaddedBatch``, built attribute by
+  attribute where every value is an equal-shape tensor (one ``torch.stack`` per key), with
+  ``pad_right_stacked`` padding otherwise (the same batches, tested field by field;
+  ``ClientTask.fast_collate=False`` keeps the collate function as given). The toy dataset
+  serves a batch with torch's ``__getitems__`` as a :class:`.collation.TensorRows` list, so
+  the per-value check is decided once, by the dataset.
+- The reply: its ArrayRecord is written by :func:`.npy_codec.encode_record` (Flower's ``.npy``
+  bytes, byte for byte, one copy of each tensor, the header and dtype name made once per dtype
+  and shape), its MetricRecord and RecordDict by :mod:`.records` (Flower's records without the
+  per-item checks where every value passes them). The clip and the encoding run before the
+  model is reset, while the delta is in cache.
 - No per-step work a setting switches off: with ``max_grad_norm: inf`` (SpeechBrain's per-step
   gradient clipping off) ``Brain.optimizers_step`` runs without its ``clip_grad_norm_``, which
   SpeechBrain 1.1 calls every step whatever the bound (a norm over every gradient, then a
@@ -65,15 +71,24 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   autocast and disabled-scaler calls, the loss's finiteness read once a step (for
   ``check_loss_isfinite`` and the running average); any other Brain gets its ``fit_batch``.
   The per-epoch ``zero_grad`` is left out where no optimised parameter has a gradient.
-- Collation without ``default_convert`` where every value is already a tensor (it returns
-  the same tensors); the toy dataset serves a batch with torch's ``__getitems__``.
+- ``modules.train()`` is left out where every submodule is already in training mode and keeps
+  ``torch.nn.Module.train`` (it would only set ``training = True`` again).
 - The parameters are listed once per client (:class:`.params.ParameterIndex`, rebuilt when
   the module's structure or a ``requires_grad`` changed), for the loads, the delta and the
   optimiser's parameter check; the optimiser's hyperparameters are restored without deep
-  copies of immutable values (:func:`_restore_groups`); the delta is one subtraction.
+  copies of immutable values (:func:`_restore_groups`); the delta is one subtraction; the
+  global tensors are copied into the model in one ``torch._foreach_copy_`` call.
+- The global tensors are loaded into the model twice a round, and both are needed: before
+  training (this round's model) and after it (the reset above, in a ``finally``). Leaving the
+  reset to the next round's load would be exact only if that round sent every name this one
+  did and nothing read the Brain in between (``ClientTask.partial`` does), and would keep a
+  reference to this round's global tensors per cached client until its next round: with
+  Poisson sampling, up to one model copy per client. The reset is one copy (~10 us here).
 
 Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
-``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``.
+``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
+``test_fl_client_collation.py``, ``test_fl_client_reply.py`` (a reply against ``brain.fit`` on
+``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids).
 """
 
 from __future__ import annotations
@@ -139,11 +154,10 @@ class ClientTask:
         SpeechBrain's ``fit_batch``).
     fast_collate : bool
         Where ``train_loader_kwargs["collate_fn"]`` is SpeechBrain's ``PaddedBatch`` itself,
-        collate with ``PaddedBatch(examples, padding_func=pad_right_stacked)``: the same batch
-        (:func:`pad_right_stacked` stacks a key whose tensors all have one shape, the case where
-        ``batch_pad_right``'s padding is a no-op, and calls ``batch_pad_right`` otherwise),
-        with ``apply_default_convert=False`` where every value is already a tensor
-        (:func:`_stacked_padded_batch`). ``False`` keeps the collate function as given.
+        collate with :func:`.collation.stacked_padded_batch`: the same ``PaddedBatch``, built
+        directly where every value is an equal-shape tensor, else
+        ``PaddedBatch(examples, padding_func=pad_right_stacked)`` (``apply_default_convert=False``
+        where every value is already a tensor). ``False`` keeps the collate function as given.
     """
 
     brain: sb.Brain
