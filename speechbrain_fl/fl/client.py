@@ -83,7 +83,7 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   reset to the next round's load would be exact only if that round sent every name this one
   did and nothing read the Brain in between (``ClientTask.partial`` does), and would keep a
   reference to this round's global tensors per cached client until its next round: with
-  Poisson sampling, up to one model copy per client. The reset is one copy (~10 us here).
+  Poisson sampling, up to one model copy per client. The reset is one copy (~13 us here).
 
 Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
 ``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
