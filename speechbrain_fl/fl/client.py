@@ -49,12 +49,18 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   without ``Brain.fit``'s per-call extras (:func:`lean_fit`; bit-identical updates).
 - Seeding: the CPU generator and, if present, CUDA's, not every accelerator backend torch
   knows (``torch.manual_seed`` also seeds XPU, MTIA, MPS: ~1 ms per call for nothing here).
-- Collation: a loader whose ``collate_fn`` is SpeechBrain's ``PaddedBatch`` itself pads with
-  :func:`pad_right_stacked`, which stacks a key whose tensors share one shape in one call
-  instead of padding each example by nothing (``PaddedBatch`` and ``batch_pad_right``
-  otherwise; the same batches, tested; ``ClientTask.fast_collate=False`` keeps it as given).
-- The reply's ArrayRecord is written by :func:`.npy_codec.encode_record`: Flower's ``.npy``
-  bytes, byte for byte, with the header made once per dtype and shape.
+- Collation: a loader whose ``collate_fn`` is SpeechBrain's ``PaddedBatch`` itself gets
+  :func:`.collation.stacked_padded_batch`: the same ``PaddedBatch``, built attribute by
+  attribute where every value is an equal-shape tensor (one ``torch.stack`` per key), with
+  ``pad_right_stacked`` padding otherwise (the same batches, tested field by field;
+  ``ClientTask.fast_collate=False`` keeps the collate function as given). The toy dataset
+  serves a batch with torch's ``__getitems__`` as a :class:`.collation.TensorRows` list, so
+  the per-value check is decided once, by the dataset.
+- The reply: its ArrayRecord is written by :func:`.npy_codec.encode_record` (Flower's ``.npy``
+  bytes, byte for byte, one copy of each tensor, the header and dtype name made once per dtype
+  and shape), its MetricRecord and RecordDict by :mod:`.records` (Flower's records without the
+  per-item checks where every value passes them). The clip and the encoding run before the
+  model is reset, while the delta is in cache.
 - No per-step work a setting switches off: with ``max_grad_norm: inf`` (SpeechBrain's per-step
   gradient clipping off) ``Brain.optimizers_step`` runs without its ``clip_grad_norm_``, which
   SpeechBrain 1.1 calls every step whatever the bound (a norm over every gradient, then a
@@ -65,15 +71,24 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   autocast and disabled-scaler calls, the loss's finiteness read once a step (for
   ``check_loss_isfinite`` and the running average); any other Brain gets its ``fit_batch``.
   The per-epoch ``zero_grad`` is left out where no optimised parameter has a gradient.
-- Collation without ``default_convert`` where every value is already a tensor (it returns
-  the same tensors); the toy dataset serves a batch with torch's ``__getitems__``.
+- ``modules.train()`` is left out where every submodule is already in training mode and keeps
+  ``torch.nn.Module.train`` (it would only set ``training = True`` again).
 - The parameters are listed once per client (:class:`.params.ParameterIndex`, rebuilt when
   the module's structure or a ``requires_grad`` changed), for the loads, the delta and the
   optimiser's parameter check; the optimiser's hyperparameters are restored without deep
-  copies of immutable values (:func:`_restore_groups`); the delta is one subtraction.
+  copies of immutable values (:func:`_restore_groups`); the delta is one subtraction; the
+  global tensors are copied into the model in one ``torch._foreach_copy_`` call.
+- The global tensors are loaded into the model twice a round, and both are needed: before
+  training (this round's model) and after it (the reset above, in a ``finally``). Leaving the
+  reset to the next round's load would be exact only if that round sent every name this one
+  did and nothing read the Brain in between (``ClientTask.partial`` does), and would keep a
+  reference to this round's global tensors per cached client until its next round: with
+  Poisson sampling, up to one model copy per client. The reset is one copy (~13 us here).
 
 Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
-``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``.
+``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
+``test_fl_client_collation.py``, ``test_fl_client_reply.py`` (a reply against ``brain.fit`` on
+``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids).
 """
 
 from __future__ import annotations
@@ -94,14 +109,16 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from speechbrain.dataio.batch import PaddedBatch
 from speechbrain.dataio.dataloader import LoopedLoader
-from speechbrain.utils.data_utils import batch_pad_right
 
 from speechbrain_fl.privacy import Layout, clip_update
 
 from ..utils.gc_freeze import refreeze
+from .collation import pad_right_stacked
+from .collation import stacked_padded_batch as _stacked_padded_batch
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import decode_record, encode_record
 from .params import ParameterIndex, load_trainable
+from .records import metric_record, reply_record
 
 __all__ = ["ClientTask", "make_client_app", "pad_right_stacked", "train_round"]
 
@@ -137,11 +154,10 @@ class ClientTask:
         SpeechBrain's ``fit_batch``).
     fast_collate : bool
         Where ``train_loader_kwargs["collate_fn"]`` is SpeechBrain's ``PaddedBatch`` itself,
-        collate with ``PaddedBatch(examples, padding_func=pad_right_stacked)``: the same batch
-        (:func:`pad_right_stacked` stacks a key whose tensors all have one shape, the case where
-        ``batch_pad_right``'s padding is a no-op, and calls ``batch_pad_right`` otherwise),
-        with ``apply_default_convert=False`` where every value is already a tensor
-        (:func:`_stacked_padded_batch`). ``False`` keeps the collate function as given.
+        collate with :func:`.collation.stacked_padded_batch`: the same ``PaddedBatch``, built
+        directly where every value is an equal-shape tensor, else
+        ``PaddedBatch(examples, padding_func=pad_right_stacked)`` (``apply_default_convert=False``
+        where every value is already a tensor). ``False`` keeps the collate function as given.
     """
 
     brain: sb.Brain
@@ -201,41 +217,6 @@ def _train_loader(task: ClientTask) -> Any:
         task._loader = (loader, task.brain.train_sampler)
     loader, task.brain.train_sampler = task._loader
     return loader
-
-
-def pad_right_stacked(tensors: list[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """SpeechBrain's ``batch_pad_right`` with the no-padding case done as one ``torch.stack``.
-
-    When every tensor has the same shape, ``batch_pad_right`` pads each by zero elements
-    (``pad_right_to``: a copy per example) and stacks them, with relative lengths
-    ``torch.tensor([1.0, ...])``; this returns ``torch.stack(tensors)`` and
-    ``torch.ones(len(tensors))``, the same values, dtypes and shapes (tested), in one call
-    instead of one per example. Any other input (different shapes, one tensor, padding
-    keyword arguments) goes to ``batch_pad_right`` unchanged.
-
-    Example
-    -------
-    >>> data, lengths = pad_right_stacked([torch.ones(2), torch.zeros(2)])
-    >>> data.tolist(), lengths.tolist()
-    ([[1.0, 1.0], [0.0, 0.0]], [1.0, 1.0])
-    """
-    if not kwargs and len(tensors) > 1:
-        shape = tensors[0].shape
-        if all(isinstance(t, torch.Tensor) and t.shape == shape for t in tensors):
-            return torch.stack(tensors), torch.ones(len(tensors))
-    return batch_pad_right(tensors, **kwargs)
-
-
-def _stacked_padded_batch(examples: list[dict[str, Any]]) -> PaddedBatch:
-    """``PaddedBatch(examples)`` with :func:`pad_right_stacked` as its padding function.
-
-    Where every value of every example is a tensor, ``PaddedBatch``'s ``default_convert``
-    (torch's NumPy-to-tensor conversion, one recursive call per example and key) returns a new
-    list of the same tensors, so it is switched off (``apply_default_convert=False``): the same
-    batch, without the calls.
-    """
-    tensors = all(isinstance(v, torch.Tensor) for example in examples for v in example.values())
-    return PaddedBatch(examples, padding_func=pad_right_stacked, apply_default_convert=not tensors)
 
 
 def _immutable(value: Any) -> bool:
@@ -443,7 +424,8 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
     own_average = not is_speechbrains_method(brain, "update_average")
     for epoch in range(1, epochs + 1):
         brain.on_stage_start(sb.Stage.TRAIN, epoch)
-        brain.modules.train()
+        if not _in_train_mode(brain.modules):
+            brain.modules.train()
         _zero_grad(brain, set_to_none=False)
         brain.nonfinite_count = 0
         sampler = brain.train_sampler
@@ -474,6 +456,17 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
         brain.step = 0
         if (brain.debug and epoch == brain.debug_epochs) or brain._optimizer_step_limit_exceeded:
             break
+
+
+def _in_train_mode(modules: torch.nn.Module) -> bool:
+    """Whether ``modules.train()`` would change nothing: every submodule is in training mode
+    and keeps ``torch.nn.Module.train`` (which only sets ``training = True`` down the tree);
+    a module with its own ``train`` (e.g. one keeping a frozen part in eval) gets the call."""
+    train = torch.nn.Module.train
+    for module in modules.modules():
+        if not module.training or type(module).train is not train:
+            return False
+    return True
 
 
 def _zero_grad(brain: sb.Brain, *, set_to_none: bool) -> None:
@@ -598,15 +591,23 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         task._index = ParameterIndex(task.brain.modules)
     params, parameters = task._index.get()
     load_trainable(task.brain.modules, global_params, own=params)
-    _seed(int(config.get("round-seed", 0)) + int(partition_id))
-    epochs = int(config.get("local-epochs", 1))
-    # The round's position, for Brains whose schedules span the federated run (e.g. a cosine
-    # learning-rate decay over rounds read in ``init_optimizers``).
-    task.brain.fl_round = int(config.get("server-round", 1))
-    task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
-    # checked before the contexts below put methods in the Brain's __dict__
-    lean_step = task.lean_fit and lean_fit_batch_applies(task.brain)
-    try:
+    reset = [True]  # the model still to be put back to global_params
+
+    def reset_model() -> None:
+        if reset[0]:
+            reset[0] = False
+            # listed again (the index's check): a Brain may freeze or unfreeze during a round
+            load_trainable(task.brain.modules, global_params, own=task._index.get()[0])
+
+    try:  # never keep local state between rounds: the model is reset before this returns
+        _seed(int(config.get("round-seed", 0)) + int(partition_id))
+        epochs = int(config.get("local-epochs", 1))
+        # The round's position, for Brains whose schedules span the federated run (e.g. a
+        # cosine learning-rate decay over rounds read in ``init_optimizers``).
+        task.brain.fl_round = int(config.get("server-round", 1))
+        task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
+        # checked before the contexts below put methods in the Brain's __dict__
+        lean_step = task.lean_fit and lean_fit_batch_applies(task.brain)
         with (
             _record_stage_end(task.brain) as records,
             _reset_optimizer(task.brain, parameters),
@@ -615,37 +616,39 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             _local_fit(task, _train_loader(task), epochs, lean_step=lean_step)
         with torch.no_grad():
             delta = {n: _difference(params[n], v) for n, v in global_params.items()}
-    finally:  # never keep local state between rounds
-        # listed again (the index's check): a Brain may freeze or unfreeze during a round
-        load_trainable(task.brain.modules, global_params, own=task._index.get()[0])
-    train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
-    metrics: dict[str, Any] = {
-        "num-examples": len(task.train_set),
-        "train-loss": train_losses[-1] if train_losses else float("nan"),
-    }
-    if task.partial is not None:
-        names, extra = task.partial(task.brain)
-        names = set(names)
-        unknown = sorted(names - set(delta))
-        if unknown:
-            raise KeyError(
-                f"ClientTask.partial named tensors {unknown[:5]} not in the global model"
+        train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
+        metrics: dict[str, Any] = {
+            "num-examples": len(task.train_set),
+            "train-loss": train_losses[-1] if train_losses else float("nan"),
+        }
+        if task.partial is not None:
+            reset_model()  # ``partial`` reads the Brain: as reset, as before
+            names, extra = task.partial(task.brain)
+            names = set(names)
+            unknown = sorted(names - set(delta))
+            if unknown:
+                raise KeyError(
+                    f"ClientTask.partial named tensors {unknown[:5]} not in the global model"
+                )
+            delta = {n: v for n, v in delta.items() if n in names}
+            metrics.update(extra)
+        # the clip and the encoding read the delta while it is in cache; the reset after them
+        if "clip-budgets" in config or "clip-groups" in config:
+            # no budgets but groups asked for (a non-DP run recording norms): a bound no
+            # update reaches, so the statistics are measured and every tensor is unchanged
+            budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
+            delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
+            metrics.update(
+                _client_metrics(
+                    stats,
+                    json.loads(str(config["clip-groups"])),
+                    json.loads(str(config["clip-components"])),
+                )
             )
-        delta = {n: v for n, v in delta.items() if n in names}
-        metrics.update(extra)
-    if "clip-budgets" in config or "clip-groups" in config:
-        # no budgets but groups asked for (a non-DP run recording norms): a bound no update
-        # reaches, so the statistics are measured and every tensor is returned unchanged
-        budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
-        delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
-        metrics.update(
-            _client_metrics(
-                stats,
-                json.loads(str(config["clip-groups"])),
-                json.loads(str(config["clip-components"])),
-            )
-        )
-    return RecordDict({"arrays": encode_record(delta), "metrics": MetricRecord(metrics)})
+        arrays = encode_record(delta)
+    finally:
+        reset_model()
+    return reply_record(arrays, metric_record(metrics))
 
 
 def _process_cache() -> OrderedDict[Any, ClientTask]:

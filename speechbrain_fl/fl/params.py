@@ -145,18 +145,26 @@ def load_trainable(
     """
     if own is None:
         own = trainable_parameters(module)
-    unknown = sorted(set(state) - set(own))
-    missing = sorted(set(own) - set(state)) if strict else []
-    if unknown or missing:
-        raise ValueError(
-            f"trainable state mismatch: unexpected {unknown[:5]} ({len(unknown)}), "
-            f"missing {missing[:5]} ({len(missing)})"
-        )
+    if not (state.keys() == own.keys() or (not strict and state.keys() <= own.keys())):
+        unknown = sorted(set(state) - set(own))
+        missing = sorted(set(own) - set(state)) if strict else []
+        if unknown or missing:
+            raise ValueError(
+                f"trainable state mismatch: unexpected {unknown[:5]} ({len(unknown)}), "
+                f"missing {missing[:5]} ({len(missing)})"
+            )
+    params = [own[name] for name in state]
+    values = list(state.values())
+    same = True
+    for name, param, value in zip(state, params, values, strict=True):
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(param.shape)}")
+        same = same and value.dtype == param.dtype and value.device == param.device
     with torch.no_grad():
-        for name, value in state.items():
-            param = own[name]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(param.shape)}")
+        if same and params:  # one call; the same copies (no conversion to make)
+            torch._foreach_copy_(params, values)
+            return
+        for param, value in zip(params, values, strict=True):
             param.copy_(value.to(param.device, param.dtype))
 
 

@@ -28,6 +28,7 @@ from hyperpyyaml import load_hyperpyyaml
 from speechbrain.dataio.batch import PaddedBatch
 
 from .client import ClientTask
+from .collation import TensorRows
 from .config import FLConfig
 from .node_data import NodeData
 from .server import ServerTask
@@ -75,7 +76,10 @@ class _Examples(torch.utils.data.Dataset):
     The rows are the views ``x.unbind(0)``, made when ``x`` (or ``y``) is set (``x[i]`` is the
     same view: the same storage, offset and strides), so an example is two tuple look-ups
     instead of two tensor indexing calls; ``__getitems__`` is torch's batched protocol
-    (``DataLoader`` fetches a batch's examples in one call), the same examples in the same order.
+    (``DataLoader`` fetches a batch's examples in one call), the same examples in the same order,
+    as a :class:`~speechbrain_fl.fl.collation.TensorRows` list when ``x`` and ``y`` are plain
+    tensors of ``ndim >= 2`` without gradient (their rows are then equal-shape tensors, so the
+    collation skips its per-value check), a plain list otherwise.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -91,6 +95,7 @@ class _Examples(torch.utils.data.Dataset):
     @x.setter
     def x(self, value: torch.Tensor) -> None:
         self._x, self._xs = value, value.unbind(0)
+        self._rows = _row_batches(value, getattr(self, "_y", None))
 
     @property
     def y(self) -> torch.Tensor:
@@ -100,6 +105,7 @@ class _Examples(torch.utils.data.Dataset):
     @y.setter
     def y(self, value: torch.Tensor) -> None:
         self._y, self._ys = value, value.unbind(0)
+        self._rows = _row_batches(self._x, value)
 
     def __len__(self) -> int:
         return len(self._xs)
@@ -109,7 +115,18 @@ class _Examples(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         xs, ys = self._xs, self._ys
-        return [{"x": xs[i], "y": ys[i]} for i in indices]
+        batch = [{"x": xs[i], "y": ys[i]} for i in indices]
+        return batch if self._rows is list else TensorRows(batch)
+
+
+def _row_batches(x: torch.Tensor, y: torch.Tensor | None) -> type:
+    """``TensorRows`` where the rows of ``x`` and ``y`` are what it promises, else ``list``."""
+    rows = all(
+        type(t) is torch.Tensor and t.ndim >= 2 and not t.requires_grad
+        for t in (x, y)
+        if t is not None
+    )
+    return TensorRows if rows else list
 
 
 def _data(settings: dict[str, Any], seed: int, count: int) -> _Examples:

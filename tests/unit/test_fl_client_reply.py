@@ -1,0 +1,216 @@
+"""A client's reply is what SpeechBrain and Flower would make of the round, byte for byte
+(speechbrain_fl/fl/client.py:train_round, npy_codec.encode_record, params.load_trainable;
+issue 28): the reference below trains with ``brain.fit`` on SpeechBrain's own ``PaddedBatch``
+loader, loads with ``param.copy_``, subtracts, clips with a copy (``inplace=False``) and wraps
+the result in ``ArrayRecord(delta)`` and ``MetricRecord(metrics)``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import speechbrain as sb
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from speechbrain.dataio.batch import PaddedBatch
+
+from speechbrain_fl.fl import client as client_module
+from speechbrain_fl.fl import npy_codec
+from speechbrain_fl.fl.client import (
+    _client_metrics,
+    _in_train_mode,
+    _record_stage_end,
+    lean_fit,
+    train_round,
+)
+from speechbrain_fl.fl.params import load_trainable, trainable_state
+from speechbrain_fl.fl.records import metric_record, reply_record
+from speechbrain_fl.fl.toy import toy_client, toy_settings
+from speechbrain_fl.privacy import clip_update
+
+
+def _client(pid=1):
+    context = Context(
+        run_id=0, node_id=0, node_config={"partition-id": pid}, state=RecordDict(), run_config={}
+    )
+    return toy_client(context, toy_settings())
+
+
+def _config(names, server_round, clip):
+    config = {"round-seed": 7 * server_round, "local-epochs": 2, "server-round": server_round}
+    if clip is not None:
+        config["clip-budgets"] = json.dumps(clip)
+        config["clip-groups"] = json.dumps(names)
+        config["clip-components"] = json.dumps(["all"] * len(names))
+    return config
+
+
+def _reference(global_params, config, pid=1):
+    """The round as SpeechBrain's fit and Flower's records make it (a fresh client)."""
+    client = _client(pid)
+    brain = client.brain
+    with torch.no_grad():
+        for name, param in brain.modules.named_parameters():
+            param.copy_(global_params[name])
+    torch.manual_seed(int(config["round-seed"]) + pid)
+    loader = brain.make_dataloader(
+        client.train_set, stage=sb.Stage.TRAIN, **client.train_loader_kwargs
+    )
+    assert loader.collate_fn is PaddedBatch
+    with _record_stage_end(brain) as records:
+        brain.fit(range(1, int(config["local-epochs"]) + 1), loader, progressbar=False)
+    params = dict(brain.modules.named_parameters())
+    delta = {n: params[n].detach() - v for n, v in global_params.items()}
+    metrics = {"num-examples": len(client.train_set), "train-loss": records[-1][1]}
+    if "clip-budgets" in config:
+        delta, stats = clip_update(delta, json.loads(config["clip-budgets"]), inplace=False)
+        groups = json.loads(config["clip-groups"])
+        metrics.update(_client_metrics(stats, groups, json.loads(config["clip-components"])))
+    return ArrayRecord(delta), MetricRecord(metrics)
+
+
+@pytest.mark.parametrize("clip", [None, 0.02, 1e300])
+def test_reply_is_speechbrains_round_in_flowers_records(clip):
+    client = _client()
+    global_params = trainable_state(client.brain.modules)
+    names = list(global_params)
+    for server_round in (1, 2, 3):
+        config = _config(names, server_round, clip)
+        content = RecordDict({"arrays": ArrayRecord(global_params), "config": ConfigRecord(config)})
+        reply = train_round(client, content, partition_id=1)
+        arrays, metrics = _reference(global_params, config)
+        assert list(reply["arrays"]) == list(arrays)
+        for name in arrays:
+            assert vars(reply["arrays"][name]) == vars(arrays[name]), name
+        assert reply["arrays"].object_id == arrays.object_id  # what a Grid sends
+        assert dict(reply["metrics"]) == dict(metrics)
+        assert reply["metrics"].object_id == metrics.object_id
+        if clip == 0.02:
+            assert 0 < reply["metrics"]["clip-ratio"] < 1  # the clip was at work
+        # the model is back at the round's global parameters
+        for name, param in client.brain.modules.named_parameters():
+            assert torch.equal(param, global_params[name])
+        delta = reply["arrays"].to_torch_state_dict()
+        global_params = {k: v + delta[k] for k, v in global_params.items()}
+
+
+def test_the_model_is_reset_when_the_round_fails():
+    client = _client()
+    global_params = trainable_state(client.brain.modules)
+    names = list(global_params)
+    config = _config(names, 1, 0.1)
+    config["clip-components"] = "not json"
+    content = RecordDict({"arrays": ArrayRecord(global_params), "config": ConfigRecord(config)})
+    with pytest.raises(json.JSONDecodeError):
+        train_round(client, content, partition_id=1)
+    for name, param in client.brain.modules.named_parameters():
+        assert torch.equal(param, global_params[name])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_encode_record_is_array_record(monkeypatch, direct):
+    assert npy_codec._DIRECT_RECORD  # Flower 1.42: the record is filled directly
+    monkeypatch.setattr(npy_codec, "_DIRECT_RECORD", direct)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(5, 3, generator=gen),
+        "b": torch.randn(3, generator=gen).double(),
+        "i": torch.arange(4),
+        "t": torch.randn(3, 2, generator=gen).t(),  # Flower's own encoder
+    }
+    ours, flowers = npy_codec.encode_record(tensors), ArrayRecord(tensors)
+    assert list(vars(ours)) == list(vars(flowers))
+    assert list(ours) == list(flowers)
+    assert all(vars(ours[k]) == vars(flowers[k]) for k in tensors)
+    assert ours.object_id == flowers.object_id
+    with pytest.raises(TypeError):  # Flower's own key check
+        npy_codec.encode_record({1: torch.ones(2)})
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"num-examples": 64, "train-loss": 0.25},
+        {"n": 1, "norms": [0.5, 1.5], "flags": [1, 0], "nan": float("nan")},
+        {"empty": []},  # Flower's constructor (accepted)
+        {"flag": True},  # Flower's constructor (a bool: refused)
+        {"x": np.float64(0.5)},  # Flower's constructor (refused)
+        {"mixed": [1, 2.0]},  # Flower's constructor (refused)
+        {"nested": [[1.0]]},
+        {3: 1.0},
+    ],
+)
+def test_metric_record_is_flowers(metrics):
+    try:
+        expected = MetricRecord(metrics)
+    except TypeError as error:
+        with pytest.raises(TypeError, match=str(error)[:20]):
+            metric_record(metrics)
+        return
+    got = metric_record(metrics)
+    assert list(vars(got)) == list(vars(expected))
+    assert dict(got).keys() == dict(expected).keys()
+    assert repr(got) == repr(expected) and got.object_id == expected.object_id
+    arrays = ArrayRecord({"w": torch.ones(2)})
+    reply, flowers = reply_record(arrays, got), RecordDict({"arrays": arrays, "metrics": got})
+    assert list(vars(reply)) == list(vars(flowers)) and dict(reply) == dict(flowers)
+    assert reply.object_id == flowers.object_id
+
+
+def test_load_trainable_one_call_is_the_copies():
+    gen = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = {n: torch.randn(p.shape, generator=gen) for n, p in net.named_parameters()}
+    load_trainable(net, state)
+    assert all(torch.equal(p, state[n]) for n, p in net.named_parameters())
+    wide = {n: v.double() * 3 for n, v in state.items()}  # converted, as param.copy_(v.to())
+    load_trainable(net, wide)
+    assert all(torch.equal(p, wide[n].float()) for n, p in net.named_parameters())
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    bad = dict(state, **{"1.bias": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"1.bias: shape \(3,\) != \(2,\)"):
+        load_trainable(net, bad)
+    assert all(torch.equal(p, before[n]) for n, p in net.named_parameters())  # nothing copied
+    with pytest.raises(ValueError, match="unexpected"):
+        load_trainable(net, {"2.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"missing \['0.bias'\]"):
+        load_trainable(net, {k: v for k, v in state.items() if k != "0.bias"}, strict=True)
+
+
+class _KeepsFrozenInEval(torch.nn.Module):
+    """A module whose own ``train`` keeps its dropout in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.lin(self.drop(x))
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.drop.eval()
+        return self
+
+
+@pytest.mark.parametrize("module", ["eval", "own_train"])
+def test_training_mode_is_what_brain_fit_leaves(module):
+    modules = []
+    for _ in range(2):
+        client = _client()
+        if module == "own_train":
+            client.brain.modules["model"] = _KeepsFrozenInEval()
+        else:
+            client.brain.modules.eval()
+        modules.append(client)
+    ours, reference = modules
+    assert not _in_train_mode(ours.brain.modules)
+    loader = client_module._train_loader(ours)
+    lean_fit(ours.brain, loader, 1)
+    reference.brain.fit(range(1, 2), client_module._train_loader(reference), progressbar=False)
+    got = [m.training for m in ours.brain.modules.modules()]
+    assert got == [m.training for m in reference.brain.modules.modules()]
+    assert (module == "own_train") == (not all(got))
+    assert _in_train_mode(reference.brain.modules) == (module == "eval")
