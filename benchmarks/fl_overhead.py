@@ -414,7 +414,8 @@ TIMED = [
         "torch.utils.data.dataloader",
         "_BaseDataLoaderIter.__next__",
     ),
-    ("        of which PaddedBatch", "speechbrain.dataio.batch", "PaddedBatch.__init__"),
+    ("        of which the collation", "speechbrain_fl.fl.client", "_stacked_padded_batch"),
+    ("        of which PaddedBatch (fallback)", "speechbrain.dataio.batch", "PaddedBatch.__init__"),
     (
         "      fit_batch: lean step (forward, backward, step)",
         "speechbrain_fl.fl.client",
