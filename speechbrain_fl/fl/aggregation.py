@@ -78,12 +78,70 @@ def _weighted(tensor: torch.Tensor, weight: float) -> torch.Tensor:
     return tensor.to(torch.float64) * weight
 
 
+def _packed(delta: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D buffer that ``delta``'s tensors tile back to back, in order, or ``None``.
+
+    How the server decodes a reply whose tensors share a dtype (:mod:`.replies`): contiguous
+    views of one storage laid end to end.
+    """
+    tensors = list(delta.values())
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    start = offset = first.storage_offset()
+    for t in tensors:
+        if (
+            t.dtype != first.dtype
+            or t.device != first.device
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.numel()
+    return first.detach().new_empty(0).set_(first.untyped_storage(), start, (offset - start,))
+
+
+def _packed_sum(
+    updates: Sequence[ClientUpdate], weights: Sequence[float]
+) -> dict[str, torch.Tensor] | None:
+    """:func:`_weighted_sum` over the replies' packed buffers (one NumPy pass per term for the
+    whole update, not one per tensor), or ``None`` when a reply is not packed, or its tensors'
+    names, order or shapes differ from the first's. Element by element the same operations."""
+    spec = [(name, t.shape) for name, t in updates[0].delta.items()]
+    buffers = []
+    for update, weight in zip(updates, weights, strict=True):
+        if [(name, t.shape) for name, t in update.delta.items()] != spec:
+            return None
+        buffer = _packed(update.delta)
+        if buffer is None or not _numpy_path(buffer, weight):
+            return None
+        buffers.append(buffer)
+    total = _weighted(buffers[0], weights[0])
+    scratch = torch.empty(total.shape, dtype=torch.float64)
+    for buffer, weight in zip(buffers[1:], weights[1:], strict=True):
+        _add_weighted(total, buffer, weight, scratch)
+    out, offset = {}, 0
+    for name, shape in spec:
+        count = shape.numel()
+        out[name] = total[offset : offset + count].view(shape)
+        offset += count
+    return out
+
+
 def _weighted_sum(
     updates: Sequence[ClientUpdate], weights: Sequence[float]
 ) -> dict[str, torch.Tensor]:
     """``sum_i w_i u_i`` in float64, accumulated in place into the first term (one scratch
     buffer per tensor name: the same roundings as ``total + u.to(float64) * w``, without
-    three allocations per term)."""
+    three allocations per term). Replies decoded into one buffer each (the server's
+    :mod:`.replies`) are summed as whole buffers (:func:`_packed_sum`); the aggregate's tensors
+    are then views of one float64 buffer."""
+    if updates:
+        packed = _packed_sum(updates, weights)
+        if packed is not None:
+            return packed
     total: dict[str, torch.Tensor] = {}
     scratch: dict[str, torch.Tensor] = {}
     for update, weight in zip(updates, weights, strict=True):

@@ -168,6 +168,33 @@ def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+#: Parameter dtypes whose update :func:`_updated` makes in one NumPy pass (float16 is left to
+#: torch, whose float64 -> float16 cast goes through float32).
+_NUMPY_PARAMS = (torch.float32, torch.float64)
+
+
+def _updated(value: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """``(value.to(float64) + update.to(float64)).to(value.dtype)``, the same two roundings.
+
+    On CPU NumPy adds in float64 (``dtype=float64`` casts both inputs exactly) and rounds to
+    the parameter's dtype in one pass each, without torch's two float64 temporaries.
+
+    Example
+    -------
+    >>> _updated(torch.ones(2), torch.full((2,), 0.5, dtype=torch.float64)).tolist()
+    [1.5, 1.5]
+    """
+    if (
+        value.device.type == "cpu"
+        and update.device.type == "cpu"
+        and value.dtype in _NUMPY_PARAMS
+        and update.dtype in (torch.float16, torch.float32, torch.float64)
+    ):
+        total = np.add(value.detach().numpy(), update.detach().numpy(), dtype=np.float64)
+        return torch.from_numpy(total if value.dtype == torch.float64 else total.astype(np.float32))
+    return (value.to(torch.float64) + update.to(torch.float64)).to(value.dtype)
+
+
 class DPFedAvg(FedAvg):
     """FedAvg with Poisson sampling, per-group clipping, central Gaussian noise and accounting.
 
@@ -298,6 +325,10 @@ class DPFedAvg(FedAvg):
         self.population = 0
         self.node_order: dict[int, int] = {}
         self.last_report: RoundReport | None = None
+        self._round_figure: tuple[tuple[int, str], float] | None = None
+        # the round's ConfigRecord entries that depend only on the layout, made once
+        self._group_json = json.dumps(list(layout.names))
+        self._component_json = json.dumps(list(layout.components))
         self.audit = (
             FederatedAudit(config, layout, self.sampler)
             if config.private and config.audit_canaries
@@ -336,7 +367,11 @@ class DPFedAvg(FedAvg):
         if self.accountant is None:
             return None
         name = self.config.round_accountant
-        return float(self.accountant.epsilon(accountant=name)), name
+        key = (self.accountant.rounds, name)
+        if self._round_figure is None or self._round_figure[0] != key:
+            # once per round: the strategy's metrics and the server's row ask for the same one
+            self._round_figure = (key, float(self.accountant.epsilon(accountant=name)))
+        return self._round_figure[1], name
 
     def expected_cohort_size(self) -> float:
         """Return n = qK with the declared population K (``None`` K: not a private run)."""
@@ -555,8 +590,8 @@ class DPFedAvg(FedAvg):
             config["clip-budgets"] = json.dumps(budgets)
         if budgets is not None or self.config.record_norms:
             # without budgets the clients measure their update's group norms, clip nothing
-            config["clip-groups"] = json.dumps(list(self.layout.names))
-            config["clip-components"] = json.dumps(list(self.layout.components))
+            config["clip-groups"] = self._group_json
+            config["clip-components"] = self._component_json
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, self.cohort, MessageType.TRAIN)
 
@@ -702,9 +737,7 @@ class DPFedAvg(FedAvg):
         new_params = {}
         for name, value in global_params.items():
             if name in aggregate:
-                value = (value.to(torch.float64) + aggregate[name].to(torch.float64)).to(
-                    value.dtype
-                )
+                value = _updated(value, aggregate[name])
             if not bool(torch.isfinite(value).all()):
                 reason = (
                     f"the update made parameter {name!r} non-finite; the global model was not "
