@@ -146,10 +146,23 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: The exact types of a list whose items :func:`_all_numbers` checks in one pass.
+_PLAIN_NUMBERS = frozenset({int, float})
+
+
+def _all_numbers(values: list) -> bool:
+    """``all(_is_number(v) for v in values)``: for a list of plain ints and floats (the
+    client's norms, clip flags) one set of the item types and one C-level ``map`` of
+    ``math.isfinite``; other item types (bool, subclasses) one by one."""
+    if set(map(type, values)) <= _PLAIN_NUMBERS:
+        return all(map(math.isfinite, values))
+    return all(_is_number(v) for v in values)
+
+
 def _metric_problem(key: str, value: Any) -> str | None:
     """Why ``value`` cannot be the metric ``key`` (``None`` when it can)."""
     if key in LIST_METRICS or (key not in SCALAR_METRICS and isinstance(value, list)):
-        if not isinstance(value, list) or not all(_is_number(v) for v in value):
+        if not isinstance(value, list) or not _all_numbers(value):
             return "must be a list of finite numbers"
         return None
     if not _is_number(value):
