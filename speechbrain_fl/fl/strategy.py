@@ -75,7 +75,7 @@ from .canaries import FederatedAudit
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
 from .npy_codec import decode_record, encode_record
-from .replies import ReplyLimits, ReplyRejected, parse_train_reply
+from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
 from .sampling import PoissonSampler
 
 __all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
@@ -340,6 +340,8 @@ class DPFedAvg(FedAvg):
         self.node_order: dict[int, int] = {}
         self.last_report: RoundReport | None = None
         self._round_figure: tuple[tuple[int, str], float] | None = None
+        # the decoded replies' buffers, reused from round to round (replies.BufferPool)
+        self._reply_pool = BufferPool()
         # the round's ConfigRecord entries that depend only on the layout, made once
         self._group_json = json.dumps(list(layout.names))
         self._component_json = json.dumps(list(layout.components))
@@ -628,6 +630,7 @@ class DPFedAvg(FedAvg):
             expected_shapes=shapes,
             allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
             limits=limits,
+            pool=self._reply_pool,
         )
         claimed = update.metrics.get("partition-id")
         known = self.node_order.get(node)

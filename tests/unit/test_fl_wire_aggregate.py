@@ -119,3 +119,33 @@ def test_aggregate_train_with_dp_is_the_reference(tmp_path, dtype):
     for name, value in theta.items():
         expected = (value.to(torch.float64) + noisy[name].to(torch.float64)).to(value.dtype)
         assert torch.equal(got[name], expected), name
+
+
+def test_reply_buffers_are_reused_only_once_nothing_refers_to_them():
+    from speechbrain_fl.fl.replies import BufferPool
+
+    pool = BufferPool()
+    expected_shapes = {n: tuple(s) for n, s in SHAPES.items()}
+
+    def parse(i):
+        reply = _reply(10 + i, _tensors(i), i)
+        return parse_train_reply(reply, expected_shapes=expected_shapes, pool=pool)
+
+    def pointer(update):
+        return update.delta["a.weight"].untyped_storage().data_ptr()
+
+    first = parse(0)
+    kept = {n: t.clone() for n, t in first.delta.items()}
+    second = parse(1)  # ``first`` is alive: its buffer is not handed out again
+    assert pointer(second) != pointer(first)
+    assert all(torch.equal(first.delta[n], kept[n]) for n in SHAPES)
+    old = pointer(first)
+    del first
+    third = parse(2)  # now free: the same memory, this reply's values
+    assert pointer(third) == old
+    assert all(torch.equal(third.delta[n], _tensors(2)[n]) for n in SHAPES)
+    # a pool that may keep nothing still decodes (a new buffer each time)
+    small = BufferPool(max_bytes=0)
+    reply = _reply(1, _tensors(5), 0)
+    update = parse_train_reply(reply, expected_shapes=expected_shapes, pool=small)
+    assert all(torch.equal(update.delta[n], _tensors(5)[n]) for n in SHAPES)
