@@ -149,3 +149,17 @@ def test_reply_buffers_are_reused_only_once_nothing_refers_to_them():
     reply = _reply(1, _tensors(5), 0)
     update = parse_train_reply(reply, expected_shapes=expected_shapes, pool=small)
     assert all(torch.equal(update.delta[n], _tensors(5)[n]) for n in SHAPES)
+
+
+def test_pooled_decoding_is_the_unpooled_one_for_every_wire_dtype():
+    from speechbrain_fl.fl.replies import BufferPool
+
+    pool = BufferPool()
+    expected_shapes = {n: tuple(s) for n, s in SHAPES.items()}
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        reply = _reply(1, {n: t.to(dtype) for n, t in _tensors(3).items()}, 0)
+        plain = parse_train_reply(reply, expected_shapes=expected_shapes)
+        pooled = parse_train_reply(reply, expected_shapes=expected_shapes, pool=pool)
+        for name in SHAPES:
+            assert pooled.delta[name].dtype == plain.delta[name].dtype
+            assert torch.equal(pooled.delta[name], plain.delta[name])
