@@ -29,9 +29,9 @@ def _server_identity(server_identity):
     """Messages are made as in a ServerApp (tests/unit/conftest.py)."""
 
 
-def _tensors(seed, scale=0.01):
+def _tensors(seed, scale=0.01, shapes=None):
     gen = torch.Generator().manual_seed(seed)
-    return {n: scale * torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    return {n: scale * torch.randn(s, generator=gen) for n, s in (shapes or SHAPES).items()}
 
 
 def _reply(node, delta, partition, examples=8):
@@ -75,9 +75,9 @@ def test_packed_sum_is_the_allocating_formula_across_blocks():
     assert len({t.untyped_storage().data_ptr() for t in got.values()}) == len(SHAPES)
 
 
-def _strategy(tmp_path, **config):
+def _strategy(tmp_path, layout=LAYOUT, **config):
     cfg = FLConfig(output_folder=str(tmp_path), population_size=10, **config)
-    strategy = DPFedAvg(config=cfg, layout=LAYOUT)
+    strategy = DPFedAvg(config=cfg, layout=layout)
     return strategy
 
 
@@ -163,3 +163,30 @@ def test_pooled_decoding_is_the_unpooled_one_for_every_wire_dtype():
         for name in SHAPES:
             assert pooled.delta[name].dtype == plain.delta[name].dtype
             assert torch.equal(pooled.delta[name], plain.delta[name])
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_scalar_parameter_is_updated_as_the_reference(tmp_path, private):
+    shapes = {"w": (3, 2), "scale": ()}  # a 0-d parameter (NumPy sums it into a scalar)
+    layout = Layout([Group(n, "all", int(torch.Size(s).numel())) for n, s in shapes.items()])
+    theta = _tensors(100, scale=1.0, shapes=shapes)
+    deltas = [_tensors(i, scale=0.05, shapes=shapes) for i in range(3)]
+    settings = {"noise_multiplier": 1.0, "clip": 0.1, "noise_seed": 3, "sampler_seed": 1}
+    strategy = _strategy(
+        tmp_path,
+        layout=layout,
+        sampling_rate=0.3 if private else 1.0,
+        **(settings if private else {}),
+    )
+    got = _round(strategy, deltas, theta)
+    if private:
+        deltas = [clip_update({n: t.clone() for n, t in d.items()}, 0.1)[0] for d in deltas]
+    n = strategy.expected_cohort_size() if private else 3.0
+    total = _reference_sum(deltas, [1 / n] * 3)
+    if private:
+        total = GaussianNoise(noise_multiplier=1.0, clip=0.1, seed=3).add(
+            total, expected_cohort_size=n, draw=1
+        )
+    for name, value in theta.items():
+        expected = (value.to(torch.float64) + total[name].to(torch.float64)).to(value.dtype)
+        assert got[name].shape == value.shape and torch.equal(got[name], expected), name
