@@ -190,11 +190,15 @@ def _updated(value: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         and value.dtype in _NUMPY_PARAMS
         and update.dtype in (torch.float16, torch.float32, torch.float64)
     ):
-        # asarray: the sum of two 0-d arrays is a NumPy scalar
-        total = np.asarray(
-            np.add(value.detach().numpy(), update.detach().numpy(), dtype=np.float64)
-        )
-        return torch.from_numpy(total if value.dtype == torch.float64 else total.astype(np.float32))
+        # an overflow gives inf silently, as in torch (the caller checks finiteness); asarray:
+        # the sum of two 0-d arrays is a NumPy scalar
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.asarray(
+                np.add(value.detach().numpy(), update.detach().numpy(), dtype=np.float64)
+            )
+            if value.dtype == torch.float32:
+                total = total.astype(np.float32)
+        return torch.from_numpy(total)
     return (value.to(torch.float64) + update.to(torch.float64)).to(value.dtype)
 
 

@@ -159,9 +159,12 @@ class GaussianNoise:
             if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
                 # x + std * z in float64, z ~ N(0, 1) from NumPy's ziggurat (module docstring)
                 noise = self._generator("numpy", draw).standard_normal(tuple(t.shape))
-                np.multiply(noise, std, out=noise)
-                np.add(t.numpy(), noise, out=noise)
-                out[name] = torch.from_numpy(noise).to(t.dtype)
+                with np.errstate(over="ignore", invalid="ignore"):  # inf silently, as torch's
+                    np.multiply(noise, std, out=noise)
+                    np.add(t.numpy(), noise, out=noise)
+                    if t.dtype == torch.float32:
+                        noise = noise.astype(np.float32)
+                out[name] = torch.from_numpy(noise)
                 continue
             noise = torch.randn(
                 t.shape,
