@@ -15,10 +15,20 @@ Checkpointer writes ``CKPT.yaml`` into a fresh directory *before* the recoverabl
 ``find_checkpoints`` accepts any directory with that file, so a SIGKILL during a save leaves a
 checkpoint that looks complete. One file written to a temporary name, fsynced and renamed with
 ``os.replace`` (atomic on POSIX and Windows) cannot be seen half-written.
+
+Cost per round (the commit is on every round's critical path, before anything of the round is
+released): the state is serialised into memory and written with one ``write`` call (``torch.save``
+into the file object makes one Python-level write per zip record and header, ~0.3 ms more for a
+small model, the same bytes), and the Python ``random`` state, a tuple of 625 ints that the
+pickler visits one by one (~0.15 ms), is kept as one ``uint32`` array
+(:func:`capture_rng_states`). The ``fsync`` and the rename stay: without them a crash of the
+machine could resume from a state older than a released round, whose accountant step would be
+lost.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import random
 from pathlib import Path
@@ -44,8 +54,10 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     >>> torch.load(tmp / "s.pt")["round"]
     1
     """
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)  # into memory: one write below instead of one per record
     with atomic_open(path, "wb") as handle:
-        torch.save(obj, handle)
+        handle.write(buffer.getbuffer())
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -62,16 +74,33 @@ def load_state(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def capture_rng_states() -> dict[str, Any]:
-    """Return the torch, numpy-global and Python RNG states of this process."""
+    """Return the torch, numpy-global and Python RNG states of this process.
+
+    The Python state ``(version, words, gauss)`` is returned with its 625 words as one
+    ``uint32`` array (each word is below 2**32): the same state, pickled as one object.
+    """
+    version, words, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
         "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "python": (version, np.array(words, dtype=np.uint32), gauss),
     }
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:
-    """Restore what :func:`capture_rng_states` returned."""
+    """Restore what :func:`capture_rng_states` returned (or its tuple form, of earlier states).
+
+    Example
+    -------
+    >>> states = capture_rng_states()
+    >>> before = random.random()
+    >>> restore_rng_states(states)
+    >>> random.random() == before
+    True
+    """
     torch.set_rng_state(states["torch"])
     np.random.set_state(states["numpy"])
-    random.setstate(states["python"])
+    version, words, gauss = states["python"]
+    if isinstance(words, np.ndarray):
+        words = tuple(words.tolist())
+    random.setstate((version, words, gauss))

@@ -75,7 +75,7 @@ from .canaries import FederatedAudit
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
 from .npy_codec import decode_record, encode_record
-from .replies import ReplyLimits, ReplyRejected, parse_train_reply
+from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
 from .sampling import PoissonSampler
 
 __all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
@@ -166,6 +166,54 @@ class RoundReport:
 
 def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
+
+
+#: Parameter dtypes whose update :func:`_updated` makes in one NumPy pass (float16 is left to
+#: torch, whose float64 -> float16 cast goes through float32).
+_NUMPY_PARAMS = (torch.float32, torch.float64)
+
+
+def _updated(value: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """``(value.to(float64) + update.to(float64)).to(value.dtype)``, the same two roundings.
+
+    On CPU NumPy adds in float64 (``dtype=float64`` casts both inputs exactly) and rounds to
+    the parameter's dtype in one pass each, without torch's two float64 temporaries.
+
+    Example
+    -------
+    >>> _updated(torch.ones(2), torch.full((2,), 0.5, dtype=torch.float64)).tolist()
+    [1.5, 1.5]
+    """
+    if (
+        value.device.type == "cpu"
+        and update.device.type == "cpu"
+        and value.dtype in _NUMPY_PARAMS
+        and update.dtype in (torch.float16, torch.float32, torch.float64)
+    ):
+        # an overflow gives inf silently, as in torch (the caller checks finiteness); asarray:
+        # the sum of two 0-d arrays is a NumPy scalar
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.asarray(
+                np.add(value.detach().numpy(), update.detach().numpy(), dtype=np.float64)
+            )
+            if value.dtype == torch.float32:
+                total = total.astype(np.float32)
+        return torch.from_numpy(total)
+    return (value.to(torch.float64) + update.to(torch.float64)).to(value.dtype)
+
+
+def _all_finite(value: torch.Tensor) -> bool:
+    """``bool(torch.isfinite(value).all())``; NumPy's on CPU (~5 us for 65k float32 values on
+    one CPU thread here, torch's ~190 us).
+
+    Example
+    -------
+    >>> _all_finite(torch.ones(3)), _all_finite(torch.tensor([1.0, float("nan")]))
+    (True, False)
+    """
+    if value.device.type == "cpu" and value.dtype in (torch.float16, torch.float32, torch.float64):
+        return bool(np.isfinite(value.detach().numpy()).all())
+    return bool(torch.isfinite(value).all())
 
 
 class DPFedAvg(FedAvg):
@@ -298,6 +346,12 @@ class DPFedAvg(FedAvg):
         self.population = 0
         self.node_order: dict[int, int] = {}
         self.last_report: RoundReport | None = None
+        self._round_figure: tuple[tuple[int, str], float] | None = None
+        # the decoded replies' buffers, reused from round to round (replies.BufferPool)
+        self._reply_pool = BufferPool()
+        # the round's ConfigRecord entries that depend only on the layout, made once
+        self._group_json = json.dumps(list(layout.names))
+        self._component_json = json.dumps(list(layout.components))
         self.audit = (
             FederatedAudit(config, layout, self.sampler)
             if config.private and config.audit_canaries
@@ -336,7 +390,11 @@ class DPFedAvg(FedAvg):
         if self.accountant is None:
             return None
         name = self.config.round_accountant
-        return float(self.accountant.epsilon(accountant=name)), name
+        key = (self.accountant.rounds, name)
+        if self._round_figure is None or self._round_figure[0] != key:
+            # once per round: the strategy's metrics and the server's row ask for the same one
+            self._round_figure = (key, float(self.accountant.epsilon(accountant=name)))
+        return self._round_figure[1], name
 
     def expected_cohort_size(self) -> float:
         """Return n = qK with the declared population K (``None`` K: not a private run)."""
@@ -555,8 +613,8 @@ class DPFedAvg(FedAvg):
             config["clip-budgets"] = json.dumps(budgets)
         if budgets is not None or self.config.record_norms:
             # without budgets the clients measure their update's group norms, clip nothing
-            config["clip-groups"] = json.dumps(list(self.layout.names))
-            config["clip-components"] = json.dumps(list(self.layout.components))
+            config["clip-groups"] = self._group_json
+            config["clip-components"] = self._component_json
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, self.cohort, MessageType.TRAIN)
 
@@ -579,6 +637,7 @@ class DPFedAvg(FedAvg):
             expected_shapes=shapes,
             allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
             limits=limits,
+            pool=self._reply_pool,
         )
         claimed = update.metrics.get("partition-id")
         known = self.node_order.get(node)
@@ -702,10 +761,8 @@ class DPFedAvg(FedAvg):
         new_params = {}
         for name, value in global_params.items():
             if name in aggregate:
-                value = (value.to(torch.float64) + aggregate[name].to(torch.float64)).to(
-                    value.dtype
-                )
-            if not bool(torch.isfinite(value).all()):
+                value = _updated(value, aggregate[name])
+            if not _all_finite(value):
                 reason = (
                     f"the update made parameter {name!r} non-finite; the global model was not "
                     "changed"

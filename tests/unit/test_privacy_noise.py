@@ -107,3 +107,33 @@ def test_noisy_norm_signal_is_unbiased():
     assert sum(est_sq["b"]) / 400 == pytest.approx(0.25, rel=0.05)
     naive = float(agg["b1"].norm() ** 2 + agg["b2"].norm() ** 2)
     assert naive > 0.25 + 0.5 * 500 * std**2  # without the correction the noise dominates
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_noise_is_a_float64_gaussian_rounded_once(dtype):
+    # CPU float32/float64: NumPy's PCG64 + ziggurat in float64 (noise.py "Decisions")
+    sigma, clip, n = 1.0, 0.5, 4
+    mech = GaussianNoise(noise_multiplier=sigma, clip=clip)
+    agg = {"w": torch.full((1_000_000,), 3.0, dtype=dtype)}
+    out = mech.add(agg, expected_cohort_size=n, draw=1)
+    assert out["w"].dtype == dtype and out["w"].shape == agg["w"].shape
+    z = (out["w"].double() - 3.0) / (sigma * clip / n)
+    assert float(z.std()) == pytest.approx(1.0, rel=0.01)
+    assert abs(float(z.mean())) < 5 / math.sqrt(z.numel())
+    kurtosis = float((z - z.mean()).pow(4).mean() / z.var() ** 2)
+    assert kurtosis == pytest.approx(3.0, abs=0.05)  # SE ~0.005 at 1e6 draws
+    assert torch.equal(agg["w"], torch.full((1_000_000,), 3.0, dtype=dtype))  # not modified
+
+
+def test_float32_noise_is_the_float64_draw_rounded():
+    x32, x64 = {"w": torch.zeros(1000)}, {"w": torch.zeros(1000, dtype=torch.float64)}
+    a = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=9).add(x32, expected_cohort_size=3)
+    b = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=9).add(x64, expected_cohort_size=3)
+    assert torch.equal(a["w"], b["w"].to(torch.float32))
+
+
+def test_other_dtypes_draw_with_torch_at_the_same_scale():
+    mech = GaussianNoise(noise_multiplier=2.0, clip=1.0)
+    out = mech.add({"w": torch.zeros(400_000, dtype=torch.bfloat16)}, expected_cohort_size=8)
+    assert out["w"].dtype == torch.bfloat16
+    assert float(out["w"].double().std()) == pytest.approx(0.25, rel=0.03)
