@@ -409,6 +409,7 @@ class PrivacyAccountant:
         self.delta = float(delta)
         self.accountant = accountant
         self.rounds = 0
+        self._warned_large = False
 
     def step(self, n: int = 1) -> None:
         """Record ``n`` more rounds."""
@@ -425,14 +426,24 @@ class PrivacyAccountant:
         return self.epsilon_after(0, accountant=accountant)
 
     def epsilon_after(self, extra_rounds: int, *, accountant: str | None = None) -> float:
-        """Epsilon after ``extra_rounds`` more rounds (for planning)."""
-        return compute_epsilon(
+        """Epsilon after ``extra_rounds`` more rounds (for planning).
+
+        Warns the first time a figure of this accountant exceeds 10 (a run asks after every
+        round; one warning, naming the rounds at which it was first exceeded, says it).
+        """
+        rounds = self.rounds + int(extra_rounds)
+        eps = compute_epsilon(
             sampling_rate=self.sampling_rate,
             noise_multiplier=self.noise_multiplier,
-            rounds=self.rounds + int(extra_rounds),
+            rounds=rounds,
             delta=self.delta,
             accountant=self.accountant if accountant is None else accountant,
+            warn=False,
         )
+        if eps > LARGE_EPSILON and not self._warned_large:
+            self._warned_large = True
+            _warn_large(eps, f"q={self.sampling_rate}, sigma={self.noise_multiplier}, T={rounds}")
+        return eps
 
     def max_rounds(self, max_epsilon: float, *, limit: int) -> int:
         """The most rounds in total, at most ``limit``, whose epsilon is at most ``max_epsilon``.

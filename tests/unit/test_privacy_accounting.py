@@ -279,3 +279,21 @@ def test_pld_sigma_search_meets_the_target_with_the_same_accountant():
         noise_multiplier=sigma, clip=1.0, cohort_size=40, population=1000, rounds=2000, delta=1e-5
     )
     assert out["accountant"] == "pld" and out["epsilon"] == eps
+
+
+def test_running_accountant_warns_once(caplog):
+    """A run asks for epsilon after every round: one warning when 10 is first exceeded."""
+    import warnings
+
+    acc = PrivacyAccountant(sampling_rate=0.5, noise_multiplier=1.0, delta=1e-5, accountant="rdp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        figures = []
+        for _ in range(20):
+            acc.step()
+            figures.append(acc.epsilon())
+    large = [w for w in caught if "exceeds 10" in str(w.message)]
+    assert sum(f > 10 for f in figures) > 1 and len(large) == 1
+    first = next(i for i, f in enumerate(figures) if f > 10) + 1
+    assert f"T={first}:" in str(large[0].message)
+    assert sum("exceeds 10" in r.getMessage() for r in caplog.records) == 1
