@@ -84,6 +84,8 @@ DP = {"clip": 0.1, "noise_multiplier": 1.0, "sampling_rate": 0.5}
 #: The Brains' run options: SpeechBrain's per-step gradient clipping off (``max_grad_norm`` inf),
 #: as in the plain loop and pfl-research, which do not clip per step.
 RUN_OPTS = {"device": "cpu", "noprogressbar": True, "max_grad_norm": float("inf")}
+#: The engine's clients share one model per process (see :func:`mlp_task`).
+SHARED_MODEL = os.environ.get("SB_FL_BENCH_MODEL_PER_CLIENT") != "1"
 HERE = os.path.abspath(__file__)
 
 
@@ -111,7 +113,16 @@ def _data(seed: int, count: int):
 
 
 def mlp_task(hparams: str | None, overrides: dict):
-    """The engine's factory of the workload (a :class:`~speechbrain_fl.fl.task.FLTask`)."""
+    """The engine's factory of the workload (a :class:`~speechbrain_fl.fl.task.FLTask`).
+
+    Each client gets its own Brain, loader and optimiser around one model per process
+    (``SHARED_MODEL``, the default), as the MLS and SUPERB recipes build their clients
+    (``speechbrain_fl.recipe.ModelCache``: the engine loads the global tensors before a
+    client's training and puts them back after it) and as the plain loop and pfl-research train
+    theirs; ``SB_FL_BENCH_MODEL_PER_CLIENT=1`` builds one model per client instead (the
+    workload before this round: 32 models, whose weights a client's round no longer finds in
+    the CPU's caches).
+    """
     import functools
 
     from speechbrain.dataio.batch import PaddedBatch
@@ -122,12 +133,18 @@ def mlp_task(hparams: str | None, overrides: dict):
     from speechbrain_fl.fl.task import FLTask
     from speechbrain_fl.fl.toy import ToyBrain, _Examples
 
-    def brain():
+    shared: dict[str, object] = {}
+
+    def brain(share: bool = False):
         import torch
 
         torch.manual_seed(0)
+        if share and SHARED_MODEL:
+            model = shared.get("model") or shared.setdefault("model", _mlp())
+        else:
+            model = _mlp()
         return ToyBrain(
-            modules={"model": _mlp()},
+            modules={"model": model},
             opt_class=lambda params: torch.optim.SGD(params, lr=LR),
             run_opts=RUN_OPTS,
         )
@@ -135,7 +152,7 @@ def mlp_task(hparams: str | None, overrides: dict):
     def client(context):
         pid = int(context.node_config.get("partition-id", 0))
         return ClientTask(
-            brain=brain(),
+            brain=brain(share=True),
             train_set=_Examples(*_data(1 + pid, EXAMPLES)),
             train_loader_kwargs={"batch_size": BATCH, "shuffle": True, "collate_fn": PaddedBatch},
         )
