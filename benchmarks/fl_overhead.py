@@ -45,15 +45,15 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
 Last figures (README "Overhead of the Simulation Engine": ``--repeats 3 --kinds
-plain,brain,local,pfl,pfl_eps`` on the 2-core machine at load 0.5-0.9, ratios to the plain
-loop, no DP / DP): ``local`` whole run 1.7x / 1.7x, steady round 1.9x / 2.6x; pfl-research
-1.4x / 1.4x and 1.3x / 1.4x (``pfl_eps`` 1.5x / 1.3x). Paired whole processes: ours / pfl
-1.13x without DP, 1.23x with DP (1.07x against ``pfl_eps``). Per client update (``--breakdown
---repeats 3``, load ~1.0): 3.2 ms on ``local`` (5.2 with DP: the per-round fixed costs shared
-by 16 clients, and the clips), of which the client's training 2.1 ms (4 lean steps 1.6,
-DataLoader + ``PaddedBatch`` 0.3), against 2.1 ms for the plain loop's whole client update.
-The per-round epsilon is RDP's (``round_accountant``), ~0.02 ms; the final PLD is computed
-once. ``local_rdp`` is ``local`` with ``accountant: rdp`` (the final figure from RDP too).
+plain,brain,local,pfl,pfl_eps`` on the 2-core machine at load 0.8-1.0, no DP / DP): whole run
+``local`` 3.74 s / 3.72 s against pfl-research's 4.25 s / 3.78 s (``pfl_eps`` 4.77 s); steady
+round 70 / 46 ms against 56 / 34 ms. Paired whole processes: ours / pfl 0.96x without DP,
+1.01x with DP (0.87x against ``pfl_eps``); paired steady rounds 1.31x both. Per client update
+(``--breakdown --repeats 3``, load ~1.0, a slower spell): 2.55 ms on ``local`` (3.48 with DP),
+of which the client's training 1.82 ms (4 lean steps 1.49, DataLoader + collation 0.24),
+against 1.81 ms for the plain loop's whole client update. The per-round epsilon is RDP's
+(``round_accountant``), ~0.01 ms; the final PLD is computed once. ``local_rdp`` is ``local``
+with ``accountant: rdp`` (the final figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
 [--kinds plain,brain,local,local_rdp,ray,pfl,pfl_eps] [--breakdown]``
