@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from ..privacy.clipping import packed_buffer
 from .layerwise import RULES as LAYERWISE_RULES
 from .updates import ClientUpdate
 
@@ -78,31 +79,6 @@ def _weighted(tensor: torch.Tensor, weight: float) -> torch.Tensor:
     return tensor.to(torch.float64) * weight
 
 
-def _packed(delta: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The 1-D buffer that ``delta``'s tensors tile back to back, in order, or ``None``.
-
-    How the server decodes a reply whose tensors share a dtype (:mod:`.replies`): contiguous
-    views of one storage laid end to end.
-    """
-    tensors = list(delta.values())
-    if not tensors:
-        return None
-    first = tensors[0]
-    storage = first.untyped_storage().data_ptr()
-    start = offset = first.storage_offset()
-    for t in tensors:
-        if (
-            t.dtype != first.dtype
-            or t.device != first.device
-            or not t.is_contiguous()
-            or t.untyped_storage().data_ptr() != storage
-            or t.storage_offset() != offset
-        ):
-            return None
-        offset += t.numel()
-    return first.detach().new_empty(0).set_(first.untyped_storage(), start, (offset - start,))
-
-
 #: Elements of the aggregate summed at a time by :func:`_packed_sum` (256 KiB of float64: the
 #: block of the sum and its scratch stay in a core's L2 cache while every reply adds to them).
 BLOCK = 32768
@@ -126,7 +102,7 @@ def _packed_sum(
     for update, weight in zip(updates, weights, strict=True):
         if [(name, t.shape) for name, t in update.delta.items()] != spec:
             return None
-        buffer = _packed(update.delta)
+        buffer = packed_buffer(list(update.delta.values()))  # how replies.py decodes
         if buffer is None or not _numpy_path(buffer, weight):
             return None
         arrays.append(buffer.numpy())

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -48,7 +48,7 @@ import torch
 from .budgets import check_clip
 from .layout import Layout, check_names
 
-__all__ = ["ClipStats", "clip_update", "pack_update"]
+__all__ = ["ClipStats", "clip_update", "pack_update", "packed_buffer"]
 
 
 @dataclass
@@ -163,18 +163,31 @@ def _plan(layout: Layout | None, update: Mapping[str, torch.Tensor]) -> _Plan:
     return plan
 
 
-def _shared_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The 1-D buffer that ``tensors`` tile back to back, in order, or ``None``.
+def packed_buffer(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D tensor that ``tensors`` tile back to back, in order, or ``None``.
 
-    True when they are contiguous views of one storage laid end to end (what
-    :func:`pack_update` returns, and how the server decodes a reply): the norms and the scaling
-    then run as one operation each over the whole buffer instead of one per tensor.
+    The reply decoder (:mod:`speechbrain_fl.fl.replies`) and :func:`pack_update` give an
+    update's tensors as contiguous views of one storage, back to back in order; a norm, a
+    scaling or a weighted sum can then run once over that buffer instead of once per tensor
+    (torch has no call that recognises such views, hence this one).
+
+    ``tensors`` tile it when they share a dtype, a device and a storage, each is contiguous and
+    each starts where the one before it ends; the result is a view of that storage from the
+    first tensor's offset over all their elements (no copy), without autograd history.
+
+    Example
+    -------
+    >>> buffer = torch.arange(6.0)
+    >>> packed_buffer([buffer[:2], buffer[2:].view(2, 2)]).tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    >>> packed_buffer([buffer[:2], buffer[3:]]) is None
+    True
     """
-    first = tensors[0]
-    if len(tensors) < 2 or not first.is_contiguous():
+    if not tensors:
         return None
+    first = tensors[0]
     storage = first.untyped_storage().data_ptr()
-    offset = first.storage_offset()
+    start = offset = first.storage_offset()
     for t in tensors:
         if (
             t.dtype != first.dtype
@@ -185,8 +198,18 @@ def _shared_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         ):
             return None
         offset += t.numel()
-    start = first.storage_offset()
-    return first.new_empty(0).set_(first.untyped_storage(), start, (offset - start,))
+    return first.detach().new_empty(0).set_(first.untyped_storage(), start, (offset - start,))
+
+
+def _shared_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D buffer that two or more ``tensors`` tile back to back, in order, or ``None``.
+
+    True when they are contiguous views of one storage laid end to end (what
+    :func:`pack_update` returns, and how the server decodes a reply:
+    :func:`packed_buffer`): the norms and the scaling then run as
+    one operation each over the whole buffer instead of one per tensor.
+    """
+    return packed_buffer(tensors) if len(tensors) >= 2 else None
 
 
 def pack_update(update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
