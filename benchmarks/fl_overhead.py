@@ -140,7 +140,9 @@ def mlp_task(hparams: str | None, overrides: dict):
 
         torch.manual_seed(0)
         if share and SHARED_MODEL:
-            model = shared.get("model") or shared.setdefault("model", _mlp())
+            if "model" not in shared:
+                shared["model"] = _mlp()
+            model = shared["model"]
         else:
             model = _mlp()
         return ToyBrain(
