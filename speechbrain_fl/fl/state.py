@@ -16,14 +16,19 @@ Checkpointer writes ``CKPT.yaml`` into a fresh directory *before* the recoverabl
 checkpoint that looks complete. One file written to a temporary name, fsynced and renamed with
 ``os.replace`` (atomic on POSIX and Windows) cannot be seen half-written.
 
-Cost per round (the commit is on every round's critical path, before anything of the round is
-released): the state is serialised into memory and written with one ``write`` call (``torch.save``
+Cost per round: the state is serialised into memory in the calling thread (``torch.save``
 into the file object makes one Python-level write per zip record and header, ~0.3 ms more for a
-small model, the same bytes), and the Python ``random`` state, a tuple of 625 ints that the
+small model, the same bytes) and the Python ``random`` state, a tuple of 625 ints that the
 pickler visits one by one (~0.15 ms), is kept as one ``uint32`` array
-(:func:`capture_rng_states`). The ``fsync`` and the rename stay: without them a crash of the
+(:func:`capture_rng_states`). The write, the ``fsync`` and the rename (~1 ms for the 0.4 MB
+state of ``benchmarks/fl_overhead.py``; they release the GIL) run in :class:`StateWriter`'s
+thread while the server prepares the next round; the server waits for them before anything of
+the round is released (its rows, its log line, the next round's messages: docs/design.md
+"Privacy invariants" 5). The ``fsync`` and the rename stay: without them a crash of the
 machine could resume from a state older than a released round, whose accountant step would be
-lost.
+lost. A process that dies while a write is in flight leaves the previous round's state (and a
+temporary that the next start removes) and nothing of the round being written: a rerun redoes
+that round.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import io
 import os
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +45,13 @@ import torch
 
 from speechbrain_fl.utils.atomic import atomic_open
 
-__all__ = ["atomic_torch_save", "capture_rng_states", "load_state", "restore_rng_states"]
+__all__ = [
+    "StateWriter",
+    "atomic_torch_save",
+    "capture_rng_states",
+    "load_state",
+    "restore_rng_states",
+]
 
 STATE_FILE = "server_state.pt"
 
@@ -58,6 +70,71 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     torch.save(obj, buffer)  # into memory: one write below instead of one per record
     with atomic_open(path, "wb") as handle:
         handle.write(buffer.getbuffer())
+
+
+def _write_bytes(data: memoryview, path: Path) -> None:
+    """Write ``data`` to ``path`` through a temporary file, ``fsync`` and ``os.replace``."""
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+
+
+class StateWriter:
+    """Commit states one at a time: serialised by the caller, written by one worker thread.
+
+    :meth:`submit` serialises the state with ``torch.save`` into memory at once (the snapshot:
+    what the caller changes afterwards never reaches the file) and hands the bytes to the
+    thread, which writes them to a temporary file, ``fsync``-s and renames it over ``path``
+    (:func:`speechbrain_fl.utils.atomic.atomic_open`): the file on disk is always a whole
+    state, the last committed or the one before. :meth:`wait` returns once the last submitted
+    state is under its final name, and raises ``RuntimeError`` naming the file if its write
+    failed. :meth:`close` waits and stops the thread.
+
+    Example
+    -------
+    >>> tmp = getfixture("tmp_path")
+    >>> writer = StateWriter()
+    >>> state = {"round": 1}
+    >>> writer.submit(state, tmp / "s.pt")
+    >>> state["round"] = 2  # after submit: not in the file
+    >>> writer.wait()
+    >>> torch.load(tmp / "s.pt")["round"]
+    1
+    >>> writer.close()
+    """
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future | None = None
+        self._path: Path | None = None
+
+    def submit(self, obj: Any, path: str | os.PathLike) -> None:
+        """Wait for the previous commit, serialise ``obj`` and start writing it to ``path``."""
+        self.wait()
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)  # into memory: one write below instead of one per record
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-commit")
+        self._path = Path(path)
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._future = self._executor.submit(_write_bytes, buffer.getbuffer(), self._path)
+
+    def wait(self) -> None:
+        """Block until the last submitted state is committed; raise if its write failed."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        error = future.exception()
+        if error is not None:
+            raise RuntimeError(f"cannot write the server state {self._path}: {error}") from error
+
+    def close(self) -> None:
+        """:meth:`wait`, then stop the thread (also when the wait raises)."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any] | None:

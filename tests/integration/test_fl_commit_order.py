@@ -37,21 +37,27 @@ SETTINGS = {
 
 SCRIPT = """
 import json, os, sys
-import speechbrain_fl.fl.server as server
+import speechbrain_fl.fl.state as state
 from speechbrain_fl.fl import run_simulation
 from speechbrain_fl.fl.toy import toy_task
 
 folder, settings, kill = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-save = server.atomic_torch_save
+submit, write = state.StateWriter.submit, state._write_bytes
+rounds = []
 
-def killing_save(obj, path):
+def killing_submit(self, obj, path):
+    rounds.append(obj["round"])
     if obj["round"] == 2 and kill == "before":
         os._exit(9)  # the noisy aggregate of round 2 exists, nothing of it is committed
-    save(obj, path)
-    if obj["round"] == 2 and kill == "after":
+    submit(self, obj, path)
+
+def killing_write(data, path):  # in the writer's thread
+    write(data, path)
+    if rounds[-1] == 2 and kill == "after":
         os._exit(9)  # round 2 committed, none of its outputs written yet
 
-server.atomic_torch_save = killing_save
+state.StateWriter.submit = killing_submit
+state._write_bytes = killing_write
 run_simulation(toy_task(overrides={"output_folder": folder, **settings}))
 """
 
