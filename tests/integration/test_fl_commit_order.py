@@ -42,7 +42,7 @@ from speechbrain_fl.fl import run_simulation
 from speechbrain_fl.fl.toy import toy_task
 
 folder, settings, kill = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-submit, write = state.StateWriter.submit, state._write_bytes
+submit, wait = state.StateWriter.submit, state.StateWriter.wait
 rounds = []
 
 def killing_submit(self, obj, path):
@@ -51,13 +51,13 @@ def killing_submit(self, obj, path):
         os._exit(9)  # the noisy aggregate of round 2 exists, nothing of it is committed
     submit(self, obj, path)
 
-def killing_write(data, path):  # in the writer's thread
-    write(data, path)
-    if rounds[-1] == 2 and kill == "after":
+def killing_wait(self):
+    wait(self)
+    if rounds and rounds[-1] == 2 and kill == "after":
         os._exit(9)  # round 2 committed, none of its outputs written yet
 
 state.StateWriter.submit = killing_submit
-state._write_bytes = killing_write
+state.StateWriter.wait = killing_wait
 run_simulation(toy_task(overrides={"output_folder": folder, **settings}))
 """
 
