@@ -62,7 +62,7 @@ from .config import FLConfig
 from .config_checks import check_delta_population
 from .npy_codec import decode_record
 from .params import load_trainable, params_fingerprint, trainable_parameters, trainable_state
-from .state import STATE_FILE, StateWriter, capture_rng_states, load_state, restore_rng_states
+from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
 from .strategy import AggregateFailed, DPFedAvg, RoundFailed, RoundReport
 from .telemetry import RoundsTelemetry, progress_line, train_log_rounds, truncate_train_log
 
@@ -273,22 +273,6 @@ def _evaluate_isolated(task: ServerTask) -> dict[str, float]:
 
 
 def _run_server(grid: Grid, task: ServerTask) -> ServerResult:
-    """:func:`_rounds` with its :class:`~.state.StateWriter`, whose write in flight is always
-    finished (the file whole) before this returns or raises."""
-    writer = StateWriter()
-    try:
-        result = _rounds(grid, task, writer)
-    except BaseException:
-        try:
-            writer.close()
-        except RuntimeError as err:  # the run's own error is the one raised
-            log(WARNING, "%s", err)
-        raise
-    writer.close()
-    return result
-
-
-def _rounds(grid: Grid, task: ServerTask, writer: StateWriter) -> ServerResult:
     """The round loop of :func:`run_server` (the run lock held)."""
     cfg = task.config
     out = Path(cfg.output_folder)
@@ -381,27 +365,9 @@ def _rounds(grid: Grid, task: ServerTask, writer: StateWriter) -> ServerResult:
 
     round_budgets: list[dict[str, float]] = list(state.get("round_budgets", [])) if state else []
 
-    # the committed round's rows and lines, written once its commit is on disk (release())
-    pending: list[Callable[[], None]] = []
-
-    def release() -> None:
-        """Wait for the commit in flight, then write the committed round's rows and lines.
-
-        Called before anything of the next round is sent, before the next commit and at the
-        end: account first, then release (docs/design.md "Privacy invariants" 5).
-        """
-        writer.wait()
-        while pending:
-            pending.pop(0)()
-
     def save(done: int, outputs: dict[str, Any]) -> None:
-        """Commit round ``done``: parameters, accountant, EMA, RNG and its pending outputs.
-
-        Serialised now; written, fsynced and renamed in the writer's thread while the server
-        evaluates and prepares the next round (:class:`~.state.StateWriter`).
-        """
-        release()
-        writer.submit(
+        """Commit round ``done``: parameters, accountant, EMA, RNG and its pending outputs."""
+        atomic_torch_save(
             {
                 "round": done,
                 "params": params,
@@ -424,24 +390,20 @@ def _rounds(grid: Grid, task: ServerTask, writer: StateWriter) -> ServerResult:
         epsilon, accountant = running()
         save(0, {"report": None, "epsilon": epsilon, "epsilon_accountant": accountant,
                  "metrics": metrics})  # fmt: skip
-
-        def round_zero(epsilon=epsilon, accountant=accountant, metrics=metrics) -> None:
-            write_outputs(0, None, epsilon, metrics, accountant)
-            log(
-                INFO,
-                "%s",
-                progress_line(
-                    server_round=0,
-                    num_rounds=cfg.num_rounds,
-                    report=None,
-                    epsilon=None,
-                    metrics=metrics,
-                    started=0,
-                    rounds_done_here=0,
-                ),
-            )
-
-        pending.append(round_zero)
+        write_outputs(0, None, epsilon, metrics, accountant)
+        log(
+            INFO,
+            "%s",
+            progress_line(
+                server_round=0,
+                num_rounds=cfg.num_rounds,
+                report=None,
+                epsilon=None,
+                metrics=metrics,
+                started=0,
+                rounds_done_here=0,
+            ),
+        )
     else:  # the committed round's rows, if the kill came between its commit and its writes
         _restore_outputs(task, state, telemetry, log_path, write_outputs)
     if strategy.accountant is not None:
@@ -476,7 +438,6 @@ def _rounds(grid: Grid, task: ServerTask, writer: StateWriter) -> ServerResult:
         round_start = time.time()
         if last_allowed is not None and strategy.accountant.rounds + 1 > last_allowed:
             upcoming = float(strategy.accountant.epsilon_after(1))  # cached by max_rounds
-            release()  # the last round's line first
             log(
                 WARNING,
                 "stopping before round %d: epsilon (%s) would reach %.4f > max_epsilon=%g",
@@ -490,7 +451,6 @@ def _rounds(grid: Grid, task: ServerTask, writer: StateWriter) -> ServerResult:
         for attempt in range(cfg.max_retries + 1):
             strategy.learn_node_order(grid, timeout=cfg.round_timeout)
             messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
-            release()  # the previous round committed and written before its model is sent
             replies = grid.send_and_receive(messages, timeout=cfg.round_timeout) if messages else []
             try:
                 arrays, _ = strategy.aggregate_train(server_round, replies)
@@ -519,8 +479,7 @@ def _rounds(grid: Grid, task: ServerTask, writer: StateWriter) -> ServerResult:
         reports.append(report)
         round_budgets.append(dict(report.component_budgets))
         # account first, then release: the accountant step, the new model and the round's
-        # pending outputs are committed (release() waits for the write) before anything derived
-        # from them is written, logged or sent
+        # pending outputs are committed before anything derived from them is written
         save(
             server_round,
             {
@@ -535,28 +494,22 @@ def _rounds(grid: Grid, task: ServerTask, writer: StateWriter) -> ServerResult:
         metrics = None
         if _evaluate_due(cfg, server_round):  # the Brain gets the global model when it is used
             load_trainable(task.brain.modules, params)
-            metrics = _evaluate_isolated(task)  # while the state is written
-
-        def round_outputs(server_round=server_round, report=report, epsilon=epsilon,
-                          metrics=metrics, accountant=accountant) -> None:  # fmt: skip
-            write_outputs(server_round, report, epsilon, metrics, accountant)
-            log(
-                INFO,
-                "%s",
-                progress_line(
-                    server_round=server_round,
-                    num_rounds=cfg.num_rounds,
-                    report=report,
-                    epsilon=epsilon,
-                    metrics=metrics,
-                    started=started,
-                    rounds_done_here=server_round - start,
-                    accountant=accountant,
-                ),
-            )
-
-        pending.append(round_outputs)
-    release()
+            metrics = _evaluate_isolated(task)
+        write_outputs(server_round, report, epsilon, metrics, accountant)
+        log(
+            INFO,
+            "%s",
+            progress_line(
+                server_round=server_round,
+                num_rounds=cfg.num_rounds,
+                report=report,
+                epsilon=epsilon,
+                metrics=metrics,
+                started=started,
+                rounds_done_here=server_round - start,
+                accountant=accountant,
+            ),
+        )
     load_trainable(task.brain.modules, params)  # the server's Brain ends with the global model
     privacy = (
         privacy_report(

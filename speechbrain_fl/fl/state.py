@@ -16,19 +16,24 @@ Checkpointer writes ``CKPT.yaml`` into a fresh directory *before* the recoverabl
 checkpoint that looks complete. One file written to a temporary name, fsynced and renamed with
 ``os.replace`` (atomic on POSIX and Windows) cannot be seen half-written.
 
-Cost per round: the state is serialised into memory in the calling thread (``torch.save``
-into the file object makes one Python-level write per zip record and header, ~0.3 ms more for a
-small model, the same bytes) and the Python ``random`` state, a tuple of 625 ints that the
-pickler visits one by one (~0.15 ms), is kept as one ``uint32`` array
-(:func:`capture_rng_states`). The write, the ``fsync`` and the rename (~1 ms for the 0.4 MB
-state of ``benchmarks/fl_overhead.py``; they release the GIL) run in :class:`StateWriter`'s
-thread while the server prepares the next round; the server waits for them before anything of
-the round is released (its rows, its log line, the next round's messages: docs/design.md
-"Privacy invariants" 5). The ``fsync`` and the rename stay: without them a crash of the
-machine could resume from a state older than a released round, whose accountant step would be
-lost. A process that dies while a write is in flight leaves the previous round's state (and a
-temporary that the next start removes) and nothing of the round being written: a rerun redoes
-that round.
+Cost per round (the commit is on every round's critical path, before anything of the round is
+released): the state is serialised into memory and written with one ``O_DSYNC`` write
+(:func:`~speechbrain_fl.utils.atomic.atomic_write_bytes`; ``torch.save`` into the file object
+makes one Python-level write per zip record and header, ~0.3 ms more for a small model, the same
+bytes), and the Python ``random`` state, a tuple of 625 ints that the pickler visits one by one
+(~0.15 ms), is kept as one ``uint32`` array (:func:`capture_rng_states`). The sync and the
+rename stay: without them a crash of the machine could resume from a state older than a
+released round, whose accountant step would be lost.
+
+Decision (measured, issue 28): the write is not moved to a background thread. Anything of the
+round may be released (its rows, its log line, the next round's messages) only once it is
+committed (docs/design.md "Privacy invariants" 5), and before the next round's messages leave
+there is ~0.5 ms of server work (``configure_train``) against ~1.5 ms of write + sync for the
+0.4 MB state of ``benchmarks/fl_overhead.py``: a thread that wrote while the server prepared the
+next round and was waited for before the send saved nothing on the 2-core test machine
+(serialise + wait 2.2-2.3 ms a round against 2.3 ms in line, ``configure_train`` 0.15 ms
+slower beside the write). Waiting only before the next commit would overlap the next round's
+training but would send a model derived from an uncommitted noisy aggregate.
 """
 
 from __future__ import annotations
@@ -36,29 +41,15 @@ from __future__ import annotations
 import io
 import os
 import random
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from speechbrain_fl.utils.atomic import (
-    atomic_open,
-    commit_temporary,
-    discard_temporary,
-    open_temporary,
-    write_all,
-)
+from speechbrain_fl.utils.atomic import atomic_write_bytes
 
-__all__ = [
-    "StateWriter",
-    "atomic_torch_save",
-    "capture_rng_states",
-    "load_state",
-    "restore_rng_states",
-]
+__all__ = ["atomic_torch_save", "capture_rng_states", "load_state", "restore_rng_states"]
 
 STATE_FILE = "server_state.pt"
 
@@ -75,102 +66,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # into memory: one write below instead of one per record
-    with atomic_open(path, "wb") as handle:
-        handle.write(buffer.getbuffer())
-
-
-def _write_started(started: threading.Event, fd: int, data: memoryview) -> None:
-    """The writer thread's job: signal that it runs, then one GIL-free ``O_DSYNC`` write."""
-    started.set()
-    write_all(fd, data)
-
-
-class StateWriter:
-    """Commit states one at a time, the write running while the caller goes on.
-
-    :meth:`submit` serialises the state with ``torch.save`` into memory at once (the snapshot:
-    what the caller changes afterwards never reaches the file), opens a temporary beside
-    ``path`` and hands the bytes to one worker thread, which writes them in one ``O_DSYNC``
-    system call (write + ``fdatasync``, the GIL released:
-    :func:`~speechbrain_fl.utils.atomic.open_temporary`). :meth:`wait` joins that write and
-    renames the temporary over ``path`` (``os.replace``), so the file on disk is always a
-    whole state, the last committed or the one before; a failed write raises
-    ``RuntimeError`` naming the file (the temporary removed). :meth:`close` waits and stops
-    the thread.
-
-    Decision (ours): only the system call runs in the thread. A thread that also opened,
-    closed and renamed would need the GIL between those calls, and a main thread running
-    Python keeps it for the interpreter's switch interval (5 ms, longer than the window), so
-    the write would start only when the caller blocks in :meth:`wait` (measured: no gain).
-    :meth:`submit` waits until the thread has started (~20 us) so the write runs at once. The
-    serialisation buffer is kept and reused (no fresh 0.4 MB to fault in every round).
-
-    Example
-    -------
-    >>> tmp = getfixture("tmp_path")
-    >>> writer = StateWriter()
-    >>> state = {"round": 1}
-    >>> writer.submit(state, tmp / "s.pt")
-    >>> state["round"] = 2  # after submit: not in the file
-    >>> writer.wait()
-    >>> torch.load(tmp / "s.pt")["round"]
-    1
-    >>> writer.close()
-    """
-
-    def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
-        self._future: Future | None = None
-        self._buffer = io.BytesIO()
-        self._view: memoryview | None = None
-        self._fd: int | None = None
-        self._tmp: Path | None = None
-        self._path: Path | None = None
-
-    def submit(self, obj: Any, path: str | os.PathLike) -> None:
-        """Wait for the previous commit, serialise ``obj`` and start writing it to ``path``."""
-        self.wait()
-        self._buffer.seek(0)
-        torch.save(obj, self._buffer)  # into memory: one write instead of one per record
-        self._view = self._buffer.getbuffer()[: self._buffer.tell()]
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-commit")
-        self._path = Path(path)
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd, self._tmp = open_temporary(self._path)
-        started = threading.Event()
-        self._future = self._executor.submit(_write_started, started, self._fd, self._view)
-        started.wait()
-
-    def wait(self) -> None:
-        """Block until the last submitted state is committed; raise if its write failed."""
-        future, self._future = self._future, None
-        if future is None:
-            return
-        fd, tmp, self._fd, self._tmp = self._fd, self._tmp, None, None
-        try:
-            error = future.exception()
-            if error is None:
-                try:
-                    commit_temporary(fd, tmp, self._path)
-                    fd = None
-                except OSError as err:
-                    fd, error = None, err
-        finally:
-            self._view.release()
-            self._view = None
-        if error is not None:
-            discard_temporary(fd, tmp)
-            raise RuntimeError(f"cannot write the server state {self._path}: {error}") from error
-
-    def close(self) -> None:
-        """:meth:`wait`, then stop the thread (also when the wait raises)."""
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+    atomic_write_bytes(path, buffer.getbuffer())  # one O_DSYNC write, then the rename
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -597,8 +597,7 @@ class DPFedAvg(FedAvg):
         self.cohort = self.sampler.sample(node_ids, order=self.node_order, draw=draw)
         log(
             INFO,
-            "configure_train: round %d, Poisson cohort of %d (q=%.4g, %d connected, K=%s)",
-            server_round,
+            "configure_train: Poisson cohort of %d (q=%.4g, %d connected, K=%s)",
             len(self.cohort),
             self.config.sampling_rate,
             self.population,

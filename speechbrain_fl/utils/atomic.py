@@ -39,12 +39,8 @@ __all__ = [
     "atomic_folder",
     "atomic_open",
     "atomic_write_bytes",
-    "commit_temporary",
-    "discard_temporary",
-    "open_temporary",
     "sigterm_as_exception",
     "sweep_stale_temporaries",
-    "write_all",
 ]
 
 logger = logging.getLogger(__name__)
@@ -182,63 +178,18 @@ def _atomic_open(path: Path, mode: str, *, encoding: str | None, newline) -> Ite
         raise
 
 
-def open_temporary(path: str | os.PathLike) -> tuple[int, Path]:
-    """Create the temporary beside ``path`` that :func:`commit_temporary` moves over it.
-
-    Returns its descriptor, opened for writing with ``O_DSYNC`` where the platform has it
-    (then each ``os.write`` returns once the data and the metadata needed to read it back, the
-    size and the blocks, are on disk: ``write`` + ``fdatasync`` in one system call, with the
-    GIL released), and its name, ``.<name>.<8 hex characters>.tmp`` as :func:`atomic_open`'s,
-    which :func:`sweep_stale_temporaries` removes after a kill. The parent folder must exist.
-    """
-    path = Path(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    flags |= getattr(os, "O_DSYNC", 0)
-    while True:
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-
-
-def write_all(fd: int, data) -> None:
-    """``os.write`` all of ``data`` (bytes or a buffer) to ``fd`` (a write may be short)."""
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def commit_temporary(fd: int, tmp: Path, path: str | os.PathLike) -> None:
-    """Make what was written to ``fd`` durable, close it and move ``tmp`` over ``path``.
-
-    With ``O_DSYNC`` the writes were durable when they returned; otherwise ``fsync`` here.
-    """
-    try:
-        if not getattr(os, "O_DSYNC", 0):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def discard_temporary(fd: int | None, tmp: Path) -> None:
-    """Close ``fd`` (unless ``None``) and remove ``tmp``: a write that is not committed."""
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-
-
 def atomic_write_bytes(path: str | os.PathLike, data) -> None:
     """Write ``data`` (bytes or a buffer) to ``path`` atomically, as :func:`atomic_open` does.
 
-    :func:`open_temporary`, :func:`write_all`, :func:`commit_temporary` (one ``O_DSYNC``
-    write where the platform has it, else write and ``fsync``), :func:`discard_temporary` on
-    any error. SIGTERM is not turned into an exception here (the steps may run in a worker
-    thread): a temporary that a killed process leaves is removed by
-    :func:`sweep_stale_temporaries`. The parent folder must exist.
+    The temporary (``.<name>.<8 hex characters>.tmp`` beside ``path``, the names
+    :func:`sweep_stale_temporaries` removes) is opened with ``O_DSYNC`` where the platform has
+    it: each ``os.write`` returns once the data and the metadata needed to read it back (the
+    size, the blocks) are on disk, ``write`` + ``fdatasync`` in one system call and without a
+    Python file object (measured on a 0.4 MB server state: ~0.2 ms less than
+    :func:`atomic_open`'s buffered write + ``fsync``). Elsewhere the data is written and
+    ``fsync``-ed. Then ``os.replace``. On any error (SIGTERM too, inside
+    :func:`sigterm_as_exception`) the temporary is removed and ``path`` is left as it was. The
+    parent folder is created if missing.
 
     Example
     -------
@@ -247,17 +198,32 @@ def atomic_write_bytes(path: str | os.PathLike, data) -> None:
     >>> (tmp / "state.pt").read_bytes(), sorted(p.name for p in tmp.iterdir())
     (b'whole', ['state.pt'])
     """
-    fd, tmp = open_temporary(path)
-    try:
-        write_all(fd, data)
-    except BaseException:
-        discard_temporary(fd, tmp)
-        raise
-    try:
-        commit_temporary(fd, tmp, path)
-    except BaseException:
-        discard_temporary(None, tmp)
-        raise
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dsync = getattr(os, "O_DSYNC", 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | dsync
+    with sigterm_as_exception():
+        while True:
+            tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+            try:
+                fd = os.open(tmp, flags, 0o666)
+                break
+            except FileExistsError:
+                continue
+        try:
+            try:
+                view = memoryview(data).cast("B")
+                while view:  # a write may be short
+                    view = view[os.write(fd, view) :]
+                if not dsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
 
 @contextlib.contextmanager

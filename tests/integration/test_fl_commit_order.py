@@ -37,27 +37,21 @@ SETTINGS = {
 
 SCRIPT = """
 import json, os, sys
-import speechbrain_fl.fl.state as state
+import speechbrain_fl.fl.server as server
 from speechbrain_fl.fl import run_simulation
 from speechbrain_fl.fl.toy import toy_task
 
 folder, settings, kill = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-submit, wait = state.StateWriter.submit, state.StateWriter.wait
-rounds = []
+save = server.atomic_torch_save
 
-def killing_submit(self, obj, path):
-    rounds.append(obj["round"])
+def killing_save(obj, path):
     if obj["round"] == 2 and kill == "before":
         os._exit(9)  # the noisy aggregate of round 2 exists, nothing of it is committed
-    submit(self, obj, path)
-
-def killing_wait(self):
-    wait(self)
-    if rounds and rounds[-1] == 2 and kill == "after":
+    save(obj, path)
+    if obj["round"] == 2 and kill == "after":
         os._exit(9)  # round 2 committed, none of its outputs written yet
 
-state.StateWriter.submit = killing_submit
-state.StateWriter.wait = killing_wait
+server.atomic_torch_save = killing_save
 run_simulation(toy_task(overrides={"output_folder": folder, **settings}))
 """
 
