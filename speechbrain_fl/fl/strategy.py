@@ -616,7 +616,10 @@ class DPFedAvg(FedAvg):
             config["clip-groups"] = self._group_json
             config["clip-components"] = self._component_json
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
-        return self._construct_messages(record, self.cohort, MessageType.TRAIN)
+        messages = self._construct_messages(record, self.cohort, MessageType.TRAIN)
+        if self.noise is not None:  # the round's normals drawn while the clients train
+            self.noise.prepare([math.prod(a.shape) for a in arrays.values()], draw=server_round)
+        return messages
 
     def reply_limits(self, global_params: Mapping[str, torch.Tensor]) -> ReplyLimits:
         """What a reply's claims are checked against this round (:mod:`.reply_checks`)."""
