@@ -75,7 +75,7 @@ from .canaries import FederatedAudit
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
 from .npy_codec import decode_record, encode_record
-from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
+from .replies import BufferPool, ReplyLimits, ReplyRejected, check_finite, parse_train_reply
 from .sampling import PoissonSampler
 
 __all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
@@ -632,8 +632,14 @@ class DPFedAvg(FedAvg):
             dtypes={k: v.dtype for k, v in global_params.items()},
         )
 
-    def _parse(self, message: Message, shapes, limits: ReplyLimits) -> ClientUpdate:
-        """One reply -> a checked update (format, claims, partition), or :class:`ReplyRejected`."""
+    def _parse(
+        self, message: Message, shapes, limits: ReplyLimits, *, reclipped: bool = False
+    ) -> ClientUpdate:
+        """One reply -> a checked update (format, claims, partition), or :class:`ReplyRejected`.
+
+        ``reclipped``: the caller re-clips the update, whose norms find any non-finite value
+        (then :func:`.replies.check_finite` names it), so the decoding skips its own pass.
+        """
         node = message.metadata.src_node_id
         update = parse_train_reply(
             message,
@@ -641,6 +647,7 @@ class DPFedAvg(FedAvg):
             allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
             limits=limits,
             pool=self._reply_pool,
+            finite_checked_later=reclipped,
         )
         claimed = update.metrics.get("partition-id")
         known = self.node_order.get(node)
@@ -685,11 +692,17 @@ class DPFedAvg(FedAvg):
                 continue
             replied.add(node)
             try:
-                update = self._parse(message, shapes, limits)
+                update = self._parse(message, shapes, limits, reclipped=budgets is not None)
                 if budgets is not None:  # server-side enforcement of the budgets (contract 3)
-                    update.delta, _ = clip_update(
-                        update.delta, budgets, layout=self.layout, inplace=True
-                    )
+                    try:
+                        update.delta, _ = clip_update(
+                            update.delta, budgets, layout=self.layout, inplace=True
+                        )
+                    except Exception:
+                        # a NaN or inf makes a norm non-finite and the clip raise: named as the
+                        # decoding names it (the clip raised before scaling anything)
+                        check_finite(update)
+                        raise
                 updates.append(update)
             except ReplyRejected as err:
                 failures.append(str(err))
