@@ -5,7 +5,9 @@ ClientApp raised (Flower turns the exception into an error reply), when it carri
 or MetricRecord, when its tensor names, shapes or dtypes differ from the global trainable
 parameters, when an array's bytes do not decode (corrupt data, a non-native byte order, an
 unsupported serialisation), when a metric is not a finite number where one belongs (a list, a
-string) or not a list of finite numbers where a list belongs, or when any tensor is non-finite.
+string) or not a list of finite numbers where a list belongs, or when any tensor is non-finite
+(:func:`check_finite`: here, or after the server's re-clip, whose norms find a NaN or inf
+anyway, with the same reason).
 A client that exceeded the round timeout sends no reply at all; the server counts it from the
 cohort, and takes one reply per sampled node only (see
 :func:`speechbrain_fl.fl.strategy.DPFedAvg.aggregate_train`). Rejected replies never reach the

@@ -19,9 +19,13 @@ One round, for replies u_1..u_m of a cohort drawn with rate q from the declared 
    nobody): every Poisson draw is one application of the sampled Gaussian mechanism, and a
    re-sampled round would release a cohort that is no longer Poisson(q);
 3. re-clip: u_i <- clip(u_i, C_l) per group, so a client that skipped clipping cannot raise the
-   sensitivity above C (contract 3);
+   sensitivity above C (contract 3); its norms also find a NaN or inf (a norm is finite iff
+   every element is), so a private round's decoding skips its own finiteness pass and
+   :func:`.replies.check_finite` names the tensor as the decoding did;
 4. aggregate with the rule (default DP rule sum_i u_i / n, McMahan et al. 2018, Alg. 1);
-5. add N(0, (sigma C / n)^2 I) once (contract 4) to every parameter, one accountant step;
+5. add N(0, (sigma C / n)^2 I) once (contract 4) to every parameter, one accountant step (the
+   round's standard normals are drawn in a worker thread while the clients train,
+   :meth:`~speechbrain_fl.privacy.GaussianNoise.prepare`, the same draws bit for bit);
 6. EMA budgets: update from ``noisy_norm_signal`` of the released aggregate (post-processing) or,
    with ``ema_signal="raw"``, from the clients' reported norms (outside the DP guarantee);
 7. theta <- theta + update; a non-finite result raises instead of being applied.
