@@ -656,6 +656,8 @@ class DPFedAvg(FedAvg):
         claimed = update.metrics.get("partition-id")
         known = self.node_order.get(node)
         if known is not None and claimed is not None and int(claimed) != known:
+            if reclipped:  # a non-finite tensor is the reason given first, as in the decoding
+                check_finite(update)
             raise ReplyRejected(
                 f"node {node}: partition-id={claimed:g} differs from the partition-id={known} "
                 "it answered to the server's query"

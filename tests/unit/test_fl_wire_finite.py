@@ -79,6 +79,17 @@ BAD = {
         "tensor 'a.bias' has non-finite values",
     ),
     "a bad metric only": (_delta(9), {**GOOD, "train-loss": [1.0]}, "metric 'train-loss'"),
+    # node 99 answered partition-id 5 to the server's query (below)
+    "NaN and another partition-id": (
+        _poisoned(float("nan")),
+        {**GOOD, "partition-id": 6},
+        "tensor 'a.bias' has non-finite values",
+    ),
+    "another partition-id only": (
+        _delta(9),
+        {**GOOD, "partition-id": 6},
+        "partition-id=6 differs from the partition-id=5",
+    ),
 }
 
 
@@ -90,6 +101,7 @@ def _strategy(tmp_path, private):
     )
     cfg = FLConfig(output_folder=str(tmp_path), population_size=10, sampling_rate=0.4, **settings)
     strategy = DPFedAvg(config=cfg, layout=LAYOUT)
+    strategy.node_order = {10: 0, 11: 1, 12: 2, 99: 5}  # the partition-ids of the query
     strategy.current_arrays = ArrayRecord({n: torch.zeros(s) for n, s in SHAPES.items()})
     return strategy
 
@@ -105,16 +117,16 @@ def _aggregate(strategy, replies, nodes):
 def test_a_bad_reply_is_dropped_as_before(tmp_path, caplog, private, case):
     delta, metrics, reason = BAD[case]
     good = [_reply(10 + i, _delta(i), {**GOOD, "partition-id": i}) for i in range(3)]
-    bad = _reply(99, delta, {**metrics, "partition-id": 5})
-    # the reason the decoding's own finiteness pass gives (what the round logged before)
-    with pytest.raises(ReplyRejected) as rejected:
-        parse_train_reply(bad, expected_shapes=SHAPES)
-    assert rejected.value.args[0].startswith(f"node 99: {reason}")
+    bad = _reply(99, delta, {"partition-id": 5, **metrics})
     with caplog.at_level(logging.WARNING):
         got = _aggregate(_strategy(tmp_path / "a", private), [good[1], bad, good[0], good[2]],
                          [10, 11, 12, 99])  # fmt: skip
     dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-    assert dropped == [f"round 1: dropped {rejected.value.args[0]}"]
+    assert len(dropped) == 1 and dropped[0].startswith(f"round 1: dropped node 99: {reason}")
+    if "partition-id" not in reason:  # the decoding's own reason (what the round logged before)
+        with pytest.raises(ReplyRejected) as rejected:
+            parse_train_reply(bad, expected_shapes=SHAPES)
+        assert dropped == [f"round 1: dropped {rejected.value.args[0]}"]
     expected = _aggregate(_strategy(tmp_path / "b", private), good, [10, 11, 12, 99])
     assert list(got) == list(expected)
     assert all(torch.equal(got[n], expected[n]) for n in got)
