@@ -23,6 +23,17 @@ Decisions
 - ``add(..., draw=k)`` derives the generator of draw ``k`` (the round) from the seed (SHA-256 of
   seed, draw and device; our choice): with a test-only fixed seed a resumed run then adds the
   same noise as an uninterrupted one, without any generator state on disk.
+- :meth:`GaussianNoise.prepare` (called by the server when it sends a round out) draws that
+  round's standard normals in a worker thread while the clients train: NumPy's
+  ``standard_normal`` fills without the GIL, and the noise does not depend on the replies.
+  :meth:`~GaussianNoise.add` then uses them when they are exactly the draws it would make
+  (the CPU NumPy path for every tensor and as many draws as the aggregate has elements:
+  ``standard_normal(a + b)`` yields the draws of ``standard_normal(a)`` then
+  ``standard_normal(b)``, tested) and leaves the draw's generator where its own draws would
+  have left it; otherwise it draws as before, from a generator the preparation never touched.
+  The same noise, bit for bit, ~1 ms less of a small model's private round (101k draws); the
+  normals are held in memory only, never written, and not prepared beyond
+  :data:`PREPARE_MAX_BYTES`.
 - Floating-point sampling is not hardened against the floating-point attacks on the Gaussian
   mechanism (Mironov 2012 style); like Opacus's default (non-secure) mode this is acceptable
   for research, not for adversarial deployments.
@@ -34,7 +45,8 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -44,6 +56,20 @@ from .layout import Layout, check_names
 __all__ = ["GaussianNoise", "noise_std", "noisy_norm_signal"]
 
 logger = logging.getLogger(__name__)
+
+#: The largest preparation :meth:`GaussianNoise.prepare` starts (float64 normals held through
+#: the round): beyond it :meth:`GaussianNoise.add` draws them itself.
+PREPARE_MAX_BYTES = 512 * 2**20
+
+_EXECUTOR: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The one worker thread that prepares noise (made on first use)."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise-prepare")
+    return _EXECUTOR
 
 
 def _check_sigma(noise_multiplier) -> float:
@@ -104,25 +130,88 @@ class GaussianNoise:
             )
             self._seed = int(seed)
         self._generators: dict[tuple[str, int | None], torch.Generator | np.random.Generator] = {}
+        # (draw, number of normals, the generator drawing them, the future of the normals)
+        self._prepared: tuple[int, int, np.random.Generator, Future] | None = None
+
+    def _derived_seed(self, key: tuple[str, int | None]) -> int:
+        """The seed of generator ``key`` = (device, draw): SHA-256 of the seed and the key."""
+        label = key[0] if key[1] is None else f"{key[0]}|draw={key[1]}"
+        digest = hashlib.sha256(f"{self._seed}:{label}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
+
+    def _keep(self, key: tuple[str, int | None], gen) -> None:
+        """Store generator ``key``; a draw key is used for one release: forget older keyed ones."""
+        if key[1] is not None:
+            self._generators = {
+                k: g for k, g in self._generators.items() if k[1] is None or k[1] == key[1]
+            }
+        self._generators[key] = gen
 
     def _generator(self, device: torch.device | str, draw: int | None):
         """The generator of ``device`` (``"numpy"``: the CPU's NumPy one) for draw ``draw``."""
         key = (str(device), None if draw is None else int(draw))
         if key not in self._generators:
-            if draw is not None:  # a draw key is used for one release: forget older keyed ones
-                self._generators = {
-                    k: g for k, g in self._generators.items() if k[1] is None or k[1] == key[1]
-                }
-            label = key[0] if draw is None else f"{key[0]}|draw={key[1]}"
-            digest = hashlib.sha256(f"{self._seed}:{label}".encode()).digest()
-            seed = int.from_bytes(digest[:8], "little") >> 1
+            seed = self._derived_seed(key)
             if key[0] == "numpy":
                 gen = np.random.Generator(np.random.PCG64(seed))
             else:
                 gen = torch.Generator(device=device)
                 gen.manual_seed(seed)
-            self._generators[key] = gen
+            self._keep(key, gen)
         return self._generators[key]
+
+    def prepare(self, sizes: Sequence[int], *, draw: int) -> None:
+        """Start drawing the ``sum(sizes)`` standard normals of draw ``draw`` in a thread.
+
+        For an :meth:`add` of that draw soon after (the server calls it when it sends the
+        round out, with the sizes of the global tensors). A draw whose generator has been used
+        already, or beyond :data:`PREPARE_MAX_BYTES`, is not prepared.
+
+        Example
+        -------
+        >>> mech = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=0)
+        >>> plain = mech.add({"w": torch.zeros(3)}, expected_cohort_size=10, draw=1)["w"]
+        >>> mech = GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=0)
+        >>> mech.prepare([3], draw=1)
+        >>> torch.equal(mech.add({"w": torch.zeros(3)}, expected_cohort_size=10, draw=1)["w"], plain)
+        True
+        """
+        self._discard_prepared()
+        key, total = ("numpy", int(draw)), int(sum(sizes))
+        if key in self._generators or not 0 < 8 * total <= PREPARE_MAX_BYTES:
+            return
+        gen = np.random.Generator(np.random.PCG64(self._derived_seed(key)))
+        self._prepared = (key[1], total, gen, _executor().submit(gen.standard_normal, total))
+
+    def _discard_prepared(self) -> None:
+        """Drop a preparation (after its thread is done with its generator)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            prepared[3].exception()  # waits; an error only means it is not used
+
+    def _take_prepared(
+        self, aggregate: Mapping[str, torch.Tensor], draw: int | None
+    ) -> np.ndarray | None:
+        """The prepared normals if they are exactly what :meth:`add` would draw for
+        ``aggregate`` (every tensor on the NumPy path, the same count, the draw's generator
+        unused), with that generator stored as its own draws would have left it; else
+        ``None`` (the preparation dropped)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return None
+        prepared_draw, total, gen, future = prepared
+        normals = None if future.exception() is not None else future.result()
+        key = ("numpy", None if draw is None else int(draw))
+        if (
+            normals is None
+            or key[1] != prepared_draw
+            or key in self._generators
+            or sum(t.numel() for t in aggregate.values()) != total
+            or not all(_numpy_path(t) for t in aggregate.values())
+        ):
+            return None
+        self._keep(key, gen)
+        return normals
 
     def std(self, expected_cohort_size: float) -> float:
         """Noise std on the mean for a cohort of ``expected_cohort_size``."""
@@ -151,14 +240,21 @@ class GaussianNoise:
             Key of this draw (the round); default the next draw of one running stream.
         """
         std = self.std(expected_cohort_size)
-        out = {}
         for name, t in aggregate.items():
             if not t.is_floating_point():
                 raise ValueError(f"aggregate[{name!r}] has dtype {t.dtype}; floating point needed")
+        normals, offset = self._take_prepared(aggregate, draw), 0
+        out = {}
+        for name, t in aggregate.items():
             t = t.detach()
-            if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64):
+            if _numpy_path(t):
                 # x + std * z in float64, z ~ N(0, 1) from NumPy's ziggurat (module docstring)
-                noise = self._generator("numpy", draw).standard_normal(tuple(t.shape))
+                if normals is not None:  # the same draws, made while the clients trained
+                    count = t.numel()
+                    noise = normals[offset : offset + count].reshape(tuple(t.shape))
+                    offset += count
+                else:
+                    noise = self._generator("numpy", draw).standard_normal(tuple(t.shape))
                 with np.errstate(over="ignore", invalid="ignore"):  # inf silently, as torch's
                     np.multiply(noise, std, out=noise)
                     np.add(t.numpy(), noise, out=noise)
@@ -191,6 +287,11 @@ class GaussianNoise:
                     f"saved noise state has {key}={state[key]!r} but this mechanism uses "
                     f"{getattr(self, key)!r}"
                 )
+
+
+def _numpy_path(t: torch.Tensor) -> bool:
+    """Whether :meth:`GaussianNoise.add` draws ``t``'s noise with NumPy (CPU float32/64)."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
 
 
 def noisy_norm_signal(

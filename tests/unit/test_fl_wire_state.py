@@ -2,23 +2,30 @@
 
 :func:`speechbrain_fl.fl.state.atomic_torch_save` serialises into memory and writes once; the
 Python ``random`` state is kept as one ``uint32`` array (:func:`capture_rng_states`), and a
-state saved by an earlier version (the tuple of 625 ints) still restores.
+state saved by an earlier version (the tuple of 625 ints) still restores. A failed or killed
+write (one ``O_DSYNC`` write to a temporary, then ``os.replace``) leaves the previous state whole.
 """
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import torch
 
+import speechbrain_fl.utils.atomic as atomic
 from speechbrain_fl.fl.state import (
     atomic_torch_save,
     capture_rng_states,
     load_state,
     restore_rng_states,
 )
+from speechbrain_fl.utils.atomic import sweep_stale_temporaries
 
 
 def test_atomic_save_writes_torch_saves_bytes(tmp_path):
@@ -51,3 +58,51 @@ def test_a_state_of_the_earlier_tuple_form_restores():
     expected = _draws()
     restore_rng_states(old)
     assert _draws() == expected
+
+
+def test_a_failed_write_keeps_the_previous_state_and_no_temporary(tmp_path, monkeypatch):
+    atomic_torch_save({"round": 1}, tmp_path / "s.pt")
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "write", full_disk)
+    try:
+        atomic_torch_save({"round": 2}, tmp_path / "s.pt")
+    except OSError as err:
+        assert err.errno == errno.ENOSPC
+    else:
+        raise AssertionError("the failed write did not raise")
+    monkeypatch.setattr(atomic.os, "write", os.write)
+    assert load_state(tmp_path / "s.pt")["round"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.pt"]
+
+
+KILL_MID_WRITE = """
+import os, sys
+import torch
+import speechbrain_fl.utils.atomic as atomic
+from speechbrain_fl.fl.state import atomic_torch_save
+path = sys.argv[1]
+atomic_torch_save({"round": 1, "params": {"w": torch.ones(5000)}}, path)
+real_write = os.write
+def half_then_die(fd, data):
+    real_write(fd, memoryview(data)[: len(data) // 2])
+    os._exit(9)  # the process dies with round 2 half written
+atomic.os.write = half_then_die
+atomic_torch_save({"round": 2, "params": {"w": torch.full((5000,), 2.0)}}, path)
+"""
+
+
+def test_a_process_killed_mid_write_leaves_the_previous_whole_state(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = tmp_path / "server_state.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_MID_WRITE, str(path)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    state = load_state(path)  # the previous round's, whole
+    assert state["round"] == 1 and torch.equal(state["params"]["w"], torch.ones(5000))
+    (stale,) = [p for p in tmp_path.iterdir() if p.name != path.name]
+    assert 0 < stale.stat().st_size < path.stat().st_size  # the half-written temporary
+    assert sweep_stale_temporaries(tmp_path) == [stale]  # what the next run's start removes

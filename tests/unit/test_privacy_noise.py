@@ -137,3 +137,68 @@ def test_other_dtypes_draw_with_torch_at_the_same_scale():
     out = mech.add({"w": torch.zeros(400_000, dtype=torch.bfloat16)}, expected_cohort_size=8)
     assert out["w"].dtype == torch.bfloat16
     assert float(out["w"].double().std()) == pytest.approx(0.25, rel=0.03)
+
+
+def _aggregate(dtype, order=("w", "b", "s")):
+    tensors = {
+        "w": torch.randn(64, 33, dtype=torch.float64),
+        "b": torch.randn(7, dtype=torch.float64),
+        "s": torch.tensor(0.5, dtype=torch.float64),  # a 0-d parameter
+    }
+    return {k: tensors[k].to(dtype) for k in order}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_prepared_noise_is_bit_identical_and_leaves_the_same_generator(dtype):
+    torch.manual_seed(0)
+    aggregate = _aggregate(dtype)
+    # prepared in another order than the aggregate's: the draws follow the aggregate's order
+    sizes = [7, 1, 64 * 33]
+    plain, prepared = (GaussianNoise(noise_multiplier=0.7, clip=0.3, seed=4) for _ in range(2))
+    prepared.prepare(sizes, draw=3)
+    assert prepared._prepared is not None
+    a = plain.add(aggregate, expected_cohort_size=5.0, draw=3)
+    b = prepared.add(aggregate, expected_cohort_size=5.0, draw=3)
+    assert prepared._prepared is None and list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype == dtype and a[name].shape == b[name].shape
+        assert torch.equal(a[name], b[name]), name
+    # the draw's generator continues where the unprepared draws left it
+    again_a = plain.add(aggregate, expected_cohort_size=5.0, draw=3)
+    again_b = prepared.add(aggregate, expected_cohort_size=5.0, draw=3)
+    assert all(torch.equal(again_a[k], again_b[k]) for k in again_a)
+    assert not any(torch.equal(a[k], again_a[k]) for k in ("w", "b"))  # a new stretch
+
+
+def test_a_preparation_that_does_not_fit_is_dropped_and_changes_nothing():
+    aggregate = _aggregate(torch.float64)
+    cases = [
+        ([64 * 33, 7], 3),  # one tensor fewer than the aggregate has
+        ([64 * 33, 7, 1], 2),  # another draw
+        ([64 * 33, 7, 1], 3),  # the right one, but the aggregate is half bfloat16 below
+    ]
+    for sizes, draw in cases:
+        mixed = dict(aggregate)
+        if (sizes, draw) == cases[2]:
+            mixed["b"] = mixed["b"].to(torch.bfloat16)
+        plain, prepared = (GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=9) for _ in range(2))
+        prepared.prepare(sizes, draw=draw)
+        a = plain.add(mixed, expected_cohort_size=2.0, draw=3)
+        b = prepared.add(mixed, expected_cohort_size=2.0, draw=3)
+        assert all(torch.equal(a[k], b[k]) for k in a), (sizes, draw)
+        # the next draw too: nothing of the dropped preparation reached a generator
+        a = plain.add(mixed, expected_cohort_size=2.0, draw=4)
+        b = prepared.add(mixed, expected_cohort_size=2.0, draw=4)
+        assert all(torch.equal(a[k], b[k]) for k in a), (sizes, draw)
+
+
+def test_a_draw_already_used_is_not_prepared_and_the_stream_is_unchanged():
+    aggregate = _aggregate(torch.float64)
+    plain, prepared = (GaussianNoise(noise_multiplier=1.0, clip=1.0, seed=2) for _ in range(2))
+    plain.add(aggregate, expected_cohort_size=3.0, draw=5)
+    prepared.add(aggregate, expected_cohort_size=3.0, draw=5)
+    prepared.prepare([64 * 33, 7, 1], draw=5)  # its generator exists: continuing it is add's job
+    assert prepared._prepared is None
+    a = plain.add(aggregate, expected_cohort_size=3.0, draw=5)
+    b = prepared.add(aggregate, expected_cohort_size=3.0, draw=5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
