@@ -56,6 +56,11 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   ``ClientTask.fast_collate=False`` keeps the collate function as given). The toy dataset
   serves a batch with torch's ``__getitems__`` as a :class:`.collation.TensorRows` list, so
   the per-value check is decided once, by the dataset.
+- One pass over the loader per epoch without torch's iterator object where its
+  single-process iterator does exactly the same calls (:func:`.collation.epoch_batches`: the
+  batch sampler's indices, the iterator's base-seed draw, ``__getitems__`` and the collate
+  function; the same batches and random draws, tested against the DataLoader), without its
+  construction and its profiler scope per batch; any other loader is iterated as is.
 - The reply: its ArrayRecord is written by :func:`.npy_codec.encode_record` (Flower's ``.npy``
   bytes, byte for byte, one copy of each tensor, the header and dtype name made once per dtype
   and shape), its MetricRecord and RecordDict by :mod:`.records` (Flower's records without the
@@ -113,7 +118,7 @@ from speechbrain.dataio.dataloader import LoopedLoader
 from speechbrain_fl.privacy import Layout, clip_update
 
 from ..utils.gc_freeze import refreeze
-from .collation import pad_right_stacked
+from .collation import epoch_batches, pad_right_stacked
 from .collation import stacked_padded_batch as _stacked_padded_batch
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import decode_record, encode_record
@@ -431,7 +436,7 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
         sampler = brain.train_sampler
         if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        for batch in train_loader:
+        for batch in epoch_batches(train_loader):
             if brain._optimizer_step_limit_exceeded:
                 break
             brain.step += 1
