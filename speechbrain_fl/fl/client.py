@@ -562,6 +562,18 @@ def _seed(seed: int) -> None:
 NORMS_ONLY_BUDGET = 1e300
 
 
+_NORMS_ONLY_JSON = json.dumps(NORMS_ONLY_BUDGET)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> Any:
+    """``json.loads(text)``, parsed once per distinct string: the clip budgets, groups and
+    components a server sends are the same string round after round (and for every client of
+    a round). The result is shared: read it, never modify it (``clip_update`` and
+    :func:`_client_metrics` only read)."""
+    return json.loads(text)
+
+
 def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str, Any]:
     return {
         "group-norms": [float(stats.group_norms.get(g, 0.0)) for g in groups],
@@ -641,13 +653,13 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         if "clip-budgets" in config or "clip-groups" in config:
             # no budgets but groups asked for (a non-DP run recording norms): a bound no
             # update reaches, so the statistics are measured and every tensor is unchanged
-            budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
+            budgets = _parsed(str(config.get("clip-budgets", _NORMS_ONLY_JSON)))
             delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
             metrics.update(
                 _client_metrics(
                     stats,
-                    json.loads(str(config["clip-groups"])),
-                    json.loads(str(config["clip-components"])),
+                    _parsed(str(config["clip-groups"])),
+                    _parsed(str(config["clip-components"])),
                 )
             )
         arrays = encode_record(delta)
