@@ -239,11 +239,25 @@ def epoch_batches(loader: Iterable) -> Iterable:
 
 
 def _batches(dataset: Any, indices: Iterator[list[int]], collate_fn: Any) -> Iterator[Any]:
-    """``collate_fn`` of each batch of examples, fetched as torch's ``_MapDatasetFetcher``."""
+    """The batches of :func:`epoch_batches`, one :func:`next_batch` call each."""
     getitems = getattr(dataset, "__getitems__", None)
-    for index in indices:
-        if getitems:
-            data = getitems(index)
-        else:
-            data = [dataset[i] for i in index]
-        yield collate_fn(data)
+    while (batch := next_batch(dataset, getitems, indices, collate_fn)) is not _END:
+        yield batch
+
+
+#: What :func:`next_batch` returns when the batch sampler is exhausted.
+_END = object()
+
+
+def next_batch(dataset: Any, getitems: Any, indices: Iterator[list[int]], collate_fn: Any) -> Any:
+    """One batch as torch's ``_SingleProcessDataLoaderIter.__next__`` makes it without its
+    profiler scope: the next indices, the examples (``_MapDatasetFetcher.fetch``: the dataset's
+    ``__getitems__`` when it has a true one, else one ``dataset[i]`` each), ``collate_fn`` of
+    them; ``_END`` after the last batch. One call a batch, so a timer around it sees what
+    one around ``__next__`` would (``benchmarks/fl_overhead.py --breakdown``)."""
+    index = next(indices, None)
+    if index is None:
+        return _END
+    if getitems:
+        return collate_fn(getitems(index))
+    return collate_fn([dataset[i] for i in index])
