@@ -155,11 +155,17 @@ def _optimizer_step(opt: torch.optim.Optimizer) -> None:
     pre-hooks, the step, ``_optimizer_step_code()`` (a no-op the profiler hooks into) and the
     post-hooks. With no profiler running and no hook registered, that is the step and the no-op:
     the same calls here, without the scope (~5-10 us a step). Any other ``step`` (not that
-    wrapper, or observed) is called as ``opt.step()``.
+    wrapper, one set on the instance, such as an LR scheduler's counting wrapper or a compiled
+    step, or an observed one) is called as ``opt.step()``.
     """
     step = type(opt).step
     inner = getattr(step, "__wrapped__", None)
-    if inner is not None and getattr(step, "__code__", None) is _STEP_WRAPPER and _unobserved(opt):
+    if (
+        inner is not None
+        and getattr(step, "__code__", None) is _STEP_WRAPPER
+        and "step" not in opt.__dict__  # e.g. an LR scheduler's wrapper, a compiled step
+        and _unobserved(opt)
+    ):
         inner(opt)
         opt._optimizer_step_code()
         return
@@ -170,9 +176,11 @@ def _zero_grad_to_none(opt: torch.optim.Optimizer) -> None:
     """``opt.zero_grad(set_to_none=True)``: torch's ``Optimizer.zero_grad`` sets every
     parameter's ``grad`` that is not ``None`` to ``None`` inside a ``record_function`` scope;
     the same assignments here without the scope where no profiler runs (an optimiser with its
-    own ``zero_grad`` gets its call)."""
-    if type(opt).zero_grad is not torch.optim.Optimizer.zero_grad or (
-        torch.autograd._profiler_enabled()
+    own ``zero_grad``, on its class or instance, gets its call)."""
+    if (
+        type(opt).zero_grad is not torch.optim.Optimizer.zero_grad
+        or "zero_grad" in opt.__dict__
+        or torch.autograd._profiler_enabled()
     ):
         opt.zero_grad(set_to_none=True)
         return

@@ -88,3 +88,16 @@ def test_an_optimisers_own_zero_grad_is_called():
     model, opt = _setup(lambda p: Own(p, lr=0.1))
     _train(model, opt, _optimizer_step, _zero_grad_to_none, steps=3)
     assert Own.calls == 3
+
+
+def test_an_lr_schedulers_step_wrapper_is_called():
+    """An LR scheduler wraps ``opt.step`` on the instance to note that it ran: kept."""
+    import warnings
+
+    model, opt = _setup(OPTIMISERS["sgd"])
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, _optimizer_step, _zero_grad_to_none, steps=1)
+    assert getattr(opt, "_opt_called", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" if not
+        scheduler.step()
