@@ -141,8 +141,8 @@ def _unobserved(opt: torch.optim.Optimizer) -> bool:
         not torch.autograd._profiler_enabled()
         and not _optim._global_optimizer_pre_hooks
         and not _optim._global_optimizer_post_hooks
-        and not opt._optimizer_step_pre_hooks
-        and not opt._optimizer_step_post_hooks
+        and getattr(opt, "_optimizer_step_pre_hooks", None) == {}
+        and getattr(opt, "_optimizer_step_post_hooks", None) == {}
     )
 
 
