@@ -40,7 +40,9 @@ not a federated update dict split into groups):
 - float16 and bfloat16 tensors are measured and scaled in float32 and cast back, with the scale
   shrunk by a further ``2 * eps`` of the narrow dtype for the cast's rounding: a float16 row
   norm and a scale factor rounded to float16 are too coarse for the margin (measured: a float16
-  update of entries ~1e4 clipped to 1.046 C).
+  update of entries ~1e4 clipped to 1.046 C). Below float16's normal range the cast's error
+  is absolute; a clipped group that it would put above its budget is cast toward zero instead
+  (:func:`_clip_narrow`).
 """
 
 from __future__ import annotations
@@ -489,6 +491,15 @@ def _clip_narrow(
     cast rounds each element to nearest, a relative change of at most ``eps / 2`` in the
     dtype's normal range, which the extra margin covers: ``||round(f * m * u_l)|| <= C_l``.
     Groups inside their budget are returned as the caller's tensors, as in :func:`clip_update`.
+
+    Below the normal range (float16 subnormals, under ~6.1e-5) the rounding error is absolute,
+    up to half the smallest subnormal, and a clipped group of tiny entries could round to just
+    above its budget (found by ``tests/unit/test_clip_dtypes.py``: 1.00008 ``C_l``). So each
+    clipped group's cast result is measured in float64 against its budget (the joint norm
+    against ``C`` for a flat clip), and where it is above, the narrow tensors of that group are
+    cast again rounding toward zero (:func:`_toward_zero`: no element grows, so the norm is at
+    most the float32 one, which is within the budget); every other cast stays round-to-nearest,
+    the values as before.
     """
     narrow = {k for k, t in update.items() if t.dtype in NARROW_DTYPES}
     wide = {k: t.float() if k in narrow else t for k, t in update.items()}
@@ -506,7 +517,73 @@ def _clip_narrow(
             out[k] = update[k].copy_(clipped[k])
         else:
             out[k] = clipped[k].to(update[k].dtype)
+    for members in _over_budget(out, budgets, plan, stats, narrow):
+        for k in members:
+            if k in narrow:
+                cast = _toward_zero(clipped[k], update[k].dtype)
+                out[k] = update[k].copy_(cast) if inplace else cast
     return out, stats
+
+
+def _norm64(tensors: list[torch.Tensor]) -> float:
+    """L2 norm of the concatenation, squares summed in float64."""
+    return math.sqrt(math.fsum(float(t.detach().double().square().sum()) for t in tensors))
+
+
+def _over_budget(
+    out: Mapping[str, torch.Tensor],
+    budgets: float | Mapping[str, float],
+    plan: _Plan,
+    stats: ClipStats,
+    narrow: set[str],
+) -> list[list[str]]:
+    """The parameter names of each clipped group (of the whole update, for a flat clip) whose
+    cast values' float64 norm is above its budget (:func:`_clip_narrow`).
+
+    Only groups whose rounding could reach the budget are measured: with ``||x|| <= C (1 - 2
+    eps)``, round-to-nearest errors of at most ``eps/2 |x_i| + s/2`` (``s`` the smallest
+    subnormal, ``tiny * eps``) give ``||round(x)|| <= C (1 - 1.5 eps) + sqrt(n) s / 2``, within
+    ``C`` when ``C >= sqrt(n) tiny / 3``; a group with ``C >= sqrt(n) tiny`` of its narrow
+    tensors (``n`` their elements; ``tiny`` 6.1e-5 for float16, 1.2e-38 for bfloat16) is skipped.
+    """
+    members: dict[int, list[str]] = {}
+    if not isinstance(budgets, Mapping):
+        fired = stats.joint_norm_clipped < stats.joint_norm
+        groups = {0: list(plan.param_keys)} if fired else {}
+        limits = {0: float(budgets)}
+    else:
+        for k, gi in zip(plan.param_keys, plan.member_index, strict=True):
+            if stats.clipped[plan.group_names[gi]]:
+                members.setdefault(gi, []).append(k)
+        groups = members
+        limits = {gi: float(budgets[plan.group_names[gi]]) for gi in members}
+    bad = []
+    for gi, keys in groups.items():
+        small = [out[k] for k in keys if k in narrow]
+        if not small:
+            continue
+        n = sum(t.numel() for t in small)
+        tiny = max(torch.finfo(t.dtype).tiny for t in small)
+        if limits[gi] >= math.sqrt(n) * tiny:
+            continue  # rounding cannot reach the budget (docstring)
+        if _norm64([out[k] for k in keys]) > limits[gi]:
+            bad.append(keys)
+    return bad
+
+
+def _toward_zero(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (float32) cast to ``dtype``, each element rounded toward zero.
+
+    Round to nearest, then, where that moved an element away from zero, one step of the
+    narrow format back (its bits read as an integer, one less: sign-magnitude, so that is one
+    unit in the last place toward zero, subnormals included).
+    """
+    cast = values.to(dtype)
+    grew = cast.float().abs() > values.abs()
+    if bool(grew.any()):
+        bits = cast.view(torch.int16)
+        bits[grew] -= 1
+    return cast
 
 
 #: Floating dtypes narrower than float32, clipped in float32 (:func:`_clip_narrow`).
