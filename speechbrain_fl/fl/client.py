@@ -93,7 +93,10 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
 Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
 ``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
 ``test_fl_client_collation.py``, ``test_fl_client_reply.py`` (a reply against ``brain.fit`` on
-``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids).
+``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids),
+``test_fl_client_epoch_batches.py`` (batches and random draws against torch's iterator),
+``test_fl_client_optimizer_step.py`` and ``test_fl_client_clip.py`` (the clip against the
+per-tensor arithmetic it replaces).
 """
 
 from __future__ import annotations
