@@ -56,6 +56,11 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
   ``ClientTask.fast_collate=False`` keeps the collate function as given). The toy dataset
   serves a batch with torch's ``__getitems__`` as a :class:`.collation.TensorRows` list, so
   the per-value check is decided once, by the dataset.
+- One pass over the loader per epoch without torch's iterator object where its
+  single-process iterator does exactly the same calls (:func:`.collation.epoch_batches`: the
+  batch sampler's indices, the iterator's base-seed draw, ``__getitems__`` and the collate
+  function; the same batches and random draws, tested against the DataLoader), without its
+  construction and its profiler scope per batch; any other loader is iterated as is.
 - The reply: its ArrayRecord is written by :func:`.npy_codec.encode_record` (Flower's ``.npy``
   bytes, byte for byte, one copy of each tensor, the header and dtype name made once per dtype
   and shape), its MetricRecord and RecordDict by :mod:`.records` (Flower's records without the
@@ -88,7 +93,10 @@ Steady-state costs cut here (measured per client message in ``benchmarks/fl_over
 Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
 ``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
 ``test_fl_client_collation.py``, ``test_fl_client_reply.py`` (a reply against ``brain.fit`` on
-``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids).
+``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids),
+``test_fl_client_epoch_batches.py`` (batches and random draws against torch's iterator),
+``test_fl_client_optimizer_step.py`` and ``test_fl_client_clip.py`` (the clip against the
+per-tensor arithmetic it replaces).
 """
 
 from __future__ import annotations
@@ -113,7 +121,7 @@ from speechbrain.dataio.dataloader import LoopedLoader
 from speechbrain_fl.privacy import Layout, clip_update
 
 from ..utils.gc_freeze import refreeze
-from .collation import pad_right_stacked
+from .collation import epoch_batches, pad_right_stacked
 from .collation import stacked_padded_batch as _stacked_padded_batch
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import decode_record, encode_record
@@ -431,7 +439,7 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
         sampler = brain.train_sampler
         if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        for batch in train_loader:
+        for batch in epoch_batches(train_loader):
             if brain._optimizer_step_limit_exceeded:
                 break
             brain.step += 1
@@ -557,6 +565,18 @@ def _seed(seed: int) -> None:
 NORMS_ONLY_BUDGET = 1e300
 
 
+_NORMS_ONLY_JSON = json.dumps(NORMS_ONLY_BUDGET)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> Any:
+    """``json.loads(text)``, parsed once per distinct string: the clip budgets, groups and
+    components a server sends are the same string round after round (and for every client of
+    a round). The result is shared: read it, never modify it (``clip_update`` and
+    :func:`_client_metrics` only read)."""
+    return json.loads(text)
+
+
 def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str, Any]:
     return {
         "group-norms": [float(stats.group_norms.get(g, 0.0)) for g in groups],
@@ -636,13 +656,13 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         if "clip-budgets" in config or "clip-groups" in config:
             # no budgets but groups asked for (a non-DP run recording norms): a bound no
             # update reaches, so the statistics are measured and every tensor is unchanged
-            budgets = json.loads(str(config.get("clip-budgets", json.dumps(NORMS_ONLY_BUDGET))))
+            budgets = _parsed(str(config.get("clip-budgets", _NORMS_ONLY_JSON)))
             delta, stats = clip_update(delta, budgets, layout=task.layout, inplace=True)
             metrics.update(
                 _client_metrics(
                     stats,
-                    json.loads(str(config["clip-groups"])),
-                    json.loads(str(config["clip-components"])),
+                    _parsed(str(config["clip-groups"])),
+                    _parsed(str(config["clip-components"])),
                 )
             )
         arrays = encode_record(delta)

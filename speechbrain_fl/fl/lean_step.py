@@ -30,7 +30,9 @@ with gradient g / 1 == g in IEEE arithmetic), then the optimiser step: the optim
 input), ``clip_grad_norm_(param_groups[0]["params"], max_grad_norm)`` unless
 ``max_grad_norm == inf`` (a norm and a multiplication by ``min(1, inf / (||g|| + 1e-6)) = 1``),
 ``check_gradients()`` when ``skip_nonfinite_grads``, ``opt.step()`` (what the disabled scaler's
-``step`` calls), ``zero_grad(set_to_none=True)``, ``optimizer_step += 1``, then
+``step`` calls; without torch's profiler scope around it where no profiler runs and no step
+hook is registered: :func:`_optimizer_step`), ``zero_grad(set_to_none=True)`` (the same,
+:func:`_zero_grad_to_none`), ``optimizer_step += 1``, then
 ``on_fit_batch_end(batch, outputs, loss, True)``. The step returns ``loss.detach().cpu()`` as
 SpeechBrain's does, and the loss as a Python float (``loss.item()``, read once: it decides the
 check and :func:`speechbrain_fl.fl.client.lean_fit`'s running average, SpeechBrain's
@@ -50,6 +52,7 @@ from typing import Any
 
 import speechbrain as sb
 import torch
+import torch.optim.optimizer as _optim
 from speechbrain.utils.autocast import TorchAutocast
 
 __all__ = [
@@ -117,10 +120,76 @@ def _optimizers_step(brain: sb.Brain, own_freeze: bool) -> None:
     if brain.skip_nonfinite_grads:
         brain.check_gradients()
     for opt in optimizers.values():
-        opt.step()
+        _optimizer_step(opt)
     for opt in optimizers.values():
-        opt.zero_grad(set_to_none=True)
+        _zero_grad_to_none(opt)
     brain.optimizer_step += 1
+
+
+def _profiled_step_code() -> Any:
+    """The code object of torch's ``Optimizer.profile_hook_step`` wrapper (what every
+    ``torch.optim`` optimiser class's ``step`` is wrapped in at its first construction)."""
+    return torch.optim.Optimizer.profile_hook_step(lambda self: None).__code__
+
+
+_STEP_WRAPPER = _profiled_step_code()
+
+
+def _unobserved(opt: torch.optim.Optimizer) -> bool:
+    """No profiler running and no optimiser step hook, global or on ``opt``."""
+    return (
+        not torch.autograd._profiler_enabled()
+        and not _optim._global_optimizer_pre_hooks
+        and not _optim._global_optimizer_post_hooks
+        and getattr(opt, "_optimizer_step_pre_hooks", None) == {}
+        and getattr(opt, "_optimizer_step_post_hooks", None) == {}
+    )
+
+
+def _optimizer_step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()``, calling the optimiser's own ``step`` inside torch's profiling wrapper
+    directly where the wrapper would only add its ``record_function`` scope.
+
+    torch 2.x wraps an optimiser class's ``step`` (``Optimizer.profile_hook_step``) in a
+    ``record_function("Optimizer.step#<class>.step")`` scope around the global and per-optimiser
+    pre-hooks, the step, ``_optimizer_step_code()`` (a no-op the profiler hooks into) and the
+    post-hooks. With no profiler running and no hook registered, that is the step and the no-op:
+    the same calls here, without the scope (~5-10 us a step). Any other ``step`` (not that
+    wrapper, one set on the instance, such as an LR scheduler's counting wrapper or a compiled
+    step, or an observed one) is called as ``opt.step()``.
+    """
+    step = type(opt).step
+    inner = getattr(step, "__wrapped__", None)
+    if (
+        inner is not None
+        and getattr(step, "__code__", None) is _STEP_WRAPPER
+        and "step" not in opt.__dict__  # e.g. an LR scheduler's wrapper, a compiled step
+        and _unobserved(opt)
+    ):
+        inner(opt)
+        opt._optimizer_step_code()
+        return
+    opt.step()
+
+
+def _zero_grad_to_none(opt: torch.optim.Optimizer) -> None:
+    """``opt.zero_grad(set_to_none=True)``: torch's ``Optimizer.zero_grad`` sets every
+    parameter's ``grad`` that is not ``None`` to ``None`` inside a ``record_function`` scope;
+    the same assignments here without the scope where no profiler runs (an optimiser with its
+    own ``zero_grad``, on its class or instance, gets its call)."""
+    if (
+        type(opt).zero_grad is not torch.optim.Optimizer.zero_grad
+        or "zero_grad" in opt.__dict__
+        or torch.autograd._profiler_enabled()
+    ):
+        opt.zero_grad(set_to_none=True)
+        return
+    if not hasattr(opt, "_zero_grad_profile_name"):
+        opt._patch_step_function()  # what torch's zero_grad does first
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad = None
 
 
 def lean_fit_batch(brain: sb.Brain, batch: Any) -> tuple[torch.Tensor, float]:

@@ -18,8 +18,15 @@ not a federated update dict split into groups):
   server decodes replies that way) is measured with one row-norm and scaled with one multiply
   over the buffer: on one CPU thread the per-tensor kernels of ~100 separate tensors cost about
   as much as the arithmetic (``benchmarks/clipping.py``).
+- Separate tensors (a client's fresh delta) are measured in few calls, since at ~100k
+  parameters each call's dispatch (several microseconds when its code is out of cache, as in a
+  client's round between training steps) outweighs its arithmetic (:func:`_tensor_norms`: one
+  ``_foreach_norm`` over the small tensors and the large ones' tails, one row norm per large
+  tensor, their float64 sums batched; the same values bit for bit), and scaled with one
+  ``_foreach_mul_`` by one Scalar where every clipped tensor takes the same factor (a flat
+  clip), or one multiply over the buffer when they tile one.
 - What depends on the layout alone (parameter order, group and component indices) is computed
-  once per :class:`Layout` object and cached.
+  once per :class:`Layout` object (or, without one, per tuple of names) and cached.
 - Groups inside their budget are returned as the caller's own tensor objects (no copy, values
   bit-identical); clipped groups are new tensors. The caller's tensors are never written; clone
   a returned tensor before modifying it in place.
@@ -33,7 +40,9 @@ not a federated update dict split into groups):
 - float16 and bfloat16 tensors are measured and scaled in float32 and cast back, with the scale
   shrunk by a further ``2 * eps`` of the narrow dtype for the cast's rounding: a float16 row
   norm and a scale factor rounded to float16 are too coarse for the margin (measured: a float16
-  update of entries ~1e4 clipped to 1.046 C).
+  update of entries ~1e4 clipped to 1.046 C). Below float16's normal range the cast's error
+  is absolute; a clipped group that it would put above its budget is cast toward zero instead
+  (:func:`_clip_narrow`).
 """
 
 from __future__ import annotations
@@ -122,6 +131,111 @@ def _chunked_norm(t: torch.Tensor) -> float:
     return math.sqrt(sq)
 
 
+class _Sizes:
+    """How :func:`_tensor_norms` measures tensors of these sizes (cached per tuple of sizes).
+
+    ``small``: indices of tensors up to :data:`FOREACH_MAX_NUMEL` elements; ``big``: the others,
+    as ``(index, body, tail)`` with ``body`` the elements in whole rows of :data:`CHUNK` and
+    ``tail`` whether elements are left after them; ``splits``: the row count of each big tensor.
+    """
+
+    def __init__(self, numels: tuple[int, ...]) -> None:
+        self.small = tuple(i for i, n in enumerate(numels) if n <= FOREACH_MAX_NUMEL)
+        self.big = tuple(
+            (i, n - n % CHUNK, n % CHUNK != 0)
+            for i, n in enumerate(numels)
+            if n > FOREACH_MAX_NUMEL
+        )
+        self.splits = [body // CHUNK for _, body, _ in self.big]
+        # position of each big tensor's tail norm among the foreach norms (after the small ones)
+        tails, pos = [], len(self.small)
+        for _, _, tail in self.big:
+            tails.append(pos if tail else -1)
+            pos += tail
+        self.tails = tuple(tails)
+        self.n_foreach = pos
+
+
+_SIZES: dict[tuple[int, ...], _Sizes] = {}
+
+
+def _tensor_norms(tensors: list[torch.Tensor], numels: list[int]) -> list[float]:
+    """Per-tensor L2 norms as Python floats: ``torch._foreach_norm`` up to
+    :data:`FOREACH_MAX_NUMEL` elements, :func:`_chunked_norm`'s arithmetic above.
+
+    The same values as ``float(torch.linalg.vector_norm(t))`` for a small tensor and
+    :func:`_chunked_norm` for a large one (bit for bit: ``tests/unit/test_fl_client_clip.py``)
+    in fewer calls, which is what a clip of a ~100k-parameter update costs (each call's
+    dispatch, several microseconds when its code is out of cache, outweighs its arithmetic): one
+    ``torch._foreach_norm`` over the small tensors and the large ones' tails
+    (``_foreach_norm`` of a tensor is ``linalg.vector_norm`` of it), one row norm per large
+    tensor over a strided view (no reshape or slice), and for the large ones together one float64
+    conversion and one squaring, one sum per tensor over its own segment (the same reduction,
+    of the same length, as over a tensor of its own), one transfer to Python. Non-contiguous
+    tensors, or tensors on several devices, are measured one by one as before.
+    """
+    key = tuple(numels)
+    sizes = _SIZES.get(key)
+    if sizes is None:
+        if len(_SIZES) >= 256:
+            _SIZES.clear()
+        sizes = _SIZES[key] = _Sizes(key)
+    if not sizes.big:
+        norms_t = torch._foreach_norm(tensors)
+        try:  # one transfer; float32 norms promote exactly to a float64 stack
+            return torch.stack(norms_t).tolist()
+        except RuntimeError:  # norms on several devices
+            return [float(n) for n in norms_t]
+    try:
+        parts = [tensors[i] for i in sizes.small]
+        row_norms = []
+        for i, body, tail in sizes.big:
+            t = tensors[i]
+            if not t.is_contiguous():
+                raise _PerTensor
+            off = t.storage_offset()
+            row_norms.append(
+                torch.linalg.vector_norm(
+                    t.detach().as_strided((body // CHUNK, CHUNK), (CHUNK, 1), off), dim=1
+                )
+            )
+            if tail:
+                parts.append(t.detach().as_strided((numels[i] - body,), (1,), off + body))
+        first = len(parts)
+        if first:
+            small = torch._foreach_norm(parts)
+            small_values = torch.stack(small).tolist()
+        else:
+            small_values = []
+        if len(row_norms) == 1:
+            sums = [row_norms[0].to(torch.float64).square().sum().item()]
+        else:
+            squares = torch.cat(row_norms).to(torch.float64).square()
+            segs, start = [], 0
+            for k in sizes.splits:
+                segs.append(squares[start : start + k].sum())
+                start += k
+            sums = torch.stack(segs).tolist()
+    except (_PerTensor, RuntimeError):  # non-contiguous, or several devices
+        return [
+            _chunked_norm(t) if n > FOREACH_MAX_NUMEL else float(torch.linalg.vector_norm(t))
+            for t, n in zip(tensors, numels, strict=True)
+        ]
+    norms = [0.0] * len(tensors)
+    for j, i in enumerate(sizes.small):
+        norms[i] = small_values[j]
+    for b, ((i, _, _), t) in enumerate(zip(sizes.big, sizes.tails, strict=True)):
+        sq = sums[b]
+        if t >= 0:
+            sq += small_values[t] ** 2
+        norms[i] = math.sqrt(sq)
+    return norms
+
+
+class _PerTensor(Exception):
+    """Raised inside :func:`_tensor_norms` to measure tensor by tensor."""
+
+
 class _Plan:
     """What :func:`clip_update` derives from a layout alone, computed once per layout object."""
 
@@ -149,11 +263,18 @@ class _Plan:
 
 
 _PLANS: dict[int, tuple[weakref.ref, _Plan]] = {}
+_KEY_PLANS: dict[tuple[str, ...], _Plan] = {}
 
 
 def _plan(layout: Layout | None, update: Mapping[str, torch.Tensor]) -> _Plan:
-    if layout is None:
-        return _Plan(None, tuple(update))
+    if layout is None:  # cached by the keys (a client's update has the same ones every round)
+        keys = tuple(update)
+        plan = _KEY_PLANS.get(keys)
+        if plan is None:
+            if len(_KEY_PLANS) >= 64:
+                _KEY_PLANS.clear()
+            plan = _KEY_PLANS[keys] = _Plan(None, keys)
+        return plan
     key = id(layout)
     hit = _PLANS.get(key)
     if hit is not None and hit[0]() is layout:
@@ -207,9 +328,16 @@ def _shared_buffer(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     True when they are contiguous views of one storage laid end to end (what
     :func:`pack_update` returns, and how the server decodes a reply:
     :func:`packed_buffer`): the norms and the scaling then run as
-    one operation each over the whole buffer instead of one per tensor.
+    one operation each over the whole buffer instead of one per tensor. Separate tensors (a
+    client's fresh delta) are told apart by the second one's address alone (the tensors are
+    non-empty here).
     """
-    return packed_buffer(tensors) if len(tensors) >= 2 else None
+    if len(tensors) < 2:
+        return None
+    a, b = tensors[0], tensors[1]
+    if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+        return None
+    return packed_buffer(tensors)
 
 
 def pack_update(update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -261,6 +389,33 @@ def _buffer_norms(buffer: torch.Tensor, numels: list[int], rows: int) -> list[fl
     )
     sq = torch.zeros(len(numels), dtype=torch.float64).index_add_(0, index, row_norms.square())
     return sq.sqrt().tolist()
+
+
+def _scale_buffer(
+    clipped: dict[str, torch.Tensor],
+    buffer: torch.Tensor,
+    tensors: list[torch.Tensor],
+    keys: Sequence[str],
+    scale: float,
+    *,
+    inplace: bool,
+) -> None:
+    """Multiply every tensor of ``buffer`` (:func:`packed_buffer`) by ``scale`` in one call.
+
+    Elementwise, the products of ``torch._foreach_mul(tensors, scale)``: the float ``scale``
+    rounds to the buffer's dtype once either way. In place, the caller's tensors (views of
+    ``buffer``) now hold them; else ``clipped`` gets views of one new buffer.
+    """
+    with torch.no_grad():
+        if inplace:
+            buffer.mul_(scale)
+            return
+        scaled = buffer * scale
+    offset = 0
+    for key, t in zip(keys, tensors, strict=True):
+        n = t.numel()
+        clipped[key] = scaled[offset : offset + n].view(t.shape)
+        offset += n
 
 
 def _margin(dtype: torch.dtype) -> float:
@@ -336,6 +491,15 @@ def _clip_narrow(
     cast rounds each element to nearest, a relative change of at most ``eps / 2`` in the
     dtype's normal range, which the extra margin covers: ``||round(f * m * u_l)|| <= C_l``.
     Groups inside their budget are returned as the caller's tensors, as in :func:`clip_update`.
+
+    Below the normal range (float16 subnormals, under ~6.1e-5) the rounding error is absolute,
+    up to half the smallest subnormal, and a clipped group of tiny entries could round to just
+    above its budget (found by ``tests/unit/test_clip_dtypes.py``: 1.00008 ``C_l``). So each
+    clipped group's cast result is measured in float64 against its budget (the joint norm
+    against ``C`` for a flat clip), and where it is above, the narrow tensors of that group are
+    cast again rounding toward zero (:func:`_toward_zero`: no element grows, so the norm is at
+    most the float32 one, which is within the budget); every other cast stays round-to-nearest,
+    the values as before.
     """
     narrow = {k for k, t in update.items() if t.dtype in NARROW_DTYPES}
     wide = {k: t.float() if k in narrow else t for k, t in update.items()}
@@ -353,7 +517,73 @@ def _clip_narrow(
             out[k] = update[k].copy_(clipped[k])
         else:
             out[k] = clipped[k].to(update[k].dtype)
+    for members in _over_budget(out, budgets, plan, stats, narrow):
+        for k in members:
+            if k in narrow:
+                cast = _toward_zero(clipped[k], update[k].dtype)
+                out[k] = update[k].copy_(cast) if inplace else cast
     return out, stats
+
+
+def _norm64(tensors: list[torch.Tensor]) -> float:
+    """L2 norm of the concatenation, squares summed in float64."""
+    return math.sqrt(math.fsum(float(t.detach().double().square().sum()) for t in tensors))
+
+
+def _over_budget(
+    out: Mapping[str, torch.Tensor],
+    budgets: float | Mapping[str, float],
+    plan: _Plan,
+    stats: ClipStats,
+    narrow: set[str],
+) -> list[list[str]]:
+    """The parameter names of each clipped group (of the whole update, for a flat clip) whose
+    cast values' float64 norm is above its budget (:func:`_clip_narrow`).
+
+    Only groups whose rounding could reach the budget are measured: with ``||x|| <= C (1 - 2
+    eps)``, round-to-nearest errors of at most ``eps/2 |x_i| + s/2`` (``s`` the smallest
+    subnormal, ``tiny * eps``) give ``||round(x)|| <= C (1 - 1.5 eps) + sqrt(n) s / 2``, within
+    ``C`` when ``C >= sqrt(n) tiny / 3``; a group with ``C >= sqrt(n) tiny`` of its narrow
+    tensors (``n`` their elements; ``tiny`` 6.1e-5 for float16, 1.2e-38 for bfloat16) is skipped.
+    """
+    members: dict[int, list[str]] = {}
+    if not isinstance(budgets, Mapping):
+        fired = stats.joint_norm_clipped < stats.joint_norm
+        groups = {0: list(plan.param_keys)} if fired else {}
+        limits = {0: float(budgets)}
+    else:
+        for k, gi in zip(plan.param_keys, plan.member_index, strict=True):
+            if stats.clipped[plan.group_names[gi]]:
+                members.setdefault(gi, []).append(k)
+        groups = members
+        limits = {gi: float(budgets[plan.group_names[gi]]) for gi in members}
+    bad = []
+    for gi, keys in groups.items():
+        small = [out[k] for k in keys if k in narrow]
+        if not small:
+            continue
+        n = sum(t.numel() for t in small)
+        tiny = max(torch.finfo(t.dtype).tiny for t in small)
+        if limits[gi] >= math.sqrt(n) * tiny:
+            continue  # rounding cannot reach the budget (docstring)
+        if _norm64([out[k] for k in keys]) > limits[gi]:
+            bad.append(keys)
+    return bad
+
+
+def _toward_zero(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (float32) cast to ``dtype``, each element rounded toward zero.
+
+    Round to nearest, then, where that moved an element away from zero, one step of the
+    narrow format back (its bits read as an integer, one less: sign-magnitude, so that is one
+    unit in the last place toward zero, subnormals included).
+    """
+    cast = values.to(dtype)
+    grew = cast.float().abs() > values.abs()
+    if bool(grew.any()):
+        bits = cast.view(torch.int16)
+        bits[grew] -= 1
+    return cast
 
 
 #: Floating dtypes narrower than float32, clipped in float32 (:func:`_clip_narrow`).
@@ -405,30 +635,11 @@ def _clip_update(
                 if not (math.isfinite(b) and b >= 0.0):
                     raise ValueError(f"budget of group {n!r} must be finite and >= 0, got {b!r}")
 
-    # 1) per-tensor norms: one pass over a shared buffer, else one foreach pass over the small
-    #    tensors and row-chunked large ones
+    # 1) per-tensor norms: one pass over a shared buffer, else :func:`_tensor_norms`
     buffer = _shared_buffer(tensors)
     rows = _row_length(numels) if buffer is not None else 0
     with torch.no_grad():
-        small = [] if rows else [i for i, n in enumerate(numels) if n <= FOREACH_MAX_NUMEL]
-        norms = [0.0] * len(tensors)
-        if small:
-            if len(small) == len(tensors):
-                norms_t = torch._foreach_norm(tensors)
-            else:
-                norms_t = torch._foreach_norm([tensors[i] for i in small])
-            try:  # one transfer; float32 norms promote exactly to a float64 stack
-                values = torch.stack(norms_t).tolist()
-            except RuntimeError:  # norms on several devices
-                values = [float(n) for n in norms_t]
-            for i, v in zip(small, values, strict=True):
-                norms[i] = v
-        if rows:
-            norms = _buffer_norms(buffer, numels, rows)
-        elif len(small) < len(tensors):
-            for i, t in enumerate(tensors):
-                if t.numel() > FOREACH_MAX_NUMEL:
-                    norms[i] = _chunked_norm(t)
+        norms = _buffer_norms(buffer, numels, rows) if rows else _tensor_norms(tensors, numels)
     if not all(0.0 < v < math.inf for v in norms):
         for i, v in enumerate(norms):
             if 0.0 < v < math.inf:
@@ -465,14 +676,29 @@ def _clip_update(
             math.fsum((f * g) ** 2 for f, g in zip(factors, gnorm, strict=True))
         )
 
-    # 4) one foreach multiply over the tensors of clipped groups
+    # 4) one multiply: over the shared buffer where every tensor takes the same factor (a flat
+    #    clip that fires), else per row of it, else one foreach call over the clipped tensors
     clipped = dict(update)
-    sel = [i for i, gi in enumerate(plan.member_index) if gclipped[gi]]
-    if sel and rows:
+    member = plan.member_index
+    sel = [i for i, gi in enumerate(member) if gclipped[gi]] if not flat else []
+    if flat and fires:
+        sel = list(range(len(tensors)))
+    if not sel:
+        pass
+    elif buffer is not None and len(sel) == len(tensors) and (flat or len(set(factors)) == 1):
+        _scale_buffer(
+            clipped,
+            buffer,
+            tensors,
+            plan.param_keys,
+            factors[0] * _margin(buffer.dtype) * cast_margin,
+            inplace=inplace,
+        )
+    elif rows:
         scale = torch.ones(len(tensors), dtype=torch.float64)
         margin = _margin(buffer.dtype) * cast_margin
         for i in sel:
-            scale[i] = factors[plan.member_index[i]] * margin
+            scale[i] = factors[member[i]] * margin
         per_row = torch.repeat_interleave(
             scale.to(buffer.dtype), torch.tensor([n // rows for n in numels])
         ).to(buffer.device)[:, None]
@@ -484,23 +710,24 @@ def _clip_update(
                 scaled = (grid * per_row).view(-1)
                 offset, keys = 0, plan.param_keys
                 for i, n in enumerate(numels):
-                    if gclipped[plan.member_index[i]]:
+                    if gclipped[member[i]]:
                         clipped[keys[i]] = scaled[offset : offset + n].view(tensors[i].shape)
                     offset += n
-    elif sel:
-        dtypes = {tensors[i].dtype for i in sel}
+    else:
+        selected = [tensors[i] for i in sel] if len(sel) < len(tensors) else tensors
+        dtypes = {t.dtype for t in selected}
         if len(dtypes) == 1:
             margin = _margin(dtypes.pop()) * cast_margin
-            scales = [factors[plan.member_index[i]] * margin for i in sel]
+            scales = [factors[member[i]] * margin for i in sel]
         else:
-            scales = [
-                factors[plan.member_index[i]] * _margin(tensors[i].dtype) * cast_margin for i in sel
-            ]
+            scales = [factors[member[i]] * _margin(tensors[i].dtype) * cast_margin for i in sel]
+        if flat or len(set(scales)) == 1:
+            scales = scales[0]  # one Scalar: the same products, a cheaper call than a list
         with torch.no_grad():
             if inplace:
-                torch._foreach_mul_([tensors[i] for i in sel], scales)
+                torch._foreach_mul_(selected, scales)
             else:
-                outs = torch._foreach_mul([tensors[i] for i in sel], scales)
+                outs = torch._foreach_mul(selected, scales)
                 keys = plan.param_keys
                 for i, out in zip(sel, outs, strict=True):
                     clipped[keys[i]] = out
