@@ -428,6 +428,7 @@ TIMED = [
     ("    load global into model (x2)", "speechbrain_fl.fl.client", "load_trainable"),
     ("    local training (lean loop, or Brain.fit)", "speechbrain_fl.fl.client", "_local_fit"),
     ("    local training (lean loop, or Brain.fit)", "speechbrain.core", "Brain.fit"),
+    ("      DataLoader + PaddedBatch collation", "speechbrain_fl.fl.collation", "next_batch"),
     (
         "      DataLoader + PaddedBatch collation",
         "torch.utils.data.dataloader",
@@ -463,6 +464,7 @@ TIMED = [
     ("  re-clip (DP)", "speechbrain_fl.fl.strategy", "clip_update"),
     ("  noise (DP)", "speechbrain_fl.privacy.noise", "GaussianNoise.add"),
     ("server: configure_train", "speechbrain_fl.fl.strategy", "DPFedAvg.configure_train"),
+    ("  start the noise's draws (DP)", "speechbrain_fl.privacy.noise", "GaussianNoise.prepare"),
     ("server: save state (atomic, fsync)", "speechbrain_fl.fl.server", "atomic_torch_save"),
     ("server: rounds.csv / plots", "speechbrain_fl.fl.telemetry", "RoundsTelemetry.write_round"),
     (
