@@ -21,9 +21,10 @@ released): the state is serialised into memory and written with one ``O_DSYNC`` 
 (:func:`~speechbrain_fl.utils.atomic.atomic_write_bytes`; ``torch.save`` into the file object
 makes one Python-level write per zip record and header, ~0.3 ms more for a small model, the same
 bytes), and the Python ``random`` state, a tuple of 625 ints that the pickler visits one by one
-(~0.15 ms), is kept as one ``uint32`` array (:func:`capture_rng_states`). The sync and the
-rename stay: without them a crash of the machine could resume from a state older than a
-released round, whose accountant step would be lost.
+(~0.15 ms), is kept as one ``uint32`` array (:func:`capture_rng_states`). The syncs (the file's
+data, then the folder's entry after the rename) and the rename stay: without them a crash of
+the machine could resume from a state older than a released round, whose accountant step
+would be lost.
 
 Decision (measured, issue 28): the write is not moved to a background thread. Anything of the
 round may be released (its rows, its log line, the next round's messages) only once it is
@@ -66,7 +67,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """
     buffer = io.BytesIO()
     torch.save(obj, buffer)  # into memory: one write below instead of one per record
-    atomic_write_bytes(path, buffer.getbuffer())  # one O_DSYNC write, then the rename
+    # one O_DSYNC write, the rename, then the folder's sync: durable when this returns
+    atomic_write_bytes(path, buffer.getbuffer(), durable=True)
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ __all__ = [
     "atomic_folder",
     "atomic_open",
     "atomic_write_bytes",
+    "fsync_folder",
     "sigterm_as_exception",
     "sweep_stale_temporaries",
 ]
@@ -178,7 +179,24 @@ def _atomic_open(path: Path, mode: str, *, encoding: str | None, newline) -> Ite
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike, data) -> None:
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """``fsync`` the folder ``folder`` itself: its entries (a rename into it) reach the disk.
+
+    A file's own ``fsync`` (or an ``O_DSYNC`` write) makes its data durable, not the directory
+    entry a later ``os.replace`` creates: after a crash of the machine the folder may still
+    show the old file. POSIX only (a folder cannot be opened for ``fsync`` on Windows, where
+    this does nothing).
+    """
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data, *, durable: bool = False) -> None:
     """Write ``data`` (bytes or a buffer) to ``path`` atomically, as :func:`atomic_open` does.
 
     The temporary (``.<name>.<8 hex characters>.tmp`` beside ``path``, the names
@@ -189,7 +207,9 @@ def atomic_write_bytes(path: str | os.PathLike, data) -> None:
     :func:`atomic_open`'s buffered write + ``fsync``). Elsewhere the data is written and
     ``fsync``-ed. Then ``os.replace``. On any error (SIGTERM too, inside
     :func:`sigterm_as_exception`) the temporary is removed and ``path`` is left as it was. The
-    parent folder is created if missing.
+    parent folder is created if missing. ``durable=True`` also syncs the folder after the
+    rename (:func:`fsync_folder`): when the call returns, a crash of the machine leaves the
+    new contents, not the old ones (what a commit before a release needs).
 
     Example
     -------
@@ -224,6 +244,8 @@ def atomic_write_bytes(path: str | os.PathLike, data) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+        if durable:
+            fsync_folder(path.parent)
 
 
 @contextlib.contextmanager
