@@ -45,13 +45,13 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
 Last figures (README "Overhead of the Simulation Engine": ``--repeats 3 --kinds
-plain,brain,local,pfl,pfl_eps`` on the 2-core machine at load 0.8-1.0, no DP / DP): whole run
-``local`` 3.74 s / 3.72 s against pfl-research's 4.25 s / 3.78 s (``pfl_eps`` 4.77 s); steady
-round 70 / 46 ms against 56 / 34 ms. Paired whole processes: ours / pfl 0.96x without DP,
-1.01x with DP (0.87x against ``pfl_eps``); paired steady rounds 1.31x both. Per client update
-(``--breakdown --repeats 3``, load ~1.0, a slower spell): 2.55 ms on ``local`` (3.48 with DP),
-of which the client's training 1.82 ms (4 lean steps 1.49, DataLoader + collation 0.24),
-against 1.81 ms for the plain loop's whole client update. The per-round epsilon is RDP's
+plain,brain,local,pfl,pfl_eps`` on the 2-core machine at load 0.5-0.9, a slow spell, no DP /
+DP): whole run ``local`` 4.86 s / 5.11 s against pfl-research's 5.41 s / 5.31 s (``pfl_eps``
+6.43 s); steady round 88 / 55 ms against 86 / 45 ms. Paired whole processes: ours / pfl 0.92x
+without DP, 0.98x with DP (0.91x against ``pfl_eps``); paired steady rounds 1.22x / 1.23x. Per
+client update (``--breakdown --repeats 3``, load ~1.0): 2.63 ms on ``local`` (2.81 with DP), of
+which the client's training 1.83 ms (4 lean steps 1.53, the data path 0.21), against 1.96 ms
+for the plain loop's whole client update. The per-round epsilon is RDP's
 (``round_accountant``), ~0.01 ms; the final PLD is computed once. ``local_rdp`` is ``local``
 with ``accountant: rdp`` (the final figure from RDP too).
 
