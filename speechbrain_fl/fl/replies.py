@@ -5,9 +5,7 @@ ClientApp raised (Flower turns the exception into an error reply), when it carri
 or MetricRecord, when its tensor names, shapes or dtypes differ from the global trainable
 parameters, when an array's bytes do not decode (corrupt data, a non-native byte order, an
 unsupported serialisation), when a metric is not a finite number where one belongs (a list, a
-string) or not a list of finite numbers where a list belongs, or when any tensor is non-finite
-(:func:`check_finite`: here, or after the server's re-clip, whose norms find a NaN or inf
-anyway, with the same reason).
+string) or not a list of finite numbers where a list belongs, or when any tensor is non-finite.
 A client that exceeded the round timeout sends no reply at all; the server counts it from the
 cohort, and takes one reply per sampled node only (see
 :func:`speechbrain_fl.fl.strategy.DPFedAvg.aggregate_train`). Rejected replies never reach the
@@ -39,7 +37,7 @@ from .npy_codec import decode
 from .reply_checks import ReplyLimits, ReplyRejected, check_reply
 from .updates import ClientUpdate
 
-__all__ = ["BufferPool", "ReplyLimits", "ReplyRejected", "check_finite", "parse_train_reply"]
+__all__ = ["BufferPool", "ReplyLimits", "ReplyRejected", "parse_train_reply"]
 
 
 class BufferPool:
@@ -96,7 +94,6 @@ def parse_train_reply(
     allow_partial: bool = False,
     limits: ReplyLimits | None = None,
     pool: BufferPool | None = None,
-    finite_checked_later: bool = False,
 ) -> ClientUpdate:
     """Turn a training reply into a :class:`ClientUpdate` or raise :class:`ReplyRejected`.
 
@@ -114,12 +111,6 @@ def parse_train_reply(
         against it by :func:`speechbrain_fl.fl.reply_checks.check_reply`.
     pool : BufferPool, optional
         Where the decoded reply's buffer comes from (default: a new array).
-    finite_checked_later : bool
-        The caller runs :func:`check_finite` on the update itself, or a pass that finds every
-        non-finite value (the server's re-clip: a norm is finite iff every element is) and
-        then :func:`check_finite`. The pass over the reply here is skipped; a reply rejected
-        here for a metric or a claim is checked for non-finite tensors first, so the reason is
-        the one the check here would have given.
 
     Returns
     -------
@@ -168,34 +159,19 @@ def parse_train_reply(
             )
         decoded[name] = array
     delta, buffer = _to_tensors(decoded, pool)
+    # NumPy's isfinite (~30x torch's on one CPU thread), once over the packed buffer when
+    # there is one (widening float16 keeps finiteness); per tensor to name the first bad one
+    if not (buffer is not None and bool(np.isfinite(buffer).all())):
+        for name, array in decoded.items():
+            if not bool(np.isfinite(array).all()):
+                raise ReplyRejected(f"node {node}: tensor {name!r} has non-finite values")
+    for key, value in metrics.items():
+        problem = _metric_problem(key, value)
+        if problem:
+            raise ReplyRejected(f"node {node}: metric {key!r} {problem} (got {value!r:.80})")
     update = ClientUpdate(node_id=node, delta=delta, metrics=metrics)
-    if not finite_checked_later:
-        check_finite(update, buffer)
-    try:
-        for key, value in metrics.items():
-            problem = _metric_problem(key, value)
-            if problem:
-                raise ReplyRejected(f"node {node}: metric {key!r} {problem} (got {value!r:.80})")
-        check_reply(update, limits or ReplyLimits())
-    except ReplyRejected:
-        if finite_checked_later:  # the reason the finiteness check first would have given
-            check_finite(update, buffer)
-        raise
+    check_reply(update, limits or ReplyLimits())
     return update
-
-
-def check_finite(update: ClientUpdate, buffer: np.ndarray | None = None) -> None:
-    """Raise :class:`ReplyRejected` naming the first tensor of ``update`` with a NaN or inf.
-
-    NumPy's isfinite (~30x torch's on one CPU thread), once over ``buffer`` (the packed
-    buffer the tensors are views of, when there is one; widening float16 keeps finiteness),
-    then per tensor, in the reply's parameter order, to name the first bad one.
-    """
-    if buffer is not None and bool(np.isfinite(buffer).all()):
-        return
-    for name, tensor in update.delta.items():
-        if not bool(np.isfinite(tensor.numpy()).all()):
-            raise ReplyRejected(f"node {update.node_id}: tensor {name!r} has non-finite values")
 
 
 def _records(content: RecordDict) -> tuple[dict[str, ArrayRecord], dict[str, MetricRecord]]:

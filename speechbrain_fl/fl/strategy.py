@@ -19,9 +19,7 @@ One round, for replies u_1..u_m of a cohort drawn with rate q from the declared 
    nobody): every Poisson draw is one application of the sampled Gaussian mechanism, and a
    re-sampled round would release a cohort that is no longer Poisson(q);
 3. re-clip: u_i <- clip(u_i, C_l) per group, so a client that skipped clipping cannot raise the
-   sensitivity above C (contract 3); its norms also find a NaN or inf (a norm is finite iff
-   every element is), so a private round's decoding skips its own finiteness pass and
-   :func:`.replies.check_finite` names the tensor as the decoding did;
+   sensitivity above C (contract 3);
 4. aggregate with the rule (default DP rule sum_i u_i / n, McMahan et al. 2018, Alg. 1);
 5. add N(0, (sigma C / n)^2 I) once (contract 4) to every parameter, one accountant step (the
    round's standard normals are drawn in a worker thread while the clients train,
@@ -79,7 +77,7 @@ from .canaries import FederatedAudit
 from .config import FLConfig, ema_base_of
 from .disclosure import privacy_disclosure
 from .npy_codec import decode_record, encode_record
-from .replies import BufferPool, ReplyLimits, ReplyRejected, check_finite, parse_train_reply
+from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
 from .sampling import PoissonSampler
 
 __all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
@@ -636,14 +634,8 @@ class DPFedAvg(FedAvg):
             dtypes={k: v.dtype for k, v in global_params.items()},
         )
 
-    def _parse(
-        self, message: Message, shapes, limits: ReplyLimits, *, reclipped: bool = False
-    ) -> ClientUpdate:
-        """One reply -> a checked update (format, claims, partition), or :class:`ReplyRejected`.
-
-        ``reclipped``: the caller re-clips the update, whose norms find any non-finite value
-        (then :func:`.replies.check_finite` names it), so the decoding skips its own pass.
-        """
+    def _parse(self, message: Message, shapes, limits: ReplyLimits) -> ClientUpdate:
+        """One reply -> a checked update (format, claims, partition), or :class:`ReplyRejected`."""
         node = message.metadata.src_node_id
         update = parse_train_reply(
             message,
@@ -651,13 +643,10 @@ class DPFedAvg(FedAvg):
             allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
             limits=limits,
             pool=self._reply_pool,
-            finite_checked_later=reclipped,
         )
         claimed = update.metrics.get("partition-id")
         known = self.node_order.get(node)
         if known is not None and claimed is not None and int(claimed) != known:
-            if reclipped:  # a non-finite tensor is the reason given first, as in the decoding
-                check_finite(update)
             raise ReplyRejected(
                 f"node {node}: partition-id={claimed:g} differs from the partition-id={known} "
                 "it answered to the server's query"
@@ -698,17 +687,11 @@ class DPFedAvg(FedAvg):
                 continue
             replied.add(node)
             try:
-                update = self._parse(message, shapes, limits, reclipped=budgets is not None)
+                update = self._parse(message, shapes, limits)
                 if budgets is not None:  # server-side enforcement of the budgets (contract 3)
-                    try:
-                        update.delta, _ = clip_update(
-                            update.delta, budgets, layout=self.layout, inplace=True
-                        )
-                    except Exception:
-                        # a NaN or inf makes a norm non-finite and the clip raise: named as the
-                        # decoding names it (the clip raised before scaling anything)
-                        check_finite(update)
-                        raise
+                    update.delta, _ = clip_update(
+                        update.delta, budgets, layout=self.layout, inplace=True
+                    )
                 updates.append(update)
             except ReplyRejected as err:
                 failures.append(str(err))

@@ -1,11 +1,8 @@
 """A bad reply among good ones: the same drop, the same log line, the same aggregate.
 
-In a private round the decoding no longer makes its own finiteness pass: the re-clip's norms
-find a NaN or inf (a norm is finite iff every element is) and :func:`.replies.check_finite`
-names the tensor as the decoding did. Each case is checked, DP and not, against a round made
-of the good replies only (``torch.equal``) and against the reason the decoding's own check
-gives, including a reply that also breaks a metric or a claim (the tensor is named first, as
-before).
+Each case is checked, DP and not, against a round made of the good replies only
+(``torch.equal``) and against the reason the decoding's finiteness check gives, including a
+reply that also breaks a metric or a claim (the tensor is named first).
 """
 
 from __future__ import annotations
