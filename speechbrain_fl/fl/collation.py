@@ -181,7 +181,7 @@ _LOADERS = {DataLoader: DataLoader.__iter__, SaveableDataLoader: SaveableDataLoa
 _SAMPLERS = (SequentialSampler, RandomSampler, ReproducibleRandomSampler)
 #: torch releases whose single-process iterator :func:`epoch_batches` reproduces (read from
 #: ``torch/utils/data/dataloader.py`` and ``_utils/fetch.py`` of 2.11).
-_TORCH_RELEASES = ("2.",)
+_TORCH_RELEASES = ("2.11.",)
 
 
 def _single_process(loader: Any) -> bool:
