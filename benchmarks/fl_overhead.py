@@ -73,7 +73,9 @@ import time
 
 T0 = time.perf_counter()
 
-CLIENTS, EXAMPLES, BATCH, ROUNDS, FEATURES, HIDDEN, LR = 32, 64, 16, 10, 136, 256, 0.05
+CLIENTS, EXAMPLES, BATCH, FEATURES, HIDDEN, LR = 32, 64, 16, 136, 256, 0.05
+#: Rounds per run (``--rounds``, passed to the child processes through the environment).
+ROUNDS = int(os.environ.get("SB_FL_BENCH_ROUNDS", "10"))
 #: Flat DP: clip C, noise multiplier sigma, Poisson rate q. C = 0.1, not 1: with C = 1 the noise
 #: on the mean (std sigma C / (q K) = 1/16 per coordinate, norm ~20 a round against a model of
 #: norm ~16) drove every run, the plain loop's and pfl's too, to NaN by round ~4, and the engine
@@ -613,6 +615,50 @@ def breakdown(repeats: int) -> None:
         print(f"| plain loop, same (expected cohort {cohort:g}) | {base:.2f} |")
 
 
+def pairs(count: int, kinds: list[str]) -> None:
+    """``count`` pairs of fresh processes per DP setting, the two kinds of ``kinds`` in turn.
+
+    Each pair runs both kinds one right after the other, the first of the pair alternating
+    from pair to pair, so the machine's drift (on the 2-core VM the README's figures come
+    from, the same run's steady round moved by up to 1.3x within minutes) reaches both alike;
+    the figure is the median over the pairs of each pair's ratio (first kind / second), with
+    the pairs' range, for the steady round and the whole run. A kind that does not apply to a
+    setting (``pfl_eps`` without DP) is replaced by ``pfl`` there.
+    """
+    first, second = kinds
+    for dp in (False, True):
+        names = [k if dp or k != "pfl_eps" else "pfl" for k in (first, second)]
+        rows = []
+        for i in range(count):
+            order = names if i % 2 == 0 else names[::-1]
+            runs = {kind: measure(kind, dp) for kind in order}
+            if any(r is None for r in runs.values()):
+                continue
+            a, b = runs[names[0]], runs[names[1]]
+            rows.append((a, b))
+            print(
+                f"  pair {i} {'DP' if dp else 'no DP'}: steady {1000 * a['steady']:.1f} / "
+                f"{1000 * b['steady']:.1f} ms = {a['steady'] / b['steady']:.3f}, whole "
+                f"{a['whole']:.2f} / {b['whole']:.2f} s = {a['whole'] / b['whole']:.3f} "
+                f"(load {a['load']:.1f})",
+                flush=True,
+            )
+        if not rows:
+            continue
+        print(
+            f"{'DP' if dp else 'no DP'}, {names[0]} / {names[1]}, {len(rows)} pairs, "
+            f"{ROUNDS} rounds each (steady: median of rounds 3-{ROUNDS})"
+        )
+        print("| | first kind | second kind | ratio, median of pairs (range) |\n|---|---|---|---|")
+        for key, unit, scale in (("steady", "ms", 1000), ("whole", "s", 1)):
+            ratios = [a[key] / b[key] for a, b in rows]
+            print(
+                f"| {key} | {scale * statistics.median(a[key] for a, _ in rows):.2f} {unit} | "
+                f"{scale * statistics.median(b[key] for _, b in rows):.2f} {unit} | "
+                f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -622,12 +668,32 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="time the parts of a steady round (local)"
     )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="run this many interleaved pairs of the two --kinds per DP setting (see pairs())",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help=f"rounds per run (default {ROUNDS})"
+    )
     args = parser.parse_args()
+    if args.rounds is not None:
+        if args.rounds < 4:
+            parser.error(f"--rounds {args.rounds}: the steady round needs >= 4 rounds")
+        os.environ["SB_FL_BENCH_ROUNDS"] = str(args.rounds)  # read by the child processes
+        globals()["ROUNDS"] = args.rounds
     if args.child:
         child(args.child, args.dp)
         return
     if args.breakdown:
         breakdown(args.repeats)
+        return
+    if args.pairs:
+        kinds = args.kinds.split(",")
+        if len(kinds) != 2:
+            parser.error(f"--pairs compares two kinds, got --kinds {args.kinds!r}")
+        pairs(args.pairs, kinds)
         return
     kinds = args.kinds.split(",")
     if any(k.startswith("pfl") for k in kinds):

@@ -32,16 +32,30 @@ place that formula lives; :func:`privacy_report` applies it to the pools of a fi
 
 Opacus and dp-accounting are imported on first use, inside the functions that call them: a
 non-private run never needs them, and importing them costs ~1 s or more of its start-up
-(``benchmarks/fl_overhead.py``).
+(``benchmarks/fl_overhead.py``). The RDP figures (``"rdp"``, the per-round figure, the report's
+cross-check, the PLD grid's width) need only Opacus's RDP analysis,
+``opacus/accountants/analysis/rdp.py``, a module of pure functions over NumPy and SciPy;
+importing it the usual way runs the ``opacus`` package's ``__init__`` first (its
+``PrivacyEngine``, the grad samplers, the optimisers: ~0.6 s on the 2-core test machine, a
+seventh of a private ``fl_overhead`` run, where the RDP arithmetic itself takes ~0.1 s).
+:func:`_rdp_analysis` loads that one file of the installed Opacus on its own instead (the same
+code; the package's own module when ``opacus`` is already imported, the usual import should
+the file ever need its package), at Opacus's default orders :data:`RDP_ORDERS`
+(``RDPAccountant.DEFAULT_ALPHAS``, checked equal in tests/unit/test_privacy_accounting_rdp.py).
+Why hand-written: Python imports a submodule only after its package's ``__init__``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 
 from .budgets import alpha_split_pools, check_clip, component_budgets
 from .layout import Layout
@@ -74,6 +88,38 @@ PLD_DISCRETIZATION = 1e-4
 #: RDP epsilon above which the PLD grid widens in proportion (see :func:`pld_interval`).
 PLD_COARSE_ABOVE = 2.0
 LARGE_EPSILON = 10.0
+#: Opacus's default RDP orders (``opacus.accountants.RDPAccountant.DEFAULT_ALPHAS`` of Opacus
+#: 1.5-1.6), the orders of every RDP figure here.
+RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+#: Where Opacus keeps its RDP analysis, and the name it is loaded under by :func:`_rdp_analysis`.
+_RDP_MODULE = "opacus.accountants.analysis.rdp"
+_RDP_STANDALONE = "speechbrain_fl.privacy._opacus_rdp_analysis"
+
+
+@functools.lru_cache(maxsize=1)
+def _rdp_analysis() -> ModuleType:
+    """Opacus's RDP analysis module (``compute_rdp``, ``get_privacy_spent``), see the module
+    docstring: Opacus's own when the package is imported, else the installed file loaded on its
+    own (under a private name, so a later ``import opacus`` builds its own as usual); the usual
+    import when that fails (no such file, or it needs its package)."""
+    loaded = sys.modules.get(_RDP_MODULE)
+    if loaded is not None:
+        return loaded
+    try:
+        package = importlib.util.find_spec("opacus")
+        folder = (package.submodule_search_locations or [None])[0] if package else None
+        path = Path(folder, "accountants", "analysis", "rdp.py") if folder else None
+        if path is not None and path.is_file():
+            spec = importlib.util.spec_from_file_location(_RDP_STANDALONE, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            if callable(getattr(module, "compute_rdp", None)) and callable(
+                getattr(module, "get_privacy_spent", None)
+            ):
+                return module
+    except ImportError:  # e.g. a relative import: it needs its package
+        pass
+    return importlib.import_module(_RDP_MODULE)
 
 
 def _check(*, sampling_rate=None, noise_multiplier=None, rounds=None, delta=None, accountant=None):
@@ -108,14 +154,8 @@ def _rdp_per_step(sampling_rate: float, noise_multiplier: float):
     how Opacus's ``compute_rdp`` scales ``steps`` too, so ``T`` rounds cost one multiplication
     and the (eps, delta) conversion instead of the per-order series again.
     """
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
-
-    return rdp_analysis.compute_rdp(
-        q=sampling_rate,
-        noise_multiplier=noise_multiplier,
-        steps=1,
-        orders=RDPAccountant.DEFAULT_ALPHAS,
+    return _rdp_analysis().compute_rdp(
+        q=sampling_rate, noise_multiplier=noise_multiplier, steps=1, orders=list(RDP_ORDERS)
     )
 
 
@@ -212,17 +252,16 @@ def _epsilon(sampling_rate, noise_multiplier, rounds, delta, accountant) -> floa
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    from opacus.accountants import RDPAccountant, create_accountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
-
     if accountant == "rdp":
         rdp = _rdp_per_step(float(sampling_rate), float(noise_multiplier)) * int(rounds)
-        eps, _ = rdp_analysis.get_privacy_spent(
-            orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta
+        eps, _ = _rdp_analysis().get_privacy_spent(
+            orders=list(RDP_ORDERS), rdp=rdp, delta=delta
         )
         return float(eps)
     if accountant == "pld":
         return _pld_epsilon(float(sampling_rate), float(noise_multiplier), int(rounds), delta)
+    from opacus.accountants import create_accountant
+
     acc = create_accountant(mechanism=accountant)
     acc.history = [(float(noise_multiplier), float(sampling_rate), int(rounds))]
     return float(acc.get_epsilon(delta=delta))
