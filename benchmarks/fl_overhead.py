@@ -38,25 +38,35 @@ default bound 5, never reached, at ~2 ms a client round). The engine's data path
 SpeechBrain's (a DataLoader with ``PaddedBatch`` collation where the plain loop and pfl slice two
 tensors), counted in the engine's figures and in ``brain``'s; ``--breakdown`` measures it.
 
+``--pairs N`` (with two ``--kinds``, e.g. ``local,pfl`` or ``local,pfl_eps``) runs N pairs of fresh
+processes per DP setting, the two kinds one right after the other and the first of a pair
+alternating, and prints the median over the pairs of each pair's ratio with the pairs' range,
+for the steady round and the whole run (:func:`pairs`): on the 2-core VM the figures come from,
+one configuration's steady round moved by up to 1.3x between passes a few minutes apart, which
+a table of medians over three passes does not resolve. ``--rounds R`` runs R rounds instead of
+10 (the steady round is then the median of rounds 3..R: 18 rounds instead of 8 with
+``--rounds 20``).
+
 ``--breakdown`` runs the local backend ``--repeats`` times per DP setting with
 ``perf_counter`` wrappers around the parts listed in :data:`TIMED` (the LocalGrid delivery,
 our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 ``optimizers_step``/``clip_grad_norm_``, the server's reply check, aggregation, noise, state
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
-Last figures (README "Overhead of the Simulation Engine": ``--repeats 3 --kinds
-plain,brain,local,pfl,pfl_eps`` on the 2-core machine at load 0.5-0.9, a slow spell, no DP /
-DP): whole run ``local`` 4.86 s / 5.11 s against pfl-research's 5.41 s / 5.31 s (``pfl_eps``
-6.43 s); steady round 88 / 55 ms against 86 / 45 ms. Paired whole processes: ours / pfl 0.92x
-without DP, 0.98x with DP (0.91x against ``pfl_eps``); paired steady rounds 1.22x / 1.23x. Per
-client update (``--breakdown --repeats 3``, load ~1.0): 2.63 ms on ``local`` (2.81 with DP), of
-which the client's training 1.83 ms (4 lean steps 1.53, the data path 0.21), against 1.96 ms
+Last figures (README "Overhead of the Simulation Engine", the 2-core machine, no DP / DP):
+``--repeats 3 --kinds plain,brain,local,pfl,pfl_eps`` at load 0.8-1.0: whole run ``local``
+4.27 s / 4.26 s against pfl-research's 4.44 s / 3.98 s (``pfl_eps`` 4.62 s); steady round 101 /
+65 ms against 92 / 55 ms. ``--pairs 6 --rounds 20 --kinds local,pfl_eps`` at load 1.0-1.1:
+steady round 1.06x / 1.20x, whole run 0.99x / 0.94x (medians of the pairs' ratios). Per client
+update (``--breakdown --repeats 3``, load 0.2-0.6): 3.23 ms on ``local`` (4.10 with DP), of
+which the client's training 2.27 ms (4 lean steps 1.88, the data path 0.28), against 2.19 ms
 for the plain loop's whole client update. The per-round epsilon is RDP's
 (``round_accountant``), ~0.01 ms; the final PLD is computed once. ``local_rdp`` is ``local``
 with ``accountant: rdp`` (the final figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
-[--kinds plain,brain,local,local_rdp,ray,pfl,pfl_eps] [--breakdown]``
+[--kinds plain,brain,local,local_rdp,ray,pfl,pfl_eps] [--breakdown] [--pairs 8 --kinds local,pfl]
+[--rounds 20]``
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A private federated run's RDP figures (the per-round figure, the report's cross-check, the PLD
 grid's width) come from ``opacus/accountants/analysis/rdp.py`` loaded on its own: the same
-epsilons as Opacus's ``RDPAccountant``, without the ~0.6 s of the package's ``__init__``.
+epsilons as Opacus's ``RDPAccountant``, without the ~0.3 s of the package's ``__init__``.
 """
 
 import json
