@@ -102,7 +102,7 @@ def _rdp_analysis() -> ModuleType:
     """Opacus's RDP analysis module (``compute_rdp``, ``get_privacy_spent``), see the module
     docstring: Opacus's own when the package is imported, else the installed file loaded on its
     own (under a private name, so a later ``import opacus`` builds its own as usual); the usual
-    import when that fails (no such file, or it needs its package)."""
+    import when that fails (no such file, a file that needs its package or raises)."""
     loaded = sys.modules.get(_RDP_MODULE)
     if loaded is not None:
         return loaded
@@ -118,7 +118,7 @@ def _rdp_analysis() -> ModuleType:
                 getattr(module, "get_privacy_spent", None)
             ):
                 return module
-    except ImportError:  # e.g. a relative import: it needs its package
+    except Exception:  # noqa: BLE001  (e.g. a relative import: the file needs its package)
         pass
     return importlib.import_module(_RDP_MODULE)
 
