@@ -474,7 +474,7 @@ def main(argv=None) -> int:
         result = run_preset(args)
         Path(args.result_file).write_text(json.dumps(result, indent=1))
         return 0
-    from speechbrain_fl.atomic import atomic_open
+    from speechbrain_fl.utils.atomic import atomic_open
 
     results = []
     for preset in args.presets:

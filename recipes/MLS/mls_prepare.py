@@ -44,7 +44,7 @@ import os
 
 import soundfile as sf
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ seeds show how much the draws move it. This module tabulates those runs:
   paired speaker-level 95% CI, the per-coordinate (LLM + connector)/encoder update-norm ratio
   and each pool's clipped-signal retention (mean over seeds), and the LLM retention against
   Flat's;
-- the paired comparisons issue 22 asks for (Flat against PFL-Uniform, PFL-Dim and alpha-split;
+- the paired comparisons (Flat against PFL-Uniform, PFL-Dim and alpha-split;
   alpha-split against PFL-Uniform and PFL-Dim; Flat against FedAvg), pooled over the seeds:
   ``WER_A - WER_B`` with its 95% CI and p-value (:func:`compare.compare_runs`).
 
@@ -32,7 +32,7 @@ from method_table import _get
 
 from speechbrain_fl.metrics import paired_bootstrap_details, read_utterance_details
 
-#: (A, B) method pairs compared on shared seeds: WER_A - WER_B (issue 22, item 4). With the
+#: (A, B) method pairs compared on shared seeds: WER_A - WER_B. With the
 #: encoder frozen, alpha-split runs as PFL-Dim (the paper's alpha = 0 row,
 #: ``mls_settings.engine_hparams``): that pair then measures what the paired comparison leaves
 #: unpaired (the audit canaries' OS-drawn directions), a floor for every other pair.

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from speechbrain_fl.atomic import atomic_folder
+from speechbrain_fl.utils.atomic import atomic_folder
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from gender_model import build_model, predict_logits  # noqa: E402
 from gender_plots import plot_confusion  # noqa: E402
 from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
 
-from speechbrain_fl.atomic import atomic_open  # noqa: E402
+from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.labels import IGNORE_LABEL, hide_labels  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
 from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.models.gender_classifier import hash_tokens
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
   then the per-class recall.
 * :func:`audit_table`: the teacher's DP-SGD audit beside the accountant's epsilon (PLD and RDP).
 * :func:`write_json`: ``results.json`` written atomically
-  (:func:`speechbrain_fl.atomic.atomic_open`).
+  (:func:`speechbrain_fl.utils.atomic.atomic_open`).
 
 The shared :func:`speechbrain_fl.run_outputs.format_results_table` tabulates the federated
 recipes' ``test.WER`` and privacy columns; this recipe's metrics are classification metrics
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 
 __all__ = ["audit_table", "eps_str", "joint_row", "results_table", "write_json"]
 

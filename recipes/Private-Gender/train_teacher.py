@@ -59,7 +59,7 @@ from gender_report import (  # noqa: E402
 )
 from gender_training import RAW_LOSS_KEY, train_model  # noqa: E402
 
-from speechbrain_fl.atomic import atomic_open  # noqa: E402
+from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
 from speechbrain_fl.distill.store import (  # noqa: E402
     teacher_outputs_record,

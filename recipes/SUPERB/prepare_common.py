@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 
 OPTIONS_FILE = "prepare_options.json"

@@ -34,7 +34,7 @@ def seed_model_folder(hparams, public):
     back by ``Wav2Vec2Model.from_pretrained``. ``pretrain_objective`` (ours):
 
     - ``none`` (default): the random tiny model, no pretraining (random initialisation
-      everywhere; the bag-of-words seed was measured to transfer nothing, issue 23);
+      everywhere; the bag-of-words seed was measured to transfer nothing);
     - ``bag_of_words``: predict which words of the sentence vocabulary occur
       (multi-label BCE) from the stat-pooled hidden state of *every* exit, losses summed, so
       each exit's representation becomes content-aware;

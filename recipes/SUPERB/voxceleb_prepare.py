@@ -25,7 +25,7 @@ import os
 import soundfile as sf
 from prepare_common import corpus_stamp, rel, require, save_options, skip, write_manifest
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 

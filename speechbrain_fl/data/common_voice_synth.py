@@ -68,7 +68,7 @@ import numpy as np
 import soundfile as sf
 from tqdm.auto import tqdm
 
-from speechbrain_fl.atomic import atomic_folder
+from speechbrain_fl.utils.atomic import atomic_folder
 from speechbrain_fl.data.corpus_cache import cached_stamp
 from speechbrain_fl.data.espeak import SAMPLE_RATE, list_variants, synthesize
 from speechbrain_fl.data.sentences import make_sentences

@@ -180,7 +180,7 @@ def _flower_lines_once() -> None:
 
     The ServerApp process of ``flwr run`` (and a recipe's ``create_experiment_directory``)
     installs root handlers; Flower's own console handler would print each Flower line a second
-    time (issue 25).
+    time.
     """
     if logging.getLogger().handlers and console_handler in FLOWER_LOGGER.handlers:
         FLOWER_LOGGER.removeHandler(console_handler)

@@ -100,7 +100,7 @@ __all__ = ["FlwrRunError", "run_deployment", "run_simulation"]
 class FlwrRunError(subprocess.CalledProcessError):
     """``flwr run`` failed: a non-zero exit, or a run the SuperLink reports as failed.
 
-    ``flwr run --stream`` exits 0 when the ServerApp raised (issue 25); :func:`run_deployment`
+    ``flwr run --stream`` exits 0 when the ServerApp raised; :func:`run_deployment`
     asks the SuperLink for the run's final status (``flwr ls --run-id``) and raises this, with
     the status, the command and the log tail in its message.
     """
@@ -351,7 +351,7 @@ def _refuse_managed_local_superlink(superlink: str, env: dict[str, str] | None) 
 
     ``flwr`` starts that SuperLink itself, without ``--disable-runtime-dependency-installation``
     (it ``uv sync``s the app into a fresh environment instead of the pinned one) and leaves it
-    running after the run (issue 25). Our helpers use an explicit SuperLink instead.
+    running after the run. Our helpers use an explicit SuperLink instead.
     """
     import tomllib
 

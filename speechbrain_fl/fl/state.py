@@ -26,7 +26,7 @@ data, then the folder's entry after the rename) and the rename stay: without the
 the machine could resume from a state older than a released round, whose accountant step
 would be lost.
 
-Decision (measured, issue 28): the write is not moved to a background thread. Anything of the
+Decision (measured): the write is not moved to a background thread. Anything of the
 round may be released (its rows, its log line, the next round's messages) only once it is
 committed (docs/design.md "Privacy invariants" 5), and before the next round's messages leave
 there is ~0.5 ms of server work (``configure_train``) against ~1.5 ms of write + sync for the

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.metrics.resampling import DEFAULT_NUM_RESAMPLES, check_counts
 from speechbrain_fl.metrics.wer import (
     PairedWERComparison,
@@ -384,7 +384,7 @@ def write_utterance_details(
     ---------
     path : str or Path
         Destination file; parent folders are created, and the file appears whole or not at all
-        (:func:`speechbrain_fl.atomic.atomic_open`).
+        (:func:`speechbrain_fl.utils.atomic.atomic_open`).
     rows : UtteranceErrors or iterable of mappings
         The per-utterance counts.
 

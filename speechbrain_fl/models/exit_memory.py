@@ -272,7 +272,7 @@ def choose_depth(
         else:
             break  # memory grows with depth
     if cache_file is not None:
-        from speechbrain_fl.atomic import atomic_open
+        from speechbrain_fl.utils.atomic import atomic_open
 
         with atomic_open(cache_file) as handle:
             json.dump(cache, handle, indent=2)

@@ -113,7 +113,7 @@ def create_tiny_wav2vec2(folder: str | Path, *, seed: int = 0) -> Path:
     >>> Wav2Vec2Model.from_pretrained(path).config.num_hidden_layers
     12
     """
-    from speechbrain_fl.atomic import atomic_folder
+    from speechbrain_fl.utils.atomic import atomic_folder
 
     folder = Path(folder)
     if (folder / "config.json").is_file():

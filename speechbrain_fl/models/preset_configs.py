@@ -440,7 +440,7 @@ def write_checkpoint(
     with transformers' own random initialisation in ``dtype``, then ``save_pretrained`` of the
     model, the feature extractor and the stand-in tokenizer when the model has them, and an
     ``offline_source.json`` saying where it came from. Written through
-    :func:`speechbrain_fl.atomic.atomic_folder` (complete or absent).
+    :func:`speechbrain_fl.utils.atomic.atomic_folder` (complete or absent).
 
     Returns
     -------
@@ -449,7 +449,7 @@ def write_checkpoint(
     """
     import transformers
 
-    from speechbrain_fl.atomic import atomic_folder
+    from speechbrain_fl.utils.atomic import atomic_folder
 
     config = model_config(model_id, num_layers=num_layers, root=root)
     cls = getattr(transformers, config.architectures[0])

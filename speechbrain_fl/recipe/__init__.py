@@ -10,7 +10,7 @@
 - :mod:`~speechbrain_fl.recipe.federated`: :class:`FederatedRecipe`, the skeleton (load,
   settings once per run, per-process model cache, builders -> FLTask, simulation);
 - :mod:`~speechbrain_fl.recipe.report`: results.json, the results table, README tables;
-- :mod:`~speechbrain_fl.recipe.run_lock`: one run per output folder.
+- :func:`run_lock` (:func:`speechbrain_fl.utils.run_lock.hold_run_lock`): one run per output folder.
 
 A recipe keeps what is its own: its Brain, its data pipeline, its analysis
 (``docs/adding_a_recipe.md``).
@@ -43,7 +43,7 @@ from speechbrain_fl.recipe.report import (
     write_results,
     write_rows,
 )
-from speechbrain_fl.recipe.run_lock import run_lock
+from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 from speechbrain_fl.recipe.run_options import (
     REFUSED_RUN_OPTIONS,
     SUPPORTED_RUN_OPTIONS,

@@ -39,7 +39,8 @@ from typing import Any
 
 from speechbrain_fl.recipe.hparams import load_run_hparams, resolve_hparams_path
 from speechbrain_fl.recipe.prepare import prepare_once
-from speechbrain_fl.recipe.run_lock import RunLockedError, run_lock
+from speechbrain_fl.utils.run_lock import RunLockedError
+from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 from speechbrain_fl.recipe.run_options import federated_run_options, split_overrides
 from speechbrain_fl.recipe.settings import RunSettings
 
@@ -226,7 +227,7 @@ class FederatedRecipe:
         -> the recipe's ``main``, which starts with ``sb.create_experiment_directory(
         **run.experiment)`` (called from the recipe's own module, so SpeechBrain copies the
         recipe script into the output folder). The output folder's run lock
-        (:func:`speechbrain_fl.recipe.run_lock.run_lock`) is held until ``main`` returns, so a
+        (:func:`speechbrain_fl.utils.run_lock.hold_run_lock`) is held until ``main`` returns, so a
         second run on the same folder stops at once.
         """
         try:

@@ -5,7 +5,7 @@ Ray actor or SuperNode); :func:`prepare_once` lets the first one prepare the dat
 others read what it prepared. A ``<dataset>_prepare.py`` records the options its manifests were
 made with (:func:`save_prepare_options`, SpeechBrain's ``skip()`` habit) and skips when they
 match (:func:`prepared_with`), so a changed option re-prepares. Both files are written
-atomically (:func:`speechbrain_fl.atomic.atomic_open`): a killed run never leaves a record that
+atomically (:func:`speechbrain_fl.utils.atomic.atomic_open`): a killed run never leaves a record that
 a later run would read as complete.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.atomic import atomic_open
+from speechbrain_fl.utils.atomic import atomic_open
 
 __all__ = [
     "OPTIONS_FILE",

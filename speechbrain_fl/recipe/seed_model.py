@@ -8,7 +8,7 @@ reuses it. :func:`cached_seed_model` owns the three steps every recipe repeats:
    the public split's content hash, ...), hashed to a short tag (:func:`cache_tag`);
 2. the **build**: called only when ``<cache_folder>/<prefix>_<tag>/`` holds no finished model;
 3. the **save**: the build writes into a temporary folder that appears under the final name
-   whole or not at all (:func:`speechbrain_fl.atomic.atomic_folder`), so a killed pretraining
+   whole or not at all (:func:`speechbrain_fl.utils.atomic.atomic_folder`), so a killed pretraining
    never leaves a half-saved model that a later run would load.
 
 The pretraining loop itself is the model family's (``speechbrain_fl.models.pretrain``).
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.atomic import atomic_folder
+from speechbrain_fl.utils.atomic import atomic_folder
 
 __all__ = ["cache_tag", "cached_seed_model", "file_digest"]
 

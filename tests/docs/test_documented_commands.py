@@ -1,4 +1,4 @@
-"""The commands the READMEs and docs/ give, checked as written (issue 25's convention).
+"""The commands the READMEs and docs/ give, checked as written (checked as written).
 
 Every fenced ```` ```bash ```` block of ``README.md``, ``recipes/*/README.md`` and ``docs/*.md``
 is either

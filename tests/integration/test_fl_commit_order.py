@@ -1,4 +1,4 @@
-"""Account first, then release (issue 21, item 5): a kill around a round's commit.
+"""Account first, then release: a kill around a round's commit.
 
 Before: a private run killed after a round's noisy aggregate was made but before its state was
 saved left that round's validation loss (a function of the noisy model) in train_log.txt and

@@ -52,7 +52,7 @@ def test_privacy_section(method, recipe_run):
     assert privacy["epsilon_covers_everything"] is True
     assert {"rounds.csv", "group_norms.csv"} <= set(privacy["outside_guarantee"])
     assert "Privacy: epsilon is client-level" in run.stdout
-    # issue 27: every DP method file audits its run (audit_canaries: 128), the audited figures
+    # every DP method file audits its run (audit_canaries: 128), the audited figures
     # beside the accountant's in results.json and in the printed table
     audit = privacy["audit"]
     assert audit["canaries"] == 128 and audit["accountant_epsilon"] == privacy["epsilon"]

@@ -1,4 +1,4 @@
-"""The per-round epsilon from RDP, the guarantee from the PLD (issue 28, the DP round's cost).
+"""The per-round epsilon from RDP, the guarantee from the PLD (the DP round's cost).
 
 A round's running figure (rounds.csv, train_log.txt, the progress line, the strategy's metrics)
 comes from ``round_accountant`` (RDP by default); the reported epsilon (results.json,

@@ -1,4 +1,4 @@
-"""The sensitivity bound for every payload dtype (issue 21, item 1).
+"""The sensitivity bound for every payload dtype.
 
 A reply's arrays may be float16, float32 or float64 on the wire (Flower's ArrayRecord carries
 no bfloat16); a client may clip a bfloat16 or float16 update of its own. Whatever the dtype

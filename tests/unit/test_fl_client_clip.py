@@ -1,4 +1,4 @@
-"""The client's clip in fewer calls: bit-identical to the arithmetic it replaces (issue 28).
+"""The client's clip in fewer calls: bit-identical to the arithmetic it replaces.
 
 :func:`speechbrain_fl.privacy.clip_update` measures separate tensors with one
 ``torch._foreach_norm`` over the small ones and the large ones' tails, one row norm per large

@@ -1,7 +1,7 @@
 """The direct ``PaddedBatch`` build (speechbrain_fl/fl/collation.py) is ``PaddedBatch(examples)``
 field by field: the same ``__dict__`` (names, order), the same tensors (values, dtypes, shapes,
 strides), the same behaviour of ``to``, ``iter``, ``batch[key]``, ``len``; and every input it does
-not apply to goes to ``PaddedBatch`` (issue 28)."""
+not apply to goes to ``PaddedBatch``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The client's data path keeps SpeechBrain's batches: the toy dataset's batched
 ``__getitems__`` and the collation without ``default_convert`` give the same batches, in the
 same order, for the same seed, as a plain ``__getitem__`` dataset with SpeechBrain's
-``PaddedBatch`` (speechbrain_fl/fl/toy.py, speechbrain_fl/fl/client.py; issue 28)."""
+``PaddedBatch`` (speechbrain_fl/fl/toy.py, speechbrain_fl/fl/client.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One pass over a client's loader without torch's iterator object (issue 28, item 2).
+"""One pass over a client's loader without torch's iterator object.
 
 :func:`speechbrain_fl.fl.collation.epoch_batches` must yield exactly the batches torch's
 single-process ``DataLoader`` iterator yields, in the same order, and leave every random

@@ -1,7 +1,7 @@
 """The lean fp32 step (speechbrain_fl/fl/lean_step.py) against SpeechBrain's own
 ``Brain.fit_batch``: parameters and losses bit for bit over several rounds, the same hook calls,
 SpeechBrain's non-finite patience, and SpeechBrain's ``fit_batch`` wherever the lean one does not
-apply (issue 28, the client's training path)."""
+apply (the client's training path)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The lean step's optimiser calls without torch's profiler scope (issue 28, item 1).
+"""The lean step's optimiser calls without torch's profiler scope.
 
 :func:`speechbrain_fl.fl.lean_step._optimizer_step` and ``_zero_grad_to_none`` must do what
 ``opt.step()`` and ``opt.zero_grad(set_to_none=True)`` do (the same parameters and state, bit

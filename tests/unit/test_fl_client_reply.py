@@ -1,6 +1,6 @@
 """A client's reply is what SpeechBrain and Flower would make of the round, byte for byte
-(speechbrain_fl/fl/client.py:train_round, npy_codec.encode_record, params.load_trainable;
-issue 28): the reference below trains with ``brain.fit`` on SpeechBrain's own ``PaddedBatch``
+(speechbrain_fl/fl/client.py:train_round, npy_codec.encode_record, params.load_trainable):
+the reference below trains with ``brain.fit`` on SpeechBrain's own ``PaddedBatch``
 loader, loads with ``param.copy_``, subtracts, clips with a copy (``inplace=False``) and wraps
 the result in ``ArrayRecord(delta)`` and ``MetricRecord(metrics)``."""
 

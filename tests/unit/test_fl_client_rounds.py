@@ -1,7 +1,7 @@
 """Per-round client bookkeeping kept across rounds changes no reply: the parameter index
 (speechbrain_fl/fl/params.py:ParameterIndex) follows every change of the module's structure,
 the optimiser reset without deep copies is the deep-copying one, and a client reused over rounds
-replies bit for bit what a freshly built client replies (issue 28)."""
+replies bit for bit what a freshly built client replies."""
 
 from __future__ import annotations
 

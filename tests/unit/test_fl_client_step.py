@@ -1,6 +1,6 @@
 """No per-step work a setting switches off: ``max_grad_norm: inf`` skips SpeechBrain's
 ``clip_grad_norm_`` in ``Brain.optimizers_step`` (speechbrain_fl/fl/client.py), and the update
-is bit-identical to SpeechBrain's own step (issue 28, per-message costs)."""
+is bit-identical to SpeechBrain's own step (per-message costs)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FLConfig refuses every bad value with a message naming the key and the value (issue 21, 7).
+"""FLConfig refuses every bad value with a message naming the key and the value.
 
 Before: ``delta`` was never checked (``delta: 1.5`` or ``0`` reached the accountant), and MLS
 ``max_epsilon: -1`` ran 0 rounds and exited 0.

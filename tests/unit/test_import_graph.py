@@ -1,4 +1,4 @@
-"""No import loop inside ``speechbrain_fl.fl`` and ``speechbrain_fl.privacy`` (issue 20).
+"""No import loop inside ``speechbrain_fl.fl`` and ``speechbrain_fl.privacy``.
 
 Every ``from .x import`` / ``from speechbrain_fl.<pkg>.x import`` of a module, at top level or
 inside a function (a lazy import is still a dependency), is an edge; the graph must be acyclic.

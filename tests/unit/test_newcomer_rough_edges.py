@@ -1,4 +1,4 @@
-"""The small rough edges a newcomer met (issue 25): each now a clear message, with a test."""
+"""The small rough edges a newcomer met: each now a clear message, with a test."""
 
 from __future__ import annotations
 

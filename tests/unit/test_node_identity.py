@@ -1,5 +1,5 @@
-"""Identity in deployment (issue 21, item 6): one node per partition, one data owner once;
-its own data and base model (issue 26): fingerprints, the setup handshake, node_config.
+"""Identity in deployment: one node per partition, one data owner once;
+its own data and base model: fingerprints, the setup handshake, node_config.
 
 Before: two SuperNodes both declaring ``partition-id=0`` were accepted silently ("2 connected,
 K=2"): partition 1 never trained, and in a private run one data owner counted as two clients.
@@ -109,7 +109,7 @@ def test_node_partitions_is_checked(tmp_path, value, message):
         FLConfig(output_folder=str(tmp_path), node_partitions=value)
 
 
-# -- issue 26: the node's own data and base model ----------------------------------------
+# -- the node's own data and base model ----------------------------------------
 def _base(seed: int) -> torch.nn.Module:
     """A frozen 'encoder' (weights from ``seed``) under a trainable head."""
     torch.manual_seed(seed)

@@ -248,7 +248,7 @@ def test_pld_is_the_default_and_reports_the_issue_figures():
     kw = dict(sampling_rate=0.5, noise_multiplier=1.0, rounds=10, delta=1e-5)
     with pytest.warns(UserWarning):
         pld, rdp = compute_epsilon(**kw), compute_epsilon(**kw, accountant="rdp")
-    # the figures measured for issue 27 (PLD 10.46 vs RDP 11.54), and dp-accounting's own PLD
+    # the figures measured before (PLD 10.46 vs RDP 11.54), and dp-accounting's own PLD
     assert round(pld, 2) == 10.46 and round(rdp, 2) == 11.54
     acc = PrivacyAccountant(sampling_rate=0.5, noise_multiplier=1.0, delta=1e-5)
     assert acc.accountant == "pld"

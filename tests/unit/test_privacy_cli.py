@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from speechbrain_fl.privacy import compute_epsilon
-from speechbrain_fl.privacy.cli import main
+from speechbrain_fl.cli import main
 
 LAYOUT = Path(__file__).resolve().parents[2] / "docs" / "examples" / "whisper_tinyllama_layout.json"
 
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "speechbrain_fl.privacy.cli", *args],
+        [sys.executable, "-m", "speechbrain_fl.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

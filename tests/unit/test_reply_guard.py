@@ -1,6 +1,6 @@
 """No reply can end a run; layer-wise replies are checked against what the server knows.
 
-Issue 21, items 2 and 3. Each case below ended a run or was trusted before: a layer-wise run
+Each case below ended a run or was trusted before: a layer-wise run
 with one client replying ``exit-depth=0`` stopped in round 1 (ValueError), likewise a missing
 or list-valued ``exit-depth``, ``num-examples=1e308`` and a float64 delta of 1e300
 (FloatingPointError); ``num-examples=1e9`` or ``exit-depth=1e9`` were accepted, a depth-3

@@ -1,4 +1,4 @@
-"""One run per output folder (issue 21, item 4): a real second process is refused at once.
+"""One run per output folder: a real second process is refused at once.
 
 Before: a second identical private command on a running folder "resumed after round 202" and
 both runs wrote into one rounds.csv (598 noisy releases, 400 accounted).

@@ -1,6 +1,6 @@
 """The SUPERB run's output names: the folder names the deep exit, the table says '-' for memory.
 
-Issue 25's rough edges: a default run wrote ``heterogeneous_None`` (``exit: null``) and its
+a default run wrote ``heterogeneous_None`` (``exit: null``) and its
 results table printed "None" in the memory columns when memory was not measured.
 """
 
