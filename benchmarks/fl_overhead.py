@@ -33,8 +33,8 @@ round (which builds the clients) and the time from the last round to the end of
 Like with like: the engine's Brain runs with ``max_grad_norm: inf`` (:data:`RUN_OPTS`),
 SpeechBrain's switch for no per-step gradient clipping, so its arithmetic equals the plain
 loop's and pfl's, which do not clip per step; the engine then skips SpeechBrain's per-step
-``clip_grad_norm_`` (``speechbrain_fl/fl/client.py``; before this, the Brain kept SpeechBrain's
-default bound 5, never reached, at ~2 ms a client round). The engine's data path stays
+``clip_grad_norm_`` (``speechbrain_fl/fl/client.py``; SpeechBrain's default bound 5, never
+reached here, would cost ~2 ms a client round). The engine's data path stays
 SpeechBrain's (a DataLoader with ``PaddedBatch`` collation where the plain loop and pfl slice two
 tensors), counted in the engine's figures and in ``brain``'s; ``--breakdown`` measures it.
 
@@ -53,15 +53,8 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 ``optimizers_step``/``clip_grad_norm_``, the server's reply check, aggregation, noise, state
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
-Last figures (README "Overhead of the Simulation Engine", the 2-core machine, no DP / DP):
-``--repeats 3 --kinds plain,brain,local,pfl,pfl_eps`` at load 0.8-1.0: whole run ``local``
-4.27 s / 4.26 s against pfl-research's 4.44 s / 3.98 s (``pfl_eps`` 4.62 s); steady round 101 /
-65 ms against 92 / 55 ms. ``--pairs 6 --rounds 20 --kinds local,pfl_eps`` at load 1.0-1.1:
-steady round 1.06x / 1.20x, whole run 0.99x / 0.94x (medians of the pairs' ratios). Per client
-update (``--breakdown --repeats 3``, load 0.2-0.6): 3.23 ms on ``local`` (4.10 with DP), of
-which the client's training 2.27 ms (4 lean steps 1.88, the data path 0.28), against 2.19 ms
-for the plain loop's whole client update. The per-round epsilon is RDP's
-(``round_accountant``), ~0.01 ms; the final PLD is computed once. ``local_rdp`` is ``local``
+The current figures, with the machine they ran on: ``docs/benchmarks.md``. The per-round
+epsilon is RDP's (``round_accountant``), ~0.01 ms; the final PLD is computed once. ``local_rdp`` is ``local``
 with ``accountant: rdp`` (the final figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
@@ -131,9 +124,8 @@ def mlp_task(hparams: str | None, overrides: dict):
     (``SHARED_MODEL``, the default), as the MLS and SUPERB recipes build their clients
     (``speechbrain_fl.recipe.ModelCache``: the engine loads the global tensors before a
     client's training and puts them back after it) and as the plain loop and pfl-research train
-    theirs; ``SB_FL_BENCH_MODEL_PER_CLIENT=1`` builds one model per client instead (the
-    workload before this round: 32 models, whose weights a client's round no longer finds in
-    the CPU's caches).
+    theirs; ``SB_FL_BENCH_MODEL_PER_CLIENT=1`` builds one model per client instead
+    (32 models, whose weights a client's round does not find in the CPU's caches).
     """
     import functools
 
@@ -629,8 +621,8 @@ def pairs(count: int, kinds: list[str]) -> None:
     """``count`` pairs of fresh processes per DP setting, the two kinds of ``kinds`` in turn.
 
     Each pair runs both kinds one right after the other, the first of the pair alternating
-    from pair to pair, so the machine's drift (on the 2-core VM the README's figures come
-    from, the same run's steady round moved by up to 1.3x within minutes) reaches both alike;
+    from pair to pair, so the machine's drift (on the 2-core VM the figures of
+    ``docs/benchmarks.md`` come from, the same run's steady round moved by up to 1.3x within minutes) reaches both alike;
     the figure is the median over the pairs of each pair's ratio (first kind / second), with
     the pairs' range, for the steady round and the whole run. A kind that does not apply to a
     setting (``pfl_eps`` without DP) is replaced by ``pfl`` there.

@@ -1,4 +1,4 @@
-"""GPU check: the four CUDA measurements the README lacks, in one run and one table.
+"""GPU check: the four CUDA measurements ``docs/benchmarks.md`` lacks, in one run and one table.
 
 On a machine with a CUDA GPU, each part runs as its own subprocess (memory freed between parts)
 under its own time limit, so the whole check ends within ``--budget`` seconds (default 480,
