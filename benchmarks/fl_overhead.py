@@ -54,8 +54,8 @@ our ClientApp handler, SpeechBrain's DataLoader/``PaddedBatch``/``fit_batch``/
 file) during rounds 3..10 and prints milliseconds per client update next to the plain loop's.
 
 The current figures, with the machine they ran on: ``docs/benchmarks.md``. The per-round
-epsilon is RDP's (``round_accountant``), ~0.01 ms; the final PLD is computed once. ``local_rdp`` is ``local``
-with ``accountant: rdp`` (the final figure from RDP too).
+epsilon is RDP's (``round_accountant``), ~0.01 ms; the final PLD is computed once.
+``local_rdp`` is ``local`` with ``accountant: rdp`` (the final figure from RDP too).
 
 Run: ``PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/fl_overhead.py [--repeats 3]
 [--kinds plain,brain,local,local_rdp,ray,pfl,pfl_eps] [--breakdown] [--pairs 8 --kinds local,pfl]
@@ -622,10 +622,11 @@ def pairs(count: int, kinds: list[str]) -> None:
 
     Each pair runs both kinds one right after the other, the first of the pair alternating
     from pair to pair, so the machine's drift (on the 2-core VM the figures of
-    ``docs/benchmarks.md`` come from, the same run's steady round moved by up to 1.3x within minutes) reaches both alike;
-    the figure is the median over the pairs of each pair's ratio (first kind / second), with
-    the pairs' range, for the steady round and the whole run. A kind that does not apply to a
-    setting (``pfl_eps`` without DP) is replaced by ``pfl`` there.
+    ``docs/benchmarks.md`` come from, the same run's steady round moved by up to 1.3x within
+    minutes) reaches both alike; the figure is the median over the pairs of each pair's ratio
+    (first kind / second), with the pairs' range, for the steady round and the whole run. A
+    kind that does not apply to a setting (``pfl_eps`` without DP) is replaced by ``pfl``
+    there.
     """
     first, second = kinds
     for dp in (False, True):
