@@ -1,10 +1,11 @@
-"""Opacus's RDP analysis without the ``opacus`` package import (privacy/accounting.py).
+"""Opacus's RDP analysis without the ``opacus`` package import (privacy/accounting/rdp.py).
 
 A private federated run's RDP figures (the per-round figure, the report's cross-check, the PLD
 grid's width) come from ``opacus/accountants/analysis/rdp.py`` loaded on its own: the same
 epsilons as Opacus's ``RDPAccountant``, without the ~0.3 s of the package's ``__init__``.
 """
 
+import importlib
 import json
 import subprocess
 import sys
@@ -13,10 +14,16 @@ import textwrap
 from opacus.accountants import RDPAccountant
 
 import speechbrain_fl.privacy.accounting as accounting
+from speechbrain_fl.privacy.accounting import rdp as rdp_module
 
 #: (q, sigma, T, delta): the fl_overhead benchmark's, a long low-rate run, MLS's small sigma,
 #: q = 1.
-SETTINGS = [(0.5, 1.0, 10, 1e-5), (0.05, 1.0, 1000, 1e-5), (0.15, 0.1, 8, 1e-5), (1.0, 2.0, 5, 1e-6)]
+SETTINGS = [
+    (0.5, 1.0, 10, 1e-5),
+    (0.05, 1.0, 1000, 1e-5),
+    (0.15, 0.1, 8, 1e-5),
+    (1.0, 2.0, 5, 1e-6),
+]
 
 
 def test_rdp_orders_are_opacus_defaults():
@@ -27,7 +34,8 @@ def test_fresh_process_does_not_import_opacus_and_matches_its_accountant():
     code = textwrap.dedent(
         f"""
         import json, sys
-        from speechbrain_fl.privacy.accounting import compute_epsilon, _rdp_analysis
+        from speechbrain_fl.privacy.accounting import compute_epsilon
+        from speechbrain_fl.privacy.accounting.rdp import _rdp_analysis
         rows = [
             [compute_epsilon(sampling_rate=q, noise_multiplier=s, rounds=t, delta=d,
                              accountant=a, warn=False) for a in ("rdp", "pld")]
@@ -42,7 +50,7 @@ def test_fresh_process_does_not_import_opacus_and_matches_its_accountant():
     )
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["opacus"] is False  # the package's __init__ never ran
-    assert out["module"] == accounting._RDP_STANDALONE
+    assert out["module"] == rdp_module._RDP_STANDALONE
     for (q, sigma, rounds, delta), (rdp, pld) in zip(SETTINGS, out["rows"], strict=True):
         reference = RDPAccountant()
         reference.history = [(sigma, q, rounds)]
@@ -55,7 +63,7 @@ def test_fresh_process_does_not_import_opacus_and_matches_its_accountant():
 
 def test_the_package_module_is_used_once_opacus_is_imported():
     # this process imported opacus (above): its own module, not a second copy
-    assert accounting._rdp_analysis.__wrapped__() is sys.modules[accounting._RDP_MODULE]
+    assert rdp_module._rdp_analysis.__wrapped__() is sys.modules[rdp_module._RDP_MODULE]
 
 
 def test_a_file_that_needs_its_package_falls_back_to_the_import(tmp_path, monkeypatch):
@@ -63,16 +71,14 @@ def test_a_file_that_needs_its_package_falls_back_to_the_import(tmp_path, monkey
     (fake / "accountants" / "analysis").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "accountants" / "analysis" / "rdp.py").write_text("from . import missing\n")
-    real = sys.modules[accounting._RDP_MODULE]
+    real = sys.modules[rdp_module._RDP_MODULE]
 
     class Spec:
         submodule_search_locations = [str(fake)]
 
-    monkeypatch.delitem(sys.modules, accounting._RDP_MODULE)
-    monkeypatch.setattr(accounting.importlib.util, "find_spec", lambda name: Spec())
+    monkeypatch.delitem(sys.modules, rdp_module._RDP_MODULE)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: Spec())
     imported = []
-    monkeypatch.setattr(
-        accounting.importlib, "import_module", lambda name: imported.append(name) or real
-    )
-    assert accounting._rdp_analysis.__wrapped__() is real
-    assert imported == [accounting._RDP_MODULE]
+    monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name) or real)
+    assert rdp_module._rdp_analysis.__wrapped__() is real
+    assert imported == [rdp_module._RDP_MODULE]

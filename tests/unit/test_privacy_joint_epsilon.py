@@ -15,7 +15,8 @@ from flwr.app import ArrayRecord
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
 from speechbrain_fl.privacy import Group, Layout, compute_budgets, compute_epsilon
-from speechbrain_fl.privacy.accounting import component_budgets, privacy_report
+from speechbrain_fl.privacy.accounting import privacy_report
+from speechbrain_fl.privacy.budgets import component_budgets
 
 LAYOUT = Layout(
     [Group("enc.w", "encoder", 600), Group("con.w", "connector", 100), Group("llm.w", "llm", 300)]
