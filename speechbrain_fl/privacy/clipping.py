@@ -51,6 +51,7 @@ import math
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -598,12 +599,74 @@ def _clip_update(
     inplace: bool,
     cast_margin: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], ClipStats]:
-    """The body of :func:`clip_update`; ``cast_margin`` further shrinks every scale factor."""
+    """The body of :func:`clip_update`; ``cast_margin`` further shrinks every scale factor.
+
+    Four steps: per-tensor norms (:func:`_finite_norms`), per-group and joint norms and the
+    scale factors ``min(1, C_l / ||Delta_l||)`` (:func:`_scale_factors`), one multiply of the
+    clipped tensors (over the shared buffer where every tensor takes the same factor, a flat clip
+    that fires: :func:`_scale_buffer`; else per row of it: :func:`_scale_rows`; else one foreach
+    call: :func:`_scale_foreach`), the statistics (:func:`_clip_stats`).
+    """
     if not isinstance(update, Mapping) or not update:
         raise ValueError("update must be a non-empty dict of parameter name -> tensor")
     plan = _plan(layout, update)
     if layout is not None and update.keys() != plan.key_set:
         check_names(update.keys(), layout.parameter_names, what="update")
+    tensors, numels = _checked_tensors(update, plan)
+    clip, blist = _checked_budgets(budgets, plan.group_names)
+    buffer = _shared_buffer(tensors)
+    rows = _row_length(numels) if buffer is not None else 0
+    norms = _finite_norms(tensors, numels, plan, buffer=buffer, rows=rows)
+    scales = _scale_factors(norms, plan, clip=clip, blist=blist)
+    factors, gclipped = scales.factors, scales.clipped
+    flat = clip is not None
+    if flat:
+        sel = list(range(len(tensors))) if gclipped[0] else []
+    else:
+        sel = [i for i, gi in enumerate(plan.member_index) if gclipped[gi]]
+    clipped = dict(update)
+    if sel:
+        if buffer is not None and len(sel) == len(tensors) and (flat or len(set(factors)) == 1):
+            _scale_buffer(
+                clipped,
+                buffer,
+                tensors,
+                plan.param_keys,
+                factors[0] * _margin(buffer.dtype) * cast_margin,
+                inplace=inplace,
+            )
+        elif rows:
+            _scale_rows(
+                clipped,
+                tensors,
+                numels,
+                plan,
+                sel=sel,
+                scales=scales,
+                buffer=buffer,
+                rows=rows,
+                margin=_margin(buffer.dtype) * cast_margin,
+                inplace=inplace,
+            )
+        else:
+            _scale_foreach(
+                clipped,
+                tensors,
+                plan,
+                sel=sel,
+                scales=scales,
+                flat=flat,
+                cast_margin=cast_margin,
+                inplace=inplace,
+            )
+    return clipped, _clip_stats(plan, scales)
+
+
+def _checked_tensors(
+    update: Mapping[str, torch.Tensor], plan: _Plan
+) -> tuple[list[torch.Tensor], list[int]]:
+    """The update's tensors in the plan's order and their sizes; ``ValueError`` naming the key
+    of a value that is not a tensor, not floating point, or empty."""
     try:
         tensors = [update[p] for p in plan.param_keys]
         numels = [t.numel() for t in tensors]
@@ -621,23 +684,43 @@ def _clip_update(
             if t.numel() == 0:
                 raise ValueError(f"update[{k!r}] is empty (zero elements)")
         numels = [t.numel() for t in tensors]
-    group_names = plan.group_names
-    n_groups = len(group_names)
-    flat = not isinstance(budgets, Mapping)
-    if flat:
-        clip = check_clip(budgets)
-    else:
-        if budgets.keys() != set(group_names):
-            check_names(budgets.keys(), group_names, what="budget")
-        blist = [float(budgets[n]) for n in group_names]
-        if not all(0.0 <= b < math.inf for b in blist):
-            for n, b in zip(group_names, blist, strict=True):
-                if not (math.isfinite(b) and b >= 0.0):
-                    raise ValueError(f"budget of group {n!r} must be finite and >= 0, got {b!r}")
+    return tensors, numels
 
-    # 1) per-tensor norms: one pass over a shared buffer, else :func:`_tensor_norms`
-    buffer = _shared_buffer(tensors)
-    rows = _row_length(numels) if buffer is not None else 0
+
+def _checked_budgets(
+    budgets: float | Mapping[str, float], group_names: Sequence[str]
+) -> tuple[float | None, list[float] | None]:
+    """``(C, None)`` for a flat clip, ``(None, [C_l per group])`` for a budget mapping.
+
+    ``ValueError`` for a clip that is not a finite positive number, a mapping whose keys are
+    not the group names, or a group budget that is not finite and >= 0.
+    """
+    if not isinstance(budgets, Mapping):
+        return check_clip(budgets), None
+    if budgets.keys() != set(group_names):
+        check_names(budgets.keys(), group_names, what="budget")
+    blist = [float(budgets[n]) for n in group_names]
+    if not all(0.0 <= b < math.inf for b in blist):
+        for n, b in zip(group_names, blist, strict=True):
+            if not (math.isfinite(b) and b >= 0.0):
+                raise ValueError(f"budget of group {n!r} must be finite and >= 0, got {b!r}")
+    return None, blist
+
+
+def _finite_norms(
+    tensors: list[torch.Tensor],
+    numels: list[int],
+    plan: _Plan,
+    *,
+    buffer: torch.Tensor | None,
+    rows: int,
+) -> list[float]:
+    """Per-tensor L2 norms: one pass over a shared buffer, else :func:`_tensor_norms`.
+
+    A norm that is 0 or not finite is recomputed in float64 with rescaling
+    (:func:`_robust_norm64`) when the tensor's values are finite (an over- or underflow);
+    a NaN/Inf value raises ``ValueError`` naming the tensor and its group.
+    """
     with torch.no_grad():
         norms = _buffer_norms(buffer, numels, rows) if rows else _tensor_norms(tensors, numels)
     if not all(0.0 < v < math.inf for v in norms):
@@ -648,11 +731,34 @@ def _clip_update(
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(
                     f"non-finite values (NaN/Inf) in update tensor {plan.param_keys[i]!r} of "
-                    f"group {group_names[plan.member_index[i]]!r}"
+                    f"group {plan.group_names[plan.member_index[i]]!r}"
                 )
             norms[i] = _robust_norm64([t])
+    return norms
 
-    # 2) per-group sums of squares in float64 (Python floats; ~1e30 norms do not overflow)
+
+class _GroupScales(NamedTuple):
+    """Per group: the scale factor, whether it clipped, ``||Delta_l||^2`` and ``||Delta_l||``;
+    the joint norm before and after clipping."""
+
+    factors: list[float]
+    clipped: list[bool]
+    sq: list[float]
+    norms: list[float]
+    joint: float
+    joint_clipped: float
+
+
+def _scale_factors(
+    norms: list[float], plan: _Plan, *, clip: float | None, blist: list[float] | None
+) -> _GroupScales:
+    """Per-group scale factors from the per-tensor norms.
+
+    Group sums of squares ``||Delta_l||^2`` are Python floats (float64; ~1e30 norms do not
+    overflow). A flat clip ``C`` scales every group by ``min(1, C / ||Delta||)`` of the joint
+    norm (Eq. 3); budgets ``C_l`` scale each group by ``min(1, C_l / ||Delta_l||)`` (Eq. 9).
+    """
+    n_groups = len(plan.group_names)
     if plan.one_per_group:
         gsq = [v * v for v in norms]
     else:
@@ -661,89 +767,109 @@ def _clip_update(
             gsq[gi] += v * v
     gnorm = [math.sqrt(s) for s in gsq]
     joint = math.sqrt(math.fsum(gsq))
-
-    # 3) scale factors
-    if flat:
+    if clip is not None:
         fires = joint > clip
         factor = clip / joint if fires else 1.0
-        factors = [factor] * n_groups
-        gclipped = [fires] * n_groups
-        joint_clipped = joint * factor
-    else:
-        gclipped = [g > b for g, b in zip(gnorm, blist, strict=True)]
-        factors = [b / g if c else 1.0 for g, b, c in zip(gnorm, blist, gclipped, strict=True)]
-        joint_clipped = math.sqrt(
-            math.fsum((f * g) ** 2 for f, g in zip(factors, gnorm, strict=True))
+        return _GroupScales(
+            [factor] * n_groups, [fires] * n_groups, gsq, gnorm, joint, joint * factor
         )
+    gclipped = [g > b for g, b in zip(gnorm, blist, strict=True)]
+    factors = [b / g if c else 1.0 for g, b, c in zip(gnorm, blist, gclipped, strict=True)]
+    joint_clipped = math.sqrt(math.fsum((f * g) ** 2 for f, g in zip(factors, gnorm, strict=True)))
+    return _GroupScales(factors, gclipped, gsq, gnorm, joint, joint_clipped)
 
-    # 4) one multiply: over the shared buffer where every tensor takes the same factor (a flat
-    #    clip that fires), else per row of it, else one foreach call over the clipped tensors
-    clipped = dict(update)
-    member = plan.member_index
-    sel = [i for i, gi in enumerate(member) if gclipped[gi]] if not flat else []
-    if flat and fires:
-        sel = list(range(len(tensors)))
-    if not sel:
-        pass
-    elif buffer is not None and len(sel) == len(tensors) and (flat or len(set(factors)) == 1):
-        _scale_buffer(
-            clipped,
-            buffer,
-            tensors,
-            plan.param_keys,
-            factors[0] * _margin(buffer.dtype) * cast_margin,
-            inplace=inplace,
-        )
-    elif rows:
-        scale = torch.ones(len(tensors), dtype=torch.float64)
-        margin = _margin(buffer.dtype) * cast_margin
-        for i in sel:
-            scale[i] = factors[member[i]] * margin
-        per_row = torch.repeat_interleave(
-            scale.to(buffer.dtype), torch.tensor([n // rows for n in numels])
-        ).to(buffer.device)[:, None]
-        with torch.no_grad():
-            grid = buffer.view(-1, rows)
-            if inplace:
-                grid.mul_(per_row)
-            else:
-                scaled = (grid * per_row).view(-1)
-                offset, keys = 0, plan.param_keys
-                for i, n in enumerate(numels):
-                    if gclipped[member[i]]:
-                        clipped[keys[i]] = scaled[offset : offset + n].view(tensors[i].shape)
-                    offset += n
-    else:
-        selected = [tensors[i] for i in sel] if len(sel) < len(tensors) else tensors
-        dtypes = {t.dtype for t in selected}
-        if len(dtypes) == 1:
-            margin = _margin(dtypes.pop()) * cast_margin
-            scales = [factors[member[i]] * margin for i in sel]
+
+def _scale_rows(
+    clipped: dict[str, torch.Tensor],
+    tensors: list[torch.Tensor],
+    numels: list[int],
+    plan: _Plan,
+    *,
+    sel: list[int],
+    scales: _GroupScales,
+    buffer: torch.Tensor,
+    rows: int,
+    margin: float,
+    inplace: bool,
+) -> None:
+    """One multiply over the shared buffer's ``(-1, rows)`` view, each row by its tensor's factor.
+
+    ``u_i <- u_i * f_{g(i)} * margin`` for the selected tensors, 1 for the others; in place the
+    caller's views hold the products, else ``clipped`` gets views of one new buffer for the
+    clipped groups' tensors.
+    """
+    member, factors = plan.member_index, scales.factors
+    scale = torch.ones(len(tensors), dtype=torch.float64)
+    for i in sel:
+        scale[i] = factors[member[i]] * margin
+    per_row = torch.repeat_interleave(
+        scale.to(buffer.dtype), torch.tensor([n // rows for n in numels])
+    ).to(buffer.device)[:, None]
+    with torch.no_grad():
+        grid = buffer.view(-1, rows)
+        if inplace:
+            grid.mul_(per_row)
         else:
-            scales = [factors[member[i]] * _margin(tensors[i].dtype) * cast_margin for i in sel]
-        if flat or len(set(scales)) == 1:
-            scales = scales[0]  # one Scalar: the same products, a cheaper call than a list
-        with torch.no_grad():
-            if inplace:
-                torch._foreach_mul_(selected, scales)
-            else:
-                outs = torch._foreach_mul(selected, scales)
-                keys = plan.param_keys
-                for i, out in zip(sel, outs, strict=True):
-                    clipped[keys[i]] = out
+            scaled = (grid * per_row).view(-1)
+            offset, keys = 0, plan.param_keys
+            for i, n in enumerate(numels):
+                if scales.clipped[member[i]]:
+                    clipped[keys[i]] = scaled[offset : offset + n].view(tensors[i].shape)
+                offset += n
 
+
+def _scale_foreach(
+    clipped: dict[str, torch.Tensor],
+    tensors: list[torch.Tensor],
+    plan: _Plan,
+    *,
+    sel: list[int],
+    scales: _GroupScales,
+    flat: bool,
+    cast_margin: float,
+    inplace: bool,
+) -> None:
+    """One ``torch._foreach_mul(_)`` over the selected tensors, ``u_i * f_{g(i)} * m_i``.
+
+    ``m_i`` is the margin of the tensor's dtype (times ``cast_margin``); where every selected
+    tensor takes the same scale, it is passed as one Scalar (the same products, a cheaper call
+    than a list).
+    """
+    member, factors = plan.member_index, scales.factors
+    selected = [tensors[i] for i in sel] if len(sel) < len(tensors) else tensors
+    dtypes = {t.dtype for t in selected}
+    if len(dtypes) == 1:
+        margin = _margin(dtypes.pop()) * cast_margin
+        products = [factors[member[i]] * margin for i in sel]
+    else:
+        products = [factors[member[i]] * _margin(tensors[i].dtype) * cast_margin for i in sel]
+    if flat or len(set(products)) == 1:
+        products = products[0]
+    with torch.no_grad():
+        if inplace:
+            torch._foreach_mul_(selected, products)
+        else:
+            outs = torch._foreach_mul(selected, products)
+            keys = plan.param_keys
+            for i, out in zip(sel, outs, strict=True):
+                clipped[keys[i]] = out
+
+
+def _clip_stats(plan: _Plan, scales: _GroupScales) -> ClipStats:
+    """The :class:`ClipStats` of one clip: group norms, component norms
+    ``sqrt(sum_{l in c} ||Delta_l||^2)``, which clipped, the joint norm before and after."""
+    group_names, joint, joint_clipped = plan.group_names, scales.joint, scales.joint_clipped
     comp_sq = [0.0] * len(plan.components)
     comp_clip = [False] * len(plan.components)
-    for ci, sq, c in zip(plan.label_index, gsq, gclipped, strict=True):
+    for ci, sq, c in zip(plan.label_index, scales.sq, scales.clipped, strict=True):
         comp_sq[ci] += sq
         comp_clip[ci] = comp_clip[ci] or c
-    stats = ClipStats(
-        group_norms=dict(zip(group_names, gnorm, strict=True)),
+    return ClipStats(
+        group_norms=dict(zip(group_names, scales.norms, strict=True)),
         component_norms={c: math.sqrt(v) for c, v in zip(plan.components, comp_sq, strict=True)},
-        clipped=dict(zip(group_names, gclipped, strict=True)),
+        clipped=dict(zip(group_names, scales.clipped, strict=True)),
         component_clipped=dict(zip(plan.components, comp_clip, strict=True)),
         joint_norm=joint,
         joint_norm_clipped=joint_clipped,
         clip_ratio=joint_clipped / joint if joint > 0 else 1.0,
     )
-    return clipped, stats
