@@ -61,18 +61,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 from tqdm.auto import tqdm
 
-from speechbrain_fl.utils.atomic import atomic_folder
 from speechbrain_fl.data.corpus_cache import cached_stamp
 from speechbrain_fl.data.espeak import SAMPLE_RATE, list_variants, synthesize
 from speechbrain_fl.data.sentences import make_sentences
 from speechbrain_fl.data.voices import FEMALE_VARIANTS, MALE_VARIANTS, SpeakerVoice
+from speechbrain_fl.utils.atomic import atomic_folder
 
 __all__ = [
     "ACCENT_GIVEN_CLASS",
@@ -377,6 +378,38 @@ def generate_common_voice_corpus(
     dict
         ``{"path", "cached", "seconds", "options", "summary": {split: {class: clips}}}``.
     """
+    options = _checked_options(
+        speakers=speakers,
+        clips_per_speaker=clips_per_speaker,
+        class_shares=class_shares,
+        unlabeled_share=unlabeled_share,
+        release_style=release_style,
+        audio_format=audio_format,
+        seed=seed,
+    )
+    out_dir = os.path.abspath(out_dir)
+    cached = cached_stamp(out_dir, STAMP_FILE, options, name="Common Voice")
+    if cached is not None:
+        return cached
+    return _build_corpus(out_dir, options, progress=progress)
+
+
+def _checked_options(
+    *,
+    speakers: dict[str, int] | None,
+    clips_per_speaker: int,
+    class_shares: tuple[float, float, float],
+    unlabeled_share: float,
+    release_style: str,
+    audio_format: str,
+    seed: int,
+) -> dict:
+    """The corpus options of :func:`generate_common_voice_corpus` as its stamp records them.
+
+    ``ValueError`` naming the argument at fault for an unknown split, release style or audio
+    format, class shares that are not 3 non-negative numbers summing to 1, or fewer than one
+    clip per speaker.
+    """
     speakers = dict(speakers or {"train": 400, "dev": 150, "test": 150, "validated_only": 100})
     unknown = sorted(set(speakers) - set(SPLITS))
     if unknown:
@@ -390,7 +423,7 @@ def generate_common_voice_corpus(
         raise ValueError(f"class_shares must be 3 non-negative shares summing to 1, got {shares}")
     if int(clips_per_speaker) < 1:
         raise ValueError(f"clips_per_speaker must be >= 1, got {clips_per_speaker}")
-    options = {
+    return {
         "version": _VERSION,
         "speakers": {k: int(v) for k, v in sorted(speakers.items())},
         "clips_per_speaker": int(clips_per_speaker),
@@ -401,52 +434,32 @@ def generate_common_voice_corpus(
         "seed": int(seed),
         "sample_rate": SAMPLE_RATE,
     }
-    out_dir = os.path.abspath(out_dir)
-    cached = cached_stamp(out_dir, STAMP_FILE, options, name="Common Voice")
-    if cached is not None:
-        return cached
 
+
+def _build_corpus(out_dir: str, options: dict, *, progress: bool) -> dict:
+    """Synthesise the corpus of ``options`` into ``out_dir`` (atomically) and stamp it.
+
+    A SIGTERM during synthesis exits at the next clip and removes the temporary folder.
+
+    Returns
+    -------
+    dict
+        The stamp (``options``, ``seconds``, ``summary``, ``voices``) with ``path`` and
+        ``cached=False``.
+    """
     start = time.perf_counter()
     spk = _speakers(options)
     n_clips = len(spk) * options["clips_per_speaker"]
     texts = make_sentences("english", n_clips, seed=options["seed"])
-    columns = COLUMNS if release_style == "2024" else LEGACY_COLUMNS
-    rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
-    summary: dict[str, dict[str, int]] = {}
-    voices: dict[str, dict[str, dict[str, int]]] = {}
-    for speaker in spk:  # speakers per split, class and espeak-ng variant
-        per_class = voices.setdefault(speaker.split, {}).setdefault(speaker.voice.gender, {})
-        per_class[speaker.voice.variant] = per_class.get(speaker.voice.variant, 0) + 1
+    columns = COLUMNS if options["release_style"] == "2024" else LEGACY_COLUMNS
+    voices = _voice_counts(spk)
     logger.info("Generating the embedded Common Voice corpus (%d clips) in %s", n_clips, out_dir)
     with _sigterm_checkpoints() as check_terminated, atomic_folder(out_dir) as tmp:
         os.makedirs(tmp / "clips")
-        bar = tqdm(total=n_clips, desc="espeak-ng CV corpus", unit="clip", disable=not progress)
-        for s_index, speaker in enumerate(spk):
-            voice = speaker.voice.voice(_ACCENTS[speaker.accent])
-            for c in range(options["clips_per_speaker"]):
-                n = s_index * options["clips_per_speaker"] + c
-                name = f"common_voice_en_{40000000 + n}.{audio_format}"
-                wav = synthesize(texts[n], voice, seed=n)
-                if audio_format == "mp3":
-                    sf.write(tmp / "clips" / name, wav, SAMPLE_RATE, format="MP3")
-                else:
-                    sf.write(tmp / "clips" / name, wav, SAMPLE_RATE, subtype="PCM_16")
-                rows[speaker.split].append(_row(release_style, speaker, name, texts[n], f"{n:x}"))
-                key = speaker.label or "unlabeled"
-                summary.setdefault(speaker.split, {}).setdefault(key, 0)
-                summary[speaker.split][key] += 1
-                bar.update()
-                check_terminated()  # SIGTERM: SystemExit here, the temporary folder is removed
-        bar.close()
-        for split in ("train", "dev", "test", "validated"):
-            members = [r for s in SPLITS for r in rows[s]] if split == "validated" else rows[split]
-            with open(tmp / f"{split}.tsv", "w", encoding="utf-8", newline="") as handle:
-                writer = csv.DictWriter(
-                    handle, fieldnames=columns, delimiter="\t", quoting=csv.QUOTE_NONE,
-                    escapechar="\\", lineterminator="\n",
-                )  # fmt: skip
-                writer.writeheader()
-                writer.writerows(members)
+        rows, summary = _write_clips(
+            tmp, spk, texts, options, progress=progress, check_terminated=check_terminated
+        )
+        _write_tsvs(tmp, rows, columns)
         result = {
             "options": options,
             "seconds": round(time.perf_counter() - start, 2),
@@ -457,3 +470,71 @@ def generate_common_voice_corpus(
             json.dump(result, handle, indent=2)
     logger.info("Embedded Common Voice corpus written in %.1f s.", result["seconds"])
     return {**result, "path": out_dir, "cached": False}
+
+
+def _voice_counts(spk: list[_Speaker]) -> dict[str, dict[str, dict[str, int]]]:
+    """``{split: {gender: {espeak-ng variant: speakers}}}``, recorded in the stamp."""
+    voices: dict[str, dict[str, dict[str, int]]] = {}
+    for speaker in spk:
+        per_class = voices.setdefault(speaker.split, {}).setdefault(speaker.voice.gender, {})
+        per_class[speaker.voice.variant] = per_class.get(speaker.voice.variant, 0) + 1
+    return voices
+
+
+def _write_clips(
+    tmp: Path,
+    spk: list[_Speaker],
+    texts: list[str],
+    options: dict,
+    *,
+    progress: bool,
+    check_terminated: Callable[[], None],
+) -> tuple[dict[str, list[dict]], dict[str, dict[str, int]]]:
+    """Synthesise every speaker's clips into ``tmp/clips``.
+
+    Clip ``n = speaker index * clips_per_speaker + c`` reads ``texts[n]`` with seed ``n``.
+
+    Returns
+    -------
+    rows : dict
+        Per split, the TSV rows of its clips.
+    summary : dict
+        ``{split: {class or "unlabeled": clips}}``.
+    """
+    release_style, audio_format = options["release_style"], options["audio_format"]
+    per_speaker = options["clips_per_speaker"]
+    rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    summary: dict[str, dict[str, int]] = {}
+    n_clips = len(spk) * per_speaker
+    bar = tqdm(total=n_clips, desc="espeak-ng CV corpus", unit="clip", disable=not progress)
+    for s_index, speaker in enumerate(spk):
+        voice = speaker.voice.voice(_ACCENTS[speaker.accent])
+        for c in range(per_speaker):
+            n = s_index * per_speaker + c
+            name = f"common_voice_en_{40000000 + n}.{audio_format}"
+            wav = synthesize(texts[n], voice, seed=n)
+            if audio_format == "mp3":
+                sf.write(tmp / "clips" / name, wav, SAMPLE_RATE, format="MP3")
+            else:
+                sf.write(tmp / "clips" / name, wav, SAMPLE_RATE, subtype="PCM_16")
+            rows[speaker.split].append(_row(release_style, speaker, name, texts[n], f"{n:x}"))
+            key = speaker.label or "unlabeled"
+            summary.setdefault(speaker.split, {}).setdefault(key, 0)
+            summary[speaker.split][key] += 1
+            bar.update()
+            check_terminated()  # SIGTERM: SystemExit here, the temporary folder is removed
+    bar.close()
+    return rows, summary
+
+
+def _write_tsvs(tmp: Path, rows: dict[str, list[dict]], columns: Sequence[str]) -> None:
+    """``train.tsv``, ``dev.tsv``, ``test.tsv`` and ``validated.tsv`` (every split's rows)."""
+    for split in ("train", "dev", "test", "validated"):
+        members = [r for s in SPLITS for r in rows[s]] if split == "validated" else rows[split]
+        with open(tmp / f"{split}.tsv", "w", encoding="utf-8", newline="") as handle:
+            writer = csv.DictWriter(
+                handle, fieldnames=columns, delimiter="\t", quoting=csv.QUOTE_NONE,
+                escapechar="\\", lineterminator="\n",
+            )  # fmt: skip
+            writer.writeheader()
+            writer.writerows(members)

@@ -370,6 +370,55 @@ def generate_mls_corpus(
         ``{"path", "cached", "seconds", "options", "summary": {language: {split:
         {"speakers", "utterances", "hours"}}}}``.
     """
+    options = _checked_options(
+        languages=languages,
+        speakers_per_language=speakers_per_language,
+        utterances_per_speaker=utterances_per_speaker,
+        seed=seed,
+        public_speakers_per_language=public_speakers_per_language,
+        public_utterances_per_speaker=public_utterances_per_speaker,
+        dev_speakers=dev_speakers,
+        test_speakers=test_speakers,
+        test_overlap_speakers=test_overlap_speakers,
+        eval_utterances_per_speaker=eval_utterances_per_speaker,
+        speaker_size_spread=speaker_size_spread,
+        public_test_speakers=public_test_speakers,
+        client_novel_share=client_novel_share,
+        client_rate=client_rate,
+        num_workers=num_workers,
+    )
+    out_dir = os.path.abspath(out_dir)
+    cached = cached_stamp(out_dir, STAMP_FILE, options, name="MLS")
+    if cached is not None:
+        return cached
+    workers = max(1, int(num_workers if num_workers is not None else (os.cpu_count() or 1)))
+    return _build_corpus(out_dir, options, workers=workers, progress=progress)
+
+
+def _checked_options(
+    *,
+    languages: list[str] | tuple[str, ...],
+    speakers_per_language: int,
+    utterances_per_speaker: int,
+    seed: int,
+    public_speakers_per_language: int,
+    public_utterances_per_speaker: int,
+    dev_speakers: int,
+    test_speakers: int,
+    test_overlap_speakers: int,
+    eval_utterances_per_speaker: int,
+    speaker_size_spread: float,
+    public_test_speakers: int,
+    client_novel_share: float,
+    client_rate: tuple[int, int],
+    num_workers: int | None,
+) -> dict:
+    """The corpus options of :func:`generate_mls_corpus` as its stamp records them.
+
+    ``ValueError`` naming the argument at fault for an unknown language, fewer than one speaker
+    or utterance per speaker or worker, a spread outside [0, 1), a novel share outside [0, 1],
+    a rate window outside [80, 450] wpm, or more than 999 speakers per language.
+    """
     unknown = [lang for lang in languages if lang not in LANGUAGE_CODES]
     if unknown:
         raise ValueError(f"unknown MLS language(s) {unknown}; choose from {list(LANGUAGES)}")
@@ -419,14 +468,19 @@ def generate_mls_corpus(
         "client_rate": [int(client_rate[0]), int(client_rate[1])],
         "sample_rate": SAMPLE_RATE,
     }
-    out_dir = os.path.abspath(out_dir)
-    cached = cached_stamp(out_dir, STAMP_FILE, options, name="MLS")
-    if cached is not None:
-        return cached
+    return options
 
+
+def _build_corpus(out_dir: str, options: dict, *, workers: int, progress: bool) -> dict:
+    """Synthesise the corpus of ``options`` into ``out_dir`` (atomically) and stamp it.
+
+    Returns
+    -------
+    dict
+        The stamp (``options``, ``seconds``, ``summary``) with ``path`` and ``cached=False``.
+    """
     start = time.perf_counter()
     tasks = _plan(options)
-    workers = max(1, int(num_workers if num_workers is not None else (os.cpu_count() or 1)))
     logger.info(
         "Generating the embedded MLS corpus (%d utterances, %d process%s) in %s",
         len(tasks),

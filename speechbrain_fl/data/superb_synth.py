@@ -206,64 +206,118 @@ def generate_speech_commands(
         "snr_db": [float(snr_db[0]), float(snr_db[1])],
         "seed": int(seed),
     }
-    words = SC_WORDS[version]
 
     def build(tmp: str) -> dict:
         rng = np.random.default_rng([seed, 11, version])
-        noises = {}
-        for kind in _NOISES:
-            noises[kind] = _noise(kind, noise_seconds, rng)
-            _write_wav(os.path.join(tmp, "_background_noise_", f"{kind}.wav"), noises[kind])
+        noises = _write_noises(tmp, noise_seconds, rng)
         roles = (
             ["train"] * train_speakers + ["validation"] * valid_speakers + ["test"] * test_speakers
         )
         voices = make_speakers(len(roles), seed=seed * 13 + version)
-        hashes = set()
-        plan = []
-        for role, voice in zip(roles, voices, strict=True):
-            while (spk := f"{int(rng.integers(16**8)):08x}") in hashes:
-                pass
-            hashes.add(spk)
-            others = [w for w in words if w not in COMMANDS]
-            if version == 1:
-                chosen = [(w, repeats) for w in COMMANDS] + [
-                    (str(w), 1)
-                    for w in rng.choice(others, unknown_words_per_speaker, replace=False)
-                ]
-            else:
-                chosen = [(w, repeats) for w in words]
-            for word, takes in chosen:
-                for k in range(takes):
-                    plan.append((role, spk, voice, word, k))
+        plan = _speech_commands_plan(
+            roles,
+            voices,
+            version=version,
+            repeats=repeats,
+            unknown_words_per_speaker=unknown_words_per_speaker,
+            rng=rng,
+        )
         lists = {"validation": [], "test": []}
         summary = {"train": 0, "validation": 0, "test": 0}
         for role, spk, voice, word, k in tqdm(
             plan, desc="espeak-ng Speech Commands", unit="clip", disable=not progress
         ):
-            wav = synthesize(word, _jitter(voice.voice("en"), rng), seed=k)[:SAMPLE_RATE]
-            clip = np.zeros(SAMPLE_RATE, dtype=np.float32)
-            offset = int(rng.integers(0, SAMPLE_RATE - len(wav) + 1))
-            clip[offset : offset + len(wav)] = wav
-            noise = noises[_NOISES[int(rng.integers(len(_NOISES)))]]
-            start = int(rng.integers(0, len(noise) - SAMPLE_RATE + 1))
-            crop = noise[start : start + SAMPLE_RATE]
-            snr = rng.uniform(*snr_db)
-            gain = np.sqrt((wav**2).mean() / max((crop**2).mean(), 1e-12) / 10 ** (snr / 10))
             rel = f"{word}/{spk}_nohash_{k}.wav"
-            _write_wav(os.path.join(tmp, rel), clip + gain * crop)
+            clip = _command_clip(word, voice, take=k, noises=noises, snr_db=snr_db, rng=rng)
+            _write_wav(os.path.join(tmp, rel), clip)
             summary[role] += 1
             if role in lists:
                 lists[role].append(rel)
-        for role, name in (("validation", "validation_list.txt"), ("test", "testing_list.txt")):
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as handle:
-                handle.write("".join(f"{rel}\n" for rel in sorted(lists[role])))
-        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as handle:
-            handle.write(
-                f"Synthetic Speech Commands v0.0{version} (espeak-ng voices, speechbrain-fl).\n"
-            )
+        _write_speech_commands_lists(tmp, lists, version=version)
         return summary
 
     return _cached(out_dir, options, build, name=f"Speech Commands v0.0{version}")
+
+
+def _write_noises(tmp: str, seconds: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The ``_background_noise_`` files, one per noise colour, written and returned by kind."""
+    noises = {}
+    for kind in _NOISES:
+        noises[kind] = _noise(kind, seconds, rng)
+        _write_wav(os.path.join(tmp, "_background_noise_", f"{kind}.wav"), noises[kind])
+    return noises
+
+
+def _speech_commands_plan(
+    roles: list[str],
+    voices: list,
+    *,
+    version: int,
+    repeats: int,
+    unknown_words_per_speaker: int,
+    rng: np.random.Generator,
+) -> list[tuple]:
+    """``(role, speaker hash, voice, word, take)`` of every clip, speaker by speaker.
+
+    Each speaker gets a distinct random 8-hex-digit hash (the file names' ``<hash>``); v0.01
+    speakers say the 10 commands ``repeats`` times and ``unknown_words_per_speaker`` other
+    words once, v0.02 speakers every word ``repeats`` times.
+    """
+    words = SC_WORDS[version]
+    hashes = set()
+    plan = []
+    for role, voice in zip(roles, voices, strict=True):
+        while (spk := f"{int(rng.integers(16**8)):08x}") in hashes:
+            pass
+        hashes.add(spk)
+        others = [w for w in words if w not in COMMANDS]
+        if version == 1:
+            chosen = [(w, repeats) for w in COMMANDS] + [
+                (str(w), 1) for w in rng.choice(others, unknown_words_per_speaker, replace=False)
+            ]
+        else:
+            chosen = [(w, repeats) for w in words]
+        for word, takes in chosen:
+            for k in range(takes):
+                plan.append((role, spk, voice, word, k))
+    return plan
+
+
+def _command_clip(
+    word: str,
+    voice,
+    *,
+    take: int,
+    noises: dict[str, np.ndarray],
+    snr_db: tuple[float, float],
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """One second of ``word`` at a random offset plus background noise at a random SNR.
+
+    The noise crop is scaled by ``g = sqrt(P_speech / P_noise / 10^(snr / 10))``, ``snr`` drawn
+    uniformly from ``snr_db``, so that ``10 log10(P_speech / P_{g noise}) = snr``.
+    """
+    wav = synthesize(word, _jitter(voice.voice("en"), rng), seed=take)[:SAMPLE_RATE]
+    clip = np.zeros(SAMPLE_RATE, dtype=np.float32)
+    offset = int(rng.integers(0, SAMPLE_RATE - len(wav) + 1))
+    clip[offset : offset + len(wav)] = wav
+    noise = noises[_NOISES[int(rng.integers(len(_NOISES)))]]
+    start = int(rng.integers(0, len(noise) - SAMPLE_RATE + 1))
+    crop = noise[start : start + SAMPLE_RATE]
+    snr = rng.uniform(*snr_db)
+    gain = np.sqrt((wav**2).mean() / max((crop**2).mean(), 1e-12) / 10 ** (snr / 10))
+    return clip + gain * crop
+
+
+def _write_speech_commands_lists(tmp: str, lists: dict[str, list[str]], *, version: int) -> None:
+    """``validation_list.txt``, ``testing_list.txt`` (sorted clip paths) and a README."""
+    for role, name in (("validation", "validation_list.txt"), ("test", "testing_list.txt")):
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as handle:
+            handle.write("".join(f"{rel}\n" for rel in sorted(lists[role])))
+    with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write(
+            f"Synthetic Speech Commands v0.0{version} (espeak-ng voices, speechbrain-fl).\n"
+        )
 
 
 # --------------------------------------------------------------------------- LibriSpeech

@@ -309,47 +309,132 @@ def build_speech_llm(
         or feature_cache_mb < 0
     ):
         raise ValueError(f"feature_cache_mb: {feature_cache_mb!r} must be an integer >= 0 (MB)")
-    spec = resolve_preset(preset, cache_dir=cache_dir)
-    if spec.get("kind") == "tiny":
-        folder = create_tiny_checkpoint(spec.pop("tiny_folder"))
-        spec = {**resolve_preset(str(folder)), **{k: v for k, v in spec.items() if k != "kind"}}
+    spec = _resolved_spec(preset, cache_dir=cache_dir)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     loader = _load_voxtral if spec["kind"] == "voxtral" else _load_whisper_llm
-    encoder, llm, tokenizer, features, pretrained_connector = loader(
-        spec, cache_dir=cache_dir, dtype=dtype
-    )
+    parts = loader(spec, cache_dir=cache_dir, dtype=dtype)
     if freeze_encoder and ctc_weight > 0:
         logger.info("ctc_weight=%s ignored: the encoder is frozen", ctc_weight)
         ctc_weight = 0.0
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        conn = pretrained_connector
-        kind = connector or spec.get("connector", "linear")
-        k = downsample_k or spec.get("downsample_k", 4)
-        if conn is None or (kind, k) != (conn.kind, conn.downsample_k):
-            conn = FrameStackConnector(
-                input_size=encoder.config.d_model,
-                output_size=llm.config.hidden_size,
-                downsample_k=k,
-                kind=kind,
-            )
-        model = SpeechLLM(
-            encoder=encoder,
-            connector=conn,
-            llm=llm,
-            tokenizer=tokenizer,
-            feature_extractor=features,
-            prompt=prompt or spec.get("prompt", DEFAULT_PROMPT),
+        model = _assemble(
+            spec,
+            parts,
+            connector=connector,
+            downsample_k=downsample_k,
+            prompt=prompt,
             ctc_weight=ctc_weight,
-            max_new_tokens=spec.get("max_new_tokens", 256),
+            lora_r=lora_r,
+            lora_alpha=lora_alpha,
+            encoder_lora=not freeze_encoder,
         )
-        _load_extra(model, spec)
-        if lora_r > 0:
-            add_lora(model.llm, targets=LLM_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
-            if not freeze_encoder:
-                add_lora(model.encoder, targets=ENCODER_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
+    _mark_trainable(
+        model,
+        train_encoder_lora=not freeze_encoder,
+        train_llm_lora=train_llm_lora,
+        connector_treatment=connector_treatment,
+        ctc_treatment=ctc_treatment,
+    )
+    if gradient_checkpointing:
+        for part in (model.encoder, model.llm):
+            part.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    model.use_feature_cache(feature_cache_mb << 20)
+    return model.to(device)
+
+
+def _resolved_spec(preset: str | dict, *, cache_dir: str | Path | None) -> dict:
+    """:func:`resolve_preset`'s spec; for ``tiny``, the spec of its checkpoint folder (created
+    on first use) with the preset's own keys on top."""
+    spec = resolve_preset(preset, cache_dir=cache_dir)
+    if spec.get("kind") == "tiny":
+        folder = create_tiny_checkpoint(spec.pop("tiny_folder"))
+        spec = {**resolve_preset(str(folder)), **{k: v for k, v in spec.items() if k != "kind"}}
+    return spec
+
+
+def _assemble(
+    spec: dict,
+    parts: tuple,
+    *,
+    connector: str | None,
+    downsample_k: int | None,
+    prompt: str | None,
+    ctc_weight: float,
+    lora_r: int,
+    lora_alpha: int,
+    encoder_lora: bool,
+) -> SpeechLLM:
+    """The :class:`SpeechLLM` of a loader's ``(encoder, llm, tokenizer, features, connector)``.
+
+    The connector is the checkpoint's or a new one (:func:`_connector`), the checkpoint's
+    ``extra.safetensors`` is loaded (:func:`_load_extra`), then LoRA adapters of rank
+    ``lora_r`` (none at 0) go on the LLM and, with ``encoder_lora``, on the encoder. New
+    weights draw from the current torch seed. Arguments left ``None`` take the spec's value.
+    """
+    encoder, llm, tokenizer, features, pretrained_connector = parts
+    conn = _connector(
+        pretrained_connector,
+        input_size=encoder.config.d_model,
+        output_size=llm.config.hidden_size,
+        kind=connector or spec.get("connector", "linear"),
+        downsample_k=downsample_k or spec.get("downsample_k", 4),
+    )
+    model = SpeechLLM(
+        encoder=encoder,
+        connector=conn,
+        llm=llm,
+        tokenizer=tokenizer,
+        feature_extractor=features,
+        prompt=prompt or spec.get("prompt", DEFAULT_PROMPT),
+        ctc_weight=ctc_weight,
+        max_new_tokens=spec.get("max_new_tokens", 256),
+    )
+    _load_extra(model, spec)
+    if lora_r > 0:
+        add_lora(model.llm, targets=LLM_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
+        if encoder_lora:
+            add_lora(model.encoder, targets=ENCODER_LORA_TARGETS, r=lora_r, alpha=lora_alpha)
+    return model
+
+
+def _connector(
+    pretrained: FrameStackConnector | None,
+    *,
+    input_size: int,
+    output_size: int,
+    kind: str,
+    downsample_k: int,
+) -> FrameStackConnector:
+    """The checkpoint's connector when it is of the requested ``kind`` and ``downsample_k``,
+    else a freshly initialised one (from the current torch seed)."""
+    if pretrained is not None and (kind, downsample_k) == (
+        pretrained.kind,
+        pretrained.downsample_k,
+    ):
+        return pretrained
+    return FrameStackConnector(
+        input_size=input_size, output_size=output_size, downsample_k=downsample_k, kind=kind
+    )
+
+
+def _mark_trainable(
+    model: SpeechLLM,
+    *,
+    train_encoder_lora: bool,
+    train_llm_lora: bool,
+    connector_treatment: str,
+    ctc_treatment: str,
+) -> None:
+    """Mark the federated update's parameters trainable and keep them in float32.
+
+    ``ValueError`` for a connector or CTC treatment outside :data:`CONNECTOR_TREATMENTS` /
+    :data:`CTC_TREATMENTS`; ``ctc_treatment="off"`` also drops the CTC loss (weight 0).
+    """
     if connector_treatment not in CONNECTOR_TREATMENTS:
         raise ValueError(
             f"connector_treatment: {connector_treatment!r} must be one of {CONNECTOR_TREATMENTS}"
@@ -359,7 +444,7 @@ def build_speech_llm(
     if ctc_treatment == "off":
         model.ctc_weight = 0.0
     model.set_trainable(
-        train_encoder_lora=not freeze_encoder,
+        train_encoder_lora=train_encoder_lora,
         train_llm_lora=train_llm_lora,
         train_connector=connector_treatment == "train",
         train_ctc_head=ctc_treatment == "train",
@@ -367,13 +452,6 @@ def build_speech_llm(
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()
-    if gradient_checkpointing:
-        for part in (model.encoder, model.llm):
-            part.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-    model.use_feature_cache(feature_cache_mb << 20)
-    return model.to(device)
 
 
 def _load_extra(model: SpeechLLM, spec: dict) -> None:

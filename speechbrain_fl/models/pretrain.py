@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -91,20 +91,15 @@ def pretrain_seed_model(
     >>> len(pretrain_seed_model(model, [batch], steps=2)["loss"])
     2
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if grad_accumulation_factor < 1:
-        raise ValueError(f"grad_accumulation_factor must be >= 1, got {grad_accumulation_factor}")
-    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if precision not in dtypes:
-        raise ValueError(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
-    if ctc_warmup_steps > 0 and model.ctc_head is None:
-        raise ValueError("ctc_warmup_steps > 0 needs a model built with ctc_weight > 0")
+    _check_arguments(
+        model,
+        steps=steps,
+        grad_accumulation_factor=grad_accumulation_factor,
+        precision=precision,
+        ctc_warmup_steps=ctc_warmup_steps,
+        train_base=train_base,
+    )
     if train_base:
-        if any("lora_" in name for name, _ in model.named_parameters()):
-            raise ValueError(
-                "pretrain_seed_model(train_base=True) needs a model built with lora_r=0"
-            )
         model.set_trainable(train_encoder_lora=False, train_base=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -114,6 +109,67 @@ def pretrain_seed_model(
     start = time.perf_counter()
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     model.train()
+    next_batch = _cycling(batches)
+    autocast_dtype = _AUTOCAST_DTYPES[precision] or torch.float32
+    for step in tqdm(range(steps), desc="seed pretraining", disable=not progressbar):
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(grad_accumulation_factor):
+            batch = next_batch()
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=precision != "fp32"):
+                out = _batch_loss(model, batch, device=device, ctc_only=step < ctc_warmup_steps)
+            scaler.scale(out.loss / grad_accumulation_factor).backward()
+        scaler.unscale_(optimizer)
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        _record(history, out)
+        if log_every and (step + 1) % log_every == 0:
+            logger.info(
+                "seed pretraining step %d/%d loss %.4f", step + 1, steps, history["loss"][-1]
+            )
+    model.eval()
+    return {**history, "seconds": time.perf_counter() - start}
+
+
+#: Autocast dtype of each ``precision`` (``fp32``: autocast off).
+_AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _check_arguments(
+    model: SpeechLLM,
+    *,
+    steps: int,
+    grad_accumulation_factor: int,
+    precision: str,
+    ctc_warmup_steps: int,
+    train_base: bool,
+) -> None:
+    """``ValueError`` naming the :func:`pretrain_seed_model` argument that cannot work.
+
+    ``steps`` and ``grad_accumulation_factor`` >= 1, a known ``precision``, a CTC head for a
+    CTC warm-up, no LoRA adapters when every base weight is to be trained (they would be
+    trained and then not saved by ``save_pretrained``).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if grad_accumulation_factor < 1:
+        raise ValueError(f"grad_accumulation_factor must be >= 1, got {grad_accumulation_factor}")
+    if precision not in _AUTOCAST_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(_AUTOCAST_DTYPES)}, got {precision!r}")
+    if ctc_warmup_steps > 0 and model.ctc_head is None:
+        raise ValueError("ctc_warmup_steps > 0 needs a model built with ctc_weight > 0")
+    if train_base and any("lora_" in name for name, _ in model.named_parameters()):
+        raise ValueError("pretrain_seed_model(train_base=True) needs a model built with lora_r=0")
+
+
+def _cycling(batches: Iterable) -> Callable[[], Any]:
+    """A function returning the next batch of ``batches``, restarting it when exhausted.
+
+    ``ValueError`` when a fresh iteration yields nothing (an empty iterable, or a one-shot
+    iterator already consumed).
+    """
     iterator = iter(batches)
 
     def next_batch():
@@ -127,40 +183,35 @@ def pretrain_seed_model(
             except StopIteration:
                 raise ValueError("pretrain_seed_model got an empty batch iterable") from None
 
-    for step in tqdm(range(steps), desc="seed pretraining", disable=not progressbar):
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(grad_accumulation_factor):
-            batch = next_batch()
-            wavs, wav_lens, transcripts = batch[:3]
-            languages = list(batch[3]) if len(batch) > 3 else None
-            with torch.autocast(
-                device.type, dtype=dtypes[precision] or torch.float32, enabled=precision != "fp32"
-            ):
-                if step < ctc_warmup_steps:
-                    frames, enc_lens, _, _ = model.encode(wavs.to(device), wav_lens.to(device))
-                    targets = [t[:-1] for t in model.tokenize_transcripts(list(transcripts))]
-                    ctc = model.ctc_loss(frames, enc_lens, targets)
-                    out = SpeechLLMOutput(
-                        loss=ctc, ce_loss=torch.full((), float("nan")), ctc_loss=ctc, num_tokens=0
-                    )
-                else:
-                    out = model(wavs.to(device), wav_lens.to(device), list(transcripts), languages)
-            scaler.scale(out.loss / grad_accumulation_factor).backward()
-        scaler.unscale_(optimizer)
-        if max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        history["loss"].append(out.loss.item())
-        history["ce"].append(out.ce_loss.item())
-        history["ctc"].append(out.ctc_loss.item() if out.ctc_loss is not None else float("nan"))
-        if log_every and (step + 1) % log_every == 0:
-            logger.info(
-                "seed pretraining step %d/%d loss %.4f", step + 1, steps, history["loss"][-1]
-            )
-    model.eval()
-    return {**history, "seconds": time.perf_counter() - start}
+    return next_batch
+
+
+def _batch_loss(
+    model: SpeechLLM, batch: Sequence, *, device: torch.device, ctc_only: bool
+) -> SpeechLLMOutput:
+    """The model's losses on ``(wavs, wav_lens, transcripts[, languages])``.
+
+    ``ctc_only`` (the CTC warm-up): the encoder's CTC loss alone on the transcripts' tokens
+    without the end token, as ``loss`` and ``ctc_loss`` (``ce_loss`` NaN); else the full
+    forward pass (``loss = ce + ctc_weight * ctc``).
+    """
+    wavs, wav_lens, transcripts = batch[:3]
+    languages = list(batch[3]) if len(batch) > 3 else None
+    if ctc_only:
+        frames, enc_lens, _, _ = model.encode(wavs.to(device), wav_lens.to(device))
+        targets = [t[:-1] for t in model.tokenize_transcripts(list(transcripts))]
+        ctc = model.ctc_loss(frames, enc_lens, targets)
+        return SpeechLLMOutput(
+            loss=ctc, ce_loss=torch.full((), float("nan")), ctc_loss=ctc, num_tokens=0
+        )
+    return model(wavs.to(device), wav_lens.to(device), list(transcripts), languages)
+
+
+def _record(history: dict[str, list[float]], out: SpeechLLMOutput) -> None:
+    """Append a step's ``loss``, ``ce`` and ``ctc`` (NaN without a CTC loss) to ``history``."""
+    history["loss"].append(out.loss.item())
+    history["ce"].append(out.ce_loss.item())
+    history["ctc"].append(out.ctc_loss.item() if out.ctc_loss is not None else float("nan"))
 
 
 def train_steps(
