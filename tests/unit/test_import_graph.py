@@ -1,9 +1,8 @@
-"""No import loop inside ``speechbrain_fl.fl`` and ``speechbrain_fl.privacy``.
+"""No import loop inside ``speechbrain_fl.fl``, ``speechbrain_fl.privacy`` (subpackages included)
+and ``speechbrain_fl.utils``.
 
 Every ``from .x import`` / ``from speechbrain_fl.<pkg>.x import`` of a module, at top level or
 inside a function (a lazy import is still a dependency), is an edge; the graph must be acyclic.
-Before: ``aggregation.get_rule`` imported ``layerwise`` lazily, which imported ``aggregation``
-(the layer-wise rules registered themselves on import).
 """
 
 from __future__ import annotations
@@ -20,22 +19,46 @@ import speechbrain_fl
 ROOT = Path(speechbrain_fl.__file__).parent
 
 
+def _module_names(folder: Path) -> dict[str, Path]:
+    """Dotted names inside the package (``accounting.pld``; a subpackage's ``__init__`` is its
+    own name) -> file; the package's own ``__init__`` is left out."""
+    names = {}
+    for path in folder.rglob("*.py"):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            names[".".join(parts)] = path
+    return names
+
+
+def _resolve(name: str, path: Path, folder: Path, node: ast.ImportFrom, package: str) -> list[str]:
+    """The dotted in-package names ``node`` imports (relative or ``speechbrain_fl.<package>.``)."""
+    if node.level:
+        here = list(path.relative_to(folder).parent.parts)
+        base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+        prefix = ".".join(base + ([node.module] if node.module else []))
+        if node.module:
+            return [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+        return [f"{prefix}.{a.name}" if prefix else a.name for a in node.names]
+    if (node.module or "").startswith(f"speechbrain_fl.{package}."):
+        mod = node.module[len(f"speechbrain_fl.{package}.") :]
+        return [mod] + [f"{mod}.{a.name}" for a in node.names]
+    return []
+
+
 def _edges(package: str) -> dict[str, set[str]]:
     folder = ROOT / package
-    names = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    names = _module_names(folder)
     graph: dict[str, set[str]] = {n: set() for n in names}
-    for name in names:
-        tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+    for name, path in names.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom) or node.module is None and node.level == 0:
+            if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level == 1:
-                targets = [node.module] if node.module else [a.name for a in node.names]
-            elif (node.module or "").startswith(f"speechbrain_fl.{package}."):
-                targets = [node.module.split(".")[2]]
-            else:
-                continue
-            graph[name] |= {t.split(".")[0] for t in targets if t.split(".")[0] in names}
+            for target in _resolve(name, path, folder, node, package):
+                if target in names and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
     return graph
 
 
@@ -63,6 +86,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 @pytest.mark.parametrize("package", ["fl", "privacy", "utils"])
 def test_no_import_loop(package):
+    assert _edges(package), package
     assert _cycle(_edges(package)) is None, " -> ".join(_cycle(_edges(package)))
 
 
