@@ -2,8 +2,11 @@
 
 - :func:`lr_factor`: linear warmup then cosine decay to a floor, over federated rounds (a
   client's lr in round t) or over optimiser steps (the centralized scenario, one ``fit``);
-- :func:`build_optimizer`: AdamW with the backbone and the exit heads in separate groups
-  (``backbone_lr_multiplier``), at a given schedule factor;
+- :class:`WarmupCosine`: that schedule as the object the hparams file builds
+  (``lr_annealing``);
+- :func:`build_optimizer`: the hparams file's optimiser class (``opt_class``, AdamW) with the
+  backbone and the exit heads in separate groups (``backbone_lr_multiplier``), at a given
+  schedule factor;
 - :func:`balanced_sampler`: a class-balanced sampler for a training manifest
   (``balanced_sampling``; e.g. ``_unknown_`` is about 60% of real Speech Commands v0.01).
 
@@ -19,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["balanced_sampler", "build_optimizer", "lr_factor"]
+__all__ = ["WarmupCosine", "balanced_sampler", "build_optimizer", "lr_factor"]
 
 
 def lr_factor(step, total, *, warmup_fraction=0.0, min_ratio=0.0):
@@ -51,20 +54,46 @@ def lr_factor(step, total, *, warmup_fraction=0.0, min_ratio=0.0):
     return float(min_ratio) + (1.0 - float(min_ratio)) * cosine
 
 
-def build_optimizer(model, hparams, factor=1.0):
-    """AdamW over the trainable tensors: heads at ``lr * factor``, backbone at ``* multiplier``.
+class WarmupCosine:
+    """The lr schedule of the hparams file (``lr_annealing``): :func:`lr_factor` as an object.
 
-    ``hparams`` holds ``lr``, ``backbone_lr_multiplier`` and ``weight_decay`` (a mapping or an
-    attribute namespace). The groups' lrs are the peak ones times ``factor``; each group keeps
-    its peak in ``initial_lr`` for a per-step scheduler.
+    ``schedule(step, total)`` is ``lr_factor(step, total, warmup_fraction=...,
+    min_ratio=...)``: the share of the peak lr at round (or optimiser step) ``step`` of
+    ``total``.
+
+    Example
+    -------
+    >>> schedule = WarmupCosine(warmup_fraction=0.2, min_ratio=0.1)
+    >>> schedule(1, 10), round(schedule(10, 10), 3)
+    (0.5, 0.127)
     """
-    get = hparams.get if isinstance(hparams, dict) else lambda k, d=None: getattr(hparams, k, d)
-    lr = float(get("lr"))
-    multiplier = float(get("backbone_lr_multiplier", 1.0))
+
+    def __init__(self, *, warmup_fraction=0.0, min_ratio=1.0):
+        self.warmup_fraction = warmup_fraction
+        self.min_ratio = min_ratio
+
+    def __call__(self, step, total):
+        """The factor at ``step`` of ``total`` (see :func:`lr_factor`)."""
+        return lr_factor(
+            step, total, warmup_fraction=self.warmup_fraction, min_ratio=self.min_ratio
+        )
+
+
+def build_optimizer(model, *, opt_class, lr, backbone_lr_multiplier=1.0, factor=1.0):
+    """``opt_class`` over the trainable tensors, the heads and the backbone in their own groups.
+
+    ``opt_class`` is the hparams file's optimiser (``!name:torch.optim.AdamW`` with its
+    ``weight_decay`` bound), called as ``opt_class(groups, lr=lr * factor)``. The groups' lrs
+    are the peak ones times ``factor``: heads ``lr * factor``, backbone
+    ``lr * backbone_lr_multiplier * factor``; each group keeps its peak in ``initial_lr`` for a
+    per-step scheduler.
+    """
+    lr = float(lr)
+    multiplier = float(backbone_lr_multiplier)
     groups = model.param_groups(lr * factor, lr * multiplier * factor)
     for group in groups:
         group["initial_lr"] = group["lr"] / factor if factor else group["lr"]
-    return torch.optim.AdamW(groups, lr=lr * factor, weight_decay=float(get("weight_decay", 0.0)))
+    return opt_class(groups, lr=lr * factor)
 
 
 def balanced_sampler(manifest, *, label_key="label", num_samples=None):

@@ -29,7 +29,7 @@ def evaluate_test(brain, test, settings, hparams):
     brain.evaluate(
         test,
         progressbar=True,
-        test_loader_kwargs=dict(settings.hparams["eval_dataloader_options"]),
+        test_loader_kwargs=dict(hparams["eval_dataloader_options"]),
     )
     out, rows = {}, []
     if spec["head"] == "ctc":

@@ -29,17 +29,6 @@ from speechbrain_fl.recipe import RunSettings
 logger = logging.getLogger("superb_task")
 
 SCENARIOS = ("centralized", "homogeneous", "heterogeneous")
-BRAIN_KEYS = (
-    "seed",
-    "lr",
-    "backbone_lr_multiplier",
-    "lr_warmup_fraction",
-    "lr_min_ratio",
-    "weight_decay",
-    "balanced_sampling",
-    "dataloader_options",
-    "eval_dataloader_options",
-)
 #: hparams keys passed to ``Wav2Vec2Config`` at load time (LayerDrop, SpecAugment's time masks)
 CONFIG_KEYS = ("layerdrop", "mask_time_prob", "mask_time_length", "mask_time_min_masks")
 SHALLOW_CLIENTS = ("train", "drop")
@@ -114,7 +103,7 @@ def check_hparams(hparams):
     if isinstance(session, bool) or not isinstance(session, int) or session < 1:
         raise ValueError(
             f"test_session: {session!r} must be an IEMOCAP session number >= 1 (1-5 on the "
-            "real corpus; er_folds.py runs all five)"
+            "real corpus; studies/er_folds.py runs all five)"
         )
     if hparams.get("method", "fedavg") != "fedavg":
         raise ValueError(
@@ -384,13 +373,12 @@ def make_settings(hparams, run_opts):
     ctc = spec["head"] == "ctc"
     num_clients = len(data["clients"])
     settings = SuperbSettings(
-        hparams={k: hparams[k] for k in BRAIN_KEYS},
         run_opts={
             k: v
             for k, v in run_opts.items()
             if k in ("device", "precision", "debug", "debug_batches", "debug_epochs")
         }
-        | {"max_grad_norm": hparams["max_grad_norm"], "noprogressbar": True},
+        | {"noprogressbar": True},
         data_folder=data["data_folder"],
         clients=data["clients"],
         valid_csv=data["valid"],

@@ -41,7 +41,7 @@ from superb_data import (  # noqa: E402, F401 (make_dataset, decode/encode: the 
     encode_chars,
     make_dataset,
 )
-from superb_optim import balanced_sampler, build_optimizer, lr_factor  # noqa: E402
+from superb_optim import balanced_sampler, build_optimizer  # noqa: E402
 from superb_report import report_run  # noqa: E402
 from superb_settings import (  # noqa: E402, F401 (re-exported: the recipe's API)
     SCENARIOS,
@@ -124,6 +124,7 @@ class SuperbBrain(sb.Brain):
             if stage != sb.Stage.TRAIN:
                 for e, out in outputs.items():
                     self.predictions[e].extend(out.argmax(-1).tolist())
+                    self.accuracy[e].append(out.unsqueeze(0), target.unsqueeze(0))
                 self.records.extend(zip(batch.id, batch.spk_id, target.tolist(), strict=True))
         return losses[max(losses)]
 
@@ -141,31 +142,31 @@ class SuperbBrain(sb.Brain):
         super().on_fit_start()
 
     def init_optimizers(self):
-        """AdamW (backbone and heads in their own groups) at this round's lr.
+        """``opt_class`` (backbone and heads in their own groups) at this round's lr.
 
-        Federated: the client's lr in round t of T is the peak times
-        :func:`superb_optim.lr_factor` (t, T) (warmup, cosine over rounds; the engine sets
+        Federated: the client's lr in round t of T is the peak times ``lr_annealing(t, T)``
+        (:class:`superb_optim.WarmupCosine`: warmup, cosine over rounds; the engine sets
         ``fl_round`` / ``fl_num_rounds`` before each local training). Centralized
         (``total_steps`` set): the same schedule per optimiser step, by a ``LambdaLR``
         stepped after every batch; optimiser and scheduler are registered with the
         checkpointer, so a resumed run continues both.
         """
         hp = self.hparams
-        schedule = {
-            "warmup_fraction": getattr(hp, "lr_warmup_fraction", 0.0),
-            "min_ratio": getattr(hp, "lr_min_ratio", 1.0),
+        schedule = hp.lr_annealing
+        groups = {
+            "opt_class": hp.opt_class,
+            "lr": hp.lr,
+            "backbone_lr_multiplier": hp.backbone_lr_multiplier,
         }
         total_steps = getattr(self, "total_steps", None)
         if total_steps:
-            self.optimizer = build_optimizer(self.modules.model, hp)
+            self.optimizer = build_optimizer(self.modules.model, **groups)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda done: lr_factor(done + 1, total_steps, **schedule)
+                self.optimizer, lambda done: schedule(done + 1, total_steps)
             )
         else:
-            factor = lr_factor(
-                getattr(self, "fl_round", 1), getattr(self, "fl_num_rounds", 1), **schedule
-            )
-            self.optimizer = build_optimizer(self.modules.model, hp, factor)
+            factor = schedule(getattr(self, "fl_round", 1), getattr(self, "fl_num_rounds", 1))
+            self.optimizer = build_optimizer(self.modules.model, factor=factor, **groups)
             self.scheduler = None
         self.optimizers_dict = {"optimizer": self.optimizer}
         if self.checkpointer is not None:
@@ -183,7 +184,8 @@ class SuperbBrain(sb.Brain):
         if stage != sb.Stage.TRAIN:
             self.predictions = {e: [] for e in self.eval_exits}
             self.records = []
-            self.wer = {e: sb.utils.metric_stats.ErrorRateStats() for e in self.eval_exits}
+            self.wer = {e: self.hparams.error_stats() for e in self.eval_exits}
+            self.accuracy = {e: self.hparams.accuracy_stats() for e in self.eval_exits}
 
     def on_stage_end(self, stage, stage_loss, epoch=None):
         """Store the stage's metrics per exit in ``last_stats``."""
@@ -195,8 +197,7 @@ class SuperbBrain(sb.Brain):
                 if self.modules.model.head_type == "ctc":
                     stats[f"wer_{e}"] = self.wer[e].summarize("error_rate") / 100.0
                 else:
-                    labels = np.array([r[2] for r in self.records])
-                    stats[f"acc_{e}"] = float((np.array(self.predictions[e]) == labels).mean())
+                    stats[f"acc_{e}"] = float(self.accuracy[e].summarize())
         self.last_stats = stats
         history = getattr(self, "history", None)
         if history is not None and stage == sb.Stage.VALID:
@@ -215,15 +216,14 @@ class SuperbBrain(sb.Brain):
 _MODELS = ModelCache()
 
 
-def new_model(options):
-    """A fresh multi-exit model built from the recipe's model options (``settings.model``).
+def new_model(options, factory):
+    """A fresh multi-exit model: ``factory`` (the hparams' ``model_factory``) on ``options``.
 
-    :func:`build_model` caches it per process; ``deep_exit_probe.py`` builds its own variants
+    ``options`` are the recipe's model options (``settings.model``). :func:`build_model`
+    caches the model per process; ``studies/deep_exit_probe.py`` builds its own variants
     (another seed, ``config_overrides``) through here so both read the options the same way.
     """
-    from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit
-
-    return build_multi_exit(
+    return factory(
         options["source"],
         num_outputs=options["num_outputs"],
         cache_dir=options["cache_dir"],
@@ -238,21 +238,23 @@ def new_model(options):
     )
 
 
-def build_model(settings):
+def build_model(settings, factory):
     """The multi-exit model from the seed folder (one per process, :class:`ModelCache`)."""
     options = settings.model
-    return _MODELS.get(options, lambda: new_model(options).to(settings.device))
+    return _MODELS.get(options, lambda: new_model(options, factory).to(settings.device))
 
 
-def build_brain(settings, *, depth=None, checkpointer=None):
+def build_brain(settings, hparams, *, depth=None, checkpointer=None):
     """A SuperbBrain training exit ``depth`` and evaluating ``settings.eval_exits``.
 
-    ``settings`` is a :class:`SuperbSettings` (or a mapping of its fields).
+    ``settings`` is a :class:`SuperbSettings` (or a mapping of its fields); ``hparams`` the
+    run's loaded hparams, whose objects (``model_factory``, ``opt_class``, ``lr_annealing``,
+    ``error_stats``, ``accuracy_stats``) the Brain uses.
     """
     settings = SuperbSettings.coerce(settings)
     brain = SuperbBrain(
-        modules={"model": build_model(settings)},
-        hparams=settings.hparams,
+        modules={"model": build_model(settings, hparams["model_factory"])},
+        hparams=hparams,
         run_opts=dict(settings.run_opts),
         checkpointer=checkpointer,
     )
@@ -271,11 +273,11 @@ def _reply_partial(brain):
 # ##########################################################################################
 # Federated task (Flower ClientApp / ServerApp builders)
 # ##########################################################################################
-def build_client(context, *, settings):
+def build_client(context, *, settings, hparams):
     """ClientApp builder: this partition's Brain (at its exit) and training set."""
     partition_id = int(context.node_config["partition-id"])
     torch.set_num_threads(max(1, min(int(settings.cpus_per_client), settings.num_threads)))
-    brain = build_brain(settings, depth=settings.depths[partition_id])
+    brain = build_brain(settings, hparams, depth=settings.depths[partition_id])
     budget = settings.budgets[partition_id] if settings.budgets else None
     if budget is not None:
         brain.depth_rule = functools.partial(
@@ -285,37 +287,37 @@ def build_client(context, *, settings):
     return ClientTask(
         brain=brain,
         train_set=make_dataset(manifest, settings.data_folder, **settings.data_kw),
-        train_loader_kwargs=train_loader_kwargs(settings, manifest),
+        train_loader_kwargs=train_loader_kwargs(hparams, manifest),
         partial=_reply_partial,
     )
 
 
-def train_loader_kwargs(settings, manifest):
+def train_loader_kwargs(hparams, manifest):
     """``dataloader_options``, with a class-balanced sampler if ``balanced_sampling``."""
-    kwargs = dict(settings.hparams["dataloader_options"])
-    if settings.hparams.get("balanced_sampling"):
+    kwargs = dict(hparams["dataloader_options"])
+    if hparams["balanced_sampling"]:
         kwargs.update(shuffle=False, sampler=balanced_sampler(manifest))
     return kwargs
 
 
-def evaluate_exits(brain, dataset, settings):
+def evaluate_exits(brain, dataset):
     """Validation metrics per evaluated exit (``acc_<e>`` or ``wer_<e>``)."""
     brain.evaluate(
         dataset,
         progressbar=False,
-        test_loader_kwargs=dict(settings.hparams["eval_dataloader_options"]),
+        test_loader_kwargs=dict(brain.hparams.eval_dataloader_options),
     )
     return {k: float(v) for k, v in brain.last_stats.items() if k != "loss"}
 
 
-def build_server(context, *, settings, fl_config):
+def build_server(context, *, settings, hparams, fl_config):
     """ServerApp builder: the global model, the config and per-exit validation."""
-    brain = build_brain(settings)
+    brain = build_brain(settings, hparams)
     valid_set = make_dataset(settings.valid_csv, settings.data_folder, **settings.data_kw)
     return ServerTask(
         brain=brain,
         config=fl_config,
-        evaluate=functools.partial(evaluate_exits, dataset=valid_set, settings=settings),
+        evaluate=functools.partial(evaluate_exits, dataset=valid_set),
         min_available_nodes=settings.num_clients,
         num_partitions=settings.num_clients,
         partition_sizes=settings.partition_sizes(),
@@ -444,8 +446,9 @@ def superb_task(hparams_path=None, overrides=None):
     info = {"hparams": hparams, "settings": settings}
     return RECIPE.task(
         settings,
-        build_client=build_client,
+        build_client=functools.partial(build_client, hparams=hparams),
         build_server=build_server,
+        hparams=hparams,
         fl_config=fl_config(hparams),
         on_result=functools.partial(
             _on_result, settings=settings, hparams=hparams, info=info, start=start
@@ -459,7 +462,7 @@ def report(settings, hparams, result, *, timings, start):
     """:func:`superb_report.report_run` with this process's Brain and the test split."""
     test_set = make_dataset(settings.test_csv, settings.data_folder, **settings.data_kw)
     return report_run(
-        settings, hparams, result, brain=build_brain(settings), test_set=test_set,
+        settings, hparams, result, brain=build_brain(settings, hparams), test_set=test_set,
         timings=timings, start=start,
     )  # fmt: skip
 
@@ -510,15 +513,15 @@ def run_centralized(settings, hparams):
         os.path.join(hparams["save_folder"], "centralized"),
         recoverables={"counter": counter, "history": history},
     )
-    brain = build_brain(settings, depth=depth, checkpointer=checkpointer)
+    brain = build_brain(settings, hparams, depth=depth, checkpointer=checkpointer)
     checkpointer.add_recoverable("model", brain.modules)
-    loader_kwargs = train_loader_kwargs(settings, pooled)
+    loader_kwargs = train_loader_kwargs(hparams, pooled)
     batch_size = int(loader_kwargs.get("batch_size", 1))
     brain.total_steps = epochs * -(-len(train) // batch_size)
     brain.history = history
     if not checkpointer.find_checkpoints():
         history.rows.append(
-            {"round": 0, **evaluate_exits(brain, valid, settings), "train_loss": ""}
+            {"round": 0, **evaluate_exits(brain, valid), "train_loss": ""}
         )
     brain.fit(
         counter,
@@ -526,7 +529,7 @@ def run_centralized(settings, hparams):
         valid,
         progressbar=False,
         train_loader_kwargs=loader_kwargs,
-        valid_loader_kwargs=dict(settings.hparams["eval_dataloader_options"]),
+        valid_loader_kwargs=dict(hparams["eval_dataloader_options"]),
     )
     write_rows(os.path.join(hparams["output_folder"], "rounds.csv"), history.rows)
 

@@ -9,6 +9,7 @@ are checkpointed, so an interrupted run resumes with the optimiser state it had.
 from __future__ import annotations
 
 import csv
+import functools
 import sys
 from pathlib import Path
 
@@ -40,18 +41,17 @@ def _manifest(folder: Path, name: str, count: int, seed: int) -> Path:
 
 
 def _setup(tmp_path, epochs):
+    from speechbrain.utils.Accuracy import AccuracyStats
+    from speechbrain.utils.metric_stats import ErrorRateStats
+    from superb_optim import WarmupCosine
     from superb_settings import SuperbSettings
 
-    from speechbrain_fl.models.multi_exit_wav2vec2 import resolve_backbone
+    from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit, resolve_backbone
 
     train = _manifest(tmp_path, "train", 8, 0)
     valid = _manifest(tmp_path, "valid", 4, 1)
     settings = SuperbSettings(
-        hparams={"seed": 0, "lr": 1e-3, "backbone_lr_multiplier": 0.5, "weight_decay": 0.0,
-                 "lr_warmup_fraction": 0.25, "lr_min_ratio": 0.1, "balanced_sampling": False,
-                 "dataloader_options": {"batch_size": 4, "shuffle": True},
-                 "eval_dataloader_options": {"batch_size": 4}},
-        run_opts={"noprogressbar": True, "max_grad_norm": 5.0},
+        run_opts={"noprogressbar": True},
         data_folder=str(tmp_path),
         clients=[str(train)],
         valid_csv=str(valid),
@@ -64,11 +64,21 @@ def _setup(tmp_path, epochs):
                "freeze_feature_encoder": False, "seed": 0,
                "config_overrides": {"layerdrop": 0.0}, "normalize_input": False},
     )  # fmt: skip
+    # the objects base.yaml builds (model_factory, opt_class, lr_annealing, the metrics)
     hparams = {
         "save_folder": str(tmp_path / "save"),
         "output_folder": str(tmp_path),
         "centralized_epochs": epochs,
-    }
+        "seed": 0, "lr": 1e-3, "backbone_lr_multiplier": 0.5, "max_grad_norm": 5.0,
+        "balanced_sampling": False,
+        "dataloader_options": {"batch_size": 4, "shuffle": True},
+        "eval_dataloader_options": {"batch_size": 4},
+        "model_factory": build_multi_exit,
+        "opt_class": functools.partial(torch.optim.AdamW, weight_decay=0.0),
+        "lr_annealing": WarmupCosine(warmup_fraction=0.25, min_ratio=0.1),
+        "error_stats": ErrorRateStats,
+        "accuracy_stats": AccuracyStats,
+    }  # fmt: skip
     Path(hparams["save_folder"]).mkdir(exist_ok=True)
     return settings, hparams
 

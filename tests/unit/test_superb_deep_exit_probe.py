@@ -11,7 +11,7 @@ import torch
 from transformers import Wav2Vec2Model
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB"
-sys.path.insert(0, str(RECIPE))
+sys.path[:0] = [str(RECIPE), str(RECIPE / "studies")]
 
 from deep_exit_probe import frame_similarity, layer_grad_norms  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""er_folds.py: ER averaged over the five IEMOCAP sessions (hand values; the debug-size runs)."""
+"""studies/er_folds.py: ER averaged over the five IEMOCAP sessions (hand values; the debug-size runs)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "SUPERB"
-sys.path.insert(0, str(RECIPE))
+sys.path[:0] = [str(RECIPE), str(RECIPE / "studies")]
 
 from er_folds import average_folds, folds_table, main  # noqa: E402
 

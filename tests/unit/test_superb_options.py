@@ -44,7 +44,9 @@ def test_backbone_and_heads_get_their_own_lr(tiny_folder):
     from transformers import Wav2Vec2Model
 
     model = MultiExitWav2Vec2(Wav2Vec2Model.from_pretrained(tiny_folder), num_outputs=3)
-    opt = build_optimizer(model, {"lr": 1e-3, "backbone_lr_multiplier": 0.05}, factor=0.5)
+    opt = build_optimizer(
+        model, opt_class=torch.optim.AdamW, lr=1e-3, backbone_lr_multiplier=0.05, factor=0.5
+    )
     groups = {g["name"]: g for g in opt.param_groups}
     assert groups["heads"]["lr"] == pytest.approx(5e-4)
     assert groups["backbone"]["lr"] == pytest.approx(2.5e-5)

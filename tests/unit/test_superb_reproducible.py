@@ -10,6 +10,7 @@ state depends on which clients it ran earlier).
 from __future__ import annotations
 
 import csv
+import functools
 import sys
 from pathlib import Path
 
@@ -52,20 +53,28 @@ def _train(brain, dataset, initial, seed):
 @pytest.mark.slow  # ~17 s of CPU; ~60 s wall under load
 def test_local_training_is_bit_reproducible_whatever_numpys_global_state(tmp_path):
     import superb_task
+    from speechbrain.utils.Accuracy import AccuracyStats
+    from speechbrain.utils.metric_stats import ErrorRateStats
+    from superb_optim import WarmupCosine
 
-    from speechbrain_fl.models.multi_exit_wav2vec2 import resolve_backbone
+    from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit, resolve_backbone
 
     torch.set_num_threads(1)
+    # the objects base.yaml builds: the model factory, the optimiser, the schedule, the metrics
+    hparams = {"seed": 0, "lr": 1e-3, "backbone_lr_multiplier": 1.0, "max_grad_norm": 5.0,
+               "dataloader_options": {"batch_size": 2}, "eval_dataloader_options": {},
+               "model_factory": build_multi_exit,
+               "opt_class": functools.partial(torch.optim.AdamW, weight_decay=0.0),
+               "lr_annealing": WarmupCosine(), "error_stats": ErrorRateStats,
+               "accuracy_stats": AccuracyStats}  # fmt: skip
     settings = {
-        "hparams": {"seed": 0, "lr": 1e-3, "weight_decay": 0.0,
-                    "dataloader_options": {"batch_size": 2}, "eval_dataloader_options": {}},
-        "run_opts": {"noprogressbar": True, "max_grad_norm": 5.0},
+        "run_opts": {"noprogressbar": True},
         "eval_exits": [6],
         "model": {"source": resolve_backbone("tiny", cache_dir=tmp_path), "num_outputs": 2,
                   "cache_dir": str(tmp_path), "exits": [3, 6, 9, 12], "head": "utterance",
                   "freeze_feature_encoder": False, "seed": 0},
     }  # fmt: skip
-    brain = superb_task.build_brain(settings, depth=6)
+    brain = superb_task.build_brain(settings, hparams, depth=6)
     dataset = superb_task.make_dataset(_tiny_corpus(tmp_path), str(tmp_path), labels=["yes", "no"])
     initial = {k: v.detach().clone() for k, v in brain.modules.state_dict().items()}
     assert brain.modules.model.backbone.config.mask_time_prob > 0  # SpecAugment is on

@@ -1,4 +1,4 @@
-"""results_table.py: the grid of runs and the tables' layout, from fake results.json content."""
+"""studies/results_table.py: the grid of runs and the tables' layout, from fake results.json content."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB"
-sys.path.insert(0, str(RECIPE))
+sys.path[:0] = [str(RECIPE), str(RECIPE / "studies")]
 
 from results_table import (  # noqa: E402
     grid,

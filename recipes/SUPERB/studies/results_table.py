@@ -20,8 +20,8 @@ interval and every paired difference a bootstrap over (seed, speaker) units. The
 ``<!-- results:<task>:start -->`` and ``<!-- results:<task>:end -->`` of the README, and a
 figure of the metric per exit per scenario to ``<grid_folder>/metric_by_exit.png``.
 
-    > python recipes/SUPERB/results_table.py --hparams hparams/kws.yaml
-    > python recipes/SUPERB/results_table.py --hparams hparams/kws.yaml --tables 2 --rounds 10
+    > python recipes/SUPERB/studies/results_table.py --hparams hparams/kws.yaml
+    > python recipes/SUPERB/studies/results_table.py --hparams hparams/kws.yaml --tables 2 --rounds 10
 
 Authors
  * speechbrain-fl contributors
@@ -41,7 +41,7 @@ import numpy as np
 
 from speechbrain_fl.recipe import update_readme_table
 
-RECIPE_DIR = Path(__file__).resolve().parent
+RECIPE_DIR = Path(__file__).resolve().parents[1]  # recipes/SUPERB
 ROOT = RECIPE_DIR.parents[1]
 EXITS = (3, 6, 9, 12)
 

@@ -4,7 +4,7 @@
 Trains one exit of the recipe's multi-exit model on the pooled training clients of a task (the
 KWS-12 default unless told otherwise) for a few hundred optimiser steps, in a plain loop with
 the recipe's own model, data pipeline, optimiser groups and lr schedule
-(:func:`superb_optim.lr_factor`: linear warmup, cosine to 5% of the peak), and records per
+(:class:`superb_optim.WarmupCosine`: linear warmup, cosine to 5% of the peak), and records per
 window of steps:
 
 - the training loss and accuracy at the exit;
@@ -22,7 +22,7 @@ Then the validation accuracy at that exit. Variants: the peak ``--lr``, ``--warm
 and ``--pre_ln`` (the tiny preset with ``do_stable_layer_norm``: pre-LN layers, every exit read
 through the encoder's final LayerNorm). One JSON per probe in ``--output``.
 
-    > python recipes/SUPERB/deep_exit_probe.py --exit 12 --steps 300 --lr 2e-3 \\
+    > python recipes/SUPERB/studies/deep_exit_probe.py --exit 12 --steps 300 --lr 2e-3 \\
           --output results/SUPERB/probes --cache_folder results/SUPERB/cache
 
 Authors
@@ -42,11 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-RECIPE_DIR = Path(__file__).resolve().parent
+RECIPE_DIR = Path(__file__).resolve().parents[1]  # recipes/SUPERB
 if str(RECIPE_DIR) not in sys.path:
     sys.path.insert(0, str(RECIPE_DIR))
 
-from superb_optim import build_optimizer, lr_factor  # noqa: E402
+from superb_optim import WarmupCosine, build_optimizer  # noqa: E402
 
 from speechbrain_fl.models.multi_exit_wav2vec2 import layer_of  # noqa: E402
 
@@ -99,8 +99,8 @@ def _settings(hparams_file, *, exit_, seed, cache_folder, output_folder):
         "output_folder": output_folder,
         "measure_memory": False,
     }
-    _, _, settings = setup_run(hparams_file, overrides)
-    return settings
+    hparams, _, settings = setup_run(hparams_file, overrides)
+    return hparams, settings
 
 
 def _loaders(settings, batch_size, folder):
@@ -121,6 +121,7 @@ def _loaders(settings, batch_size, folder):
 
 def probe(
     settings,
+    hparams,
     *,
     exit_,
     steps,
@@ -137,6 +138,7 @@ def probe(
 
     The lr schedule spans ``schedule_steps`` (default ``steps``): a longer span runs the first
     ``steps`` of a longer run's schedule (e.g. the 7 epochs of Table 1's centralized runs).
+    ``hparams`` gives the model factory, the optimiser class and ``max_grad_norm``.
     """
     from superb_task import new_model
 
@@ -144,15 +146,15 @@ def probe(
     overrides = dict(options.get("config_overrides") or {})
     overrides["do_stable_layer_norm"] = bool(pre_ln)
     torch.manual_seed(seed)
-    model = new_model({**options, "seed": seed, "config_overrides": overrides})
-    optimizer = build_optimizer(model, {"lr": lr, "backbone_lr_multiplier": 1.0})
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda done: lr_factor(
-            done + 1, schedule_steps or steps, warmup_fraction=warmup_fraction, min_ratio=0.05
-        ),
+    model = new_model(
+        {**options, "seed": seed, "config_overrides": overrides}, hparams["model_factory"]
     )
-    max_norm = float(settings.run_opts["max_grad_norm"])
+    optimizer = build_optimizer(model, opt_class=hparams["opt_class"], lr=lr)
+    annealing = WarmupCosine(warmup_fraction=warmup_fraction, min_ratio=0.05)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda done: annealing(done + 1, schedule_steps or steps)
+    )
+    max_norm = float(hparams["max_grad_norm"])
     train, valid = _loaders(settings, batch_size, folder)
     records, acc = [], {"loss": [], "correct": 0, "seen": 0, "norms": [], "sim": []}
     step, start = 0, time.time()
@@ -231,7 +233,7 @@ def main(argv=None):
     )
     out = Path(args.output)
     run_folder = out / "run" / f"s{args.seed}"
-    settings = _settings(
+    hparams, settings = _settings(
         args.hparams,
         exit_=args.exit,
         seed=args.seed,
@@ -240,6 +242,7 @@ def main(argv=None):
     )
     result = probe(
         settings,
+        hparams,
         exit_=args.exit,
         steps=args.steps,
         lr=args.lr,

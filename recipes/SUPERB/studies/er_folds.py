@@ -13,8 +13,8 @@ exit e,
 beside every fold's accuracy and its 95% speaker-bootstrap interval (each fold's own test
 session). Extra arguments after ``--`` go to every ``train_fl.py`` run.
 
-    > python recipes/SUPERB/er_folds.py --hparams hparams/er.yaml
-    > python recipes/SUPERB/er_folds.py --folds 1 2 -- --debug --scenario homogeneous --exit 3
+    > python recipes/SUPERB/studies/er_folds.py --hparams hparams/er.yaml
+    > python recipes/SUPERB/studies/er_folds.py --folds 1 2 -- --debug --scenario homogeneous --exit 3
 
 Authors
  * speechbrain-fl contributors
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from speechbrain_fl.recipe import render_table
 
-RECIPE_DIR = Path(__file__).resolve().parent
+RECIPE_DIR = Path(__file__).resolve().parents[1]  # recipes/SUPERB
 ROOT = RECIPE_DIR.parents[1]
 SESSIONS = (1, 2, 3, 4, 5)
 
