@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from superb_data import CTC_ALPHABET, TASKS, check_task, prepare_task
-from superb_seed_model import seed_model_folder
+from superb_data import CTC_ALPHABET, TASKS, check_task, prepare_task, seed_model_folder
 
 from speechbrain_fl.recipe import RunSettings
 

@@ -7,9 +7,9 @@ Simulation Engine, whose Ray actors load the factory themselves, and ``flwr run`
 the run config. It lives in its own module (not in ``train_fl.py``, which runs as
 ``__main__``) so every process imports the same module once and keeps one model per process.
 
-The recipe's other jobs, one module each: the data pipeline and the tasks
-(``superb_data.py``), the seed model (``superb_seed_model.py``), the checks and the typed
-settings (``superb_settings.py``), the report (``superb_report.py``); the frame (loading,
+The recipe's other jobs, one module each: the tasks, their data pipeline and the seed model
+(``superb_data.py``), the optimiser and lr schedule (``superb_optim.py``), the checks and the
+typed settings (``superb_settings.py``), the report (``superb_report.py``); the frame (loading,
 ``--debug``, prepare once, the simulation run) is :class:`speechbrain_fl.recipe.FederatedRecipe`.
 
 Authors
@@ -37,6 +37,7 @@ if str(RECIPE_DIR) not in sys.path:
 
 from superb_data import (  # noqa: E402, F401 (make_dataset, decode/encode: the recipe's API)
     CTC_ALPHABET,
+    debug_corpus_options,
     decode_chars,
     encode_chars,
     make_dataset,
@@ -342,42 +343,8 @@ RECIPE = FederatedRecipe(
         "bootstrap_resamples": 200,
         "num_clients": 2,
         "public_corpus_options": {"splits": {"public": 2}, "utterances_per_speaker": 2},
-        "corpus_options": lambda hparams: {
-            "asr": {
-                "splits": {"train-clean-100": 4, "dev-clean": 1, "test-clean": 1},
-                "utterances_per_speaker": 3,
-            },
-            "asv": {
-                "iden_speakers": 4,
-                "veri_speakers": 2,
-                "videos_per_speaker": 2,
-                "utterances_per_video": 3,
-                "trials_per_speaker": 2,
-            },
-            "sid": {
-                "iden_speakers": 4,
-                "veri_speakers": 2,
-                "videos_per_speaker": 2,
-                "utterances_per_video": 3,
-            },
-            "er": {"sessions": 5, "utterances_per_emotion": 1},
-            "kws12": {
-                "train_speakers": 4,
-                "valid_speakers": 1,
-                "test_speakers": 2,
-                "repeats": 1,
-                "unknown_words_per_speaker": 2,
-                "noise_seconds": 3,
-            },
-            "kws35": {
-                "train_speakers": 2,
-                "valid_speakers": 1,
-                "test_speakers": 1,
-                "repeats": 1,
-                "noise_seconds": 3,
-            },
-        }.get(hparams["task"], {}),
-    },  # fmt: skip
+        "corpus_options": debug_corpus_options,
+    },
     debug_values={"measure_memory": False},
 )
 

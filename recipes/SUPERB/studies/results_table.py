@@ -226,120 +226,136 @@ def tables_markdown(results, best_exit, shallow=3):
     lines = []
     hetero = "heterogeneous_layerwise_depth_aware"
     if any(k.startswith("centralized_") for k in results):
-        columns = [
-            ("centralized", {e: results.get(f"centralized_{e}") for e in EXITS}),
-            ("homogeneous FL", {e: results.get(f"homogeneous_{e}") for e in EXITS}),
-        ]
-        if hetero in results:
-            columns.append(
-                (
-                    f"heterogeneous FL (exits {shallow}+{best_exit}, layer-wise depth-aware)",
-                    {
-                        e: results[hetero]
-                        for e in EXITS
-                        if str(e) in _runs(results[hetero])[0]["test"]
-                    },
-                )
-            )
-        best = {}
-        for name, runs in columns:
-            scored = {e: _value(r, e) for e, r in runs.items() if r is not None}
-            scored = {e: v for e, v in scored.items() if v is not None}
-            top = better(scored.values()) if scored else None
-            best[name] = [e for e in EXITS if e in scored and scored[e] == top]  # ties: all
-        lines += [
-            f"Table 1: test {metric} [95% CI] by exit and scenario (best exit of each column "
-            "in bold)",
-            "",
-            "| Exit | " + " | ".join(name for name, _ in columns) + " |",
-            "|---|" + "---|" * len(columns),
-        ]
-        for e in EXITS:
-            cells = []
-            for name, runs in columns:
-                run = runs.get(e)
-                cell = _cell(run, e) if run is not None else "-"
-                cells.append(f"**{cell}**" if e in best[name] and cell != "-" else cell)
-            lines.append(f"| {e} | " + " | ".join(cells) + " |")
-        against_12 = []
-        for scenario in ("centralized", "homogeneous"):
-            name = "centralized" if scenario == "centralized" else "homogeneous FL"
-            tops = best.get(name) or []
-            if not tops or f"{scenario}_12" not in results:
-                continue
-            if tops == [12]:
-                against_12.append(f"- {name}: exit 12 is the best exit")
-                continue
-            e_best = tops[0]
-            tie = " (tied best)" if 12 in tops else ""
-            diff = paired_difference(
-                results[f"{scenario}_{e_best}"], e_best, results[f"{scenario}_12"], 12
-            )
-            against_12.append(f"- {name}: exit {e_best} - exit 12{tie} = {_difference_text(diff)}")
-        if against_12:
-            lines += ["", "Best exit minus exit 12, same test clips (paired speaker bootstrap "
-                      "95% CI):"] + against_12  # fmt: skip
-        lines.append("")
+        lines += _table1_lines(results, best_exit, shallow, metric=metric, better=better)
     if hetero in results or "heterogeneous_fedavg_full" in results:
-        lines += [
-            f"Table 2: test {metric} [95% CI]; heterogeneous = 50% of clients at exit {shallow}, "
-            f"50% at exit {best_exit}",
-            "",
-            f"| Setting | exit {shallow} | exit {best_exit} |",
-            "|---|---|---|",
-        ]
-        names = (
-            [
-                (
-                    f"homogeneous_{shallow}",
-                    f"everyone at the weakest depth (homogeneous FL, exit {shallow})",
-                ),
-                (
-                    "heterogeneous_deep_only",
-                    f"deep clients only (the exit-{shallow} clients dropped)",
-                ),
-                ("heterogeneous_fedavg_full", "heterogeneous + fedavg_full"),
-            ]
-            + [
-                (f"heterogeneous_layerwise_{w}", f"heterogeneous + layer-wise ({w})")
-                for w in ("depth_aware", "samples", "uniform")
-            ]
-            + [
-                (
-                    f"homogeneous_{best_exit}",
-                    f"every client deep (homogeneous FL, exit {best_exit})",
-                )
-            ]
-        )
-        for key, label in names:
-            if key in results:
-                r = results[key]
-                lines.append(f"| {label} | {_cell(r, shallow)} | {_cell(r, best_exit)} |")
-        if hetero in results:
-            lines += ["", f"Layer-wise (depth_aware) at exit {best_exit} minus each baseline, "
-                      "same test clips (paired speaker bootstrap 95% CI):"]  # fmt: skip
-            against = [
-                (
-                    f"homogeneous_{shallow}",
-                    shallow,
-                    f"everyone at exit {shallow} (its exit {shallow})",
-                ),
-                ("heterogeneous_deep_only", best_exit, "deep clients only"),
-                ("heterogeneous_fedavg_full", best_exit, "fedavg_full"),
-                ("heterogeneous_layerwise_samples", best_exit, "layer-wise (samples)"),
-            ]
-            for key, e, label in against:
-                if key in results:
-                    diff = paired_difference(results[hetero], best_exit, results[key], e)
-                    lines.append(f"- minus {label}: {_difference_text(diff)}")
-            if "heterogeneous_fedavg_full" in results:
-                diff = paired_difference(
-                    results[hetero], shallow, results["heterogeneous_fedavg_full"], shallow
-                )
-                lines.append(f"- at exit {shallow}, minus fedavg_full: {_difference_text(diff)}")
-            if len(_runs(results[hetero])) > 1:
-                lines += per_seed_markdown(results, names, against, hetero, best_exit, shallow)
+        lines += _table2_lines(results, best_exit, shallow, metric=metric)
     return "\n".join(lines)
+
+
+def _table1_lines(results, best_exit, shallow, *, metric, better):
+    """Table 1 (exit x scenario, best exit of each column in bold) and best exit - exit 12."""
+    hetero = "heterogeneous_layerwise_depth_aware"
+    lines = []
+    columns = [
+        ("centralized", {e: results.get(f"centralized_{e}") for e in EXITS}),
+        ("homogeneous FL", {e: results.get(f"homogeneous_{e}") for e in EXITS}),
+    ]
+    if hetero in results:
+        columns.append(
+            (
+                f"heterogeneous FL (exits {shallow}+{best_exit}, layer-wise depth-aware)",
+                {
+                    e: results[hetero]
+                    for e in EXITS
+                    if str(e) in _runs(results[hetero])[0]["test"]
+                },
+            )
+        )
+    best = {}
+    for name, runs in columns:
+        scored = {e: _value(r, e) for e, r in runs.items() if r is not None}
+        scored = {e: v for e, v in scored.items() if v is not None}
+        top = better(scored.values()) if scored else None
+        best[name] = [e for e in EXITS if e in scored and scored[e] == top]  # ties: all
+    lines += [
+        f"Table 1: test {metric} [95% CI] by exit and scenario (best exit of each column "
+        "in bold)",
+        "",
+        "| Exit | " + " | ".join(name for name, _ in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for e in EXITS:
+        cells = []
+        for name, runs in columns:
+            run = runs.get(e)
+            cell = _cell(run, e) if run is not None else "-"
+            cells.append(f"**{cell}**" if e in best[name] and cell != "-" else cell)
+        lines.append(f"| {e} | " + " | ".join(cells) + " |")
+    against_12 = []
+    for scenario in ("centralized", "homogeneous"):
+        name = "centralized" if scenario == "centralized" else "homogeneous FL"
+        tops = best.get(name) or []
+        if not tops or f"{scenario}_12" not in results:
+            continue
+        if tops == [12]:
+            against_12.append(f"- {name}: exit 12 is the best exit")
+            continue
+        e_best = tops[0]
+        tie = " (tied best)" if 12 in tops else ""
+        diff = paired_difference(
+            results[f"{scenario}_{e_best}"], e_best, results[f"{scenario}_12"], 12
+        )
+        against_12.append(f"- {name}: exit {e_best} - exit 12{tie} = {_difference_text(diff)}")
+    if against_12:
+        lines += ["", "Best exit minus exit 12, same test clips (paired speaker bootstrap "
+                  "95% CI):"] + against_12  # fmt: skip
+    lines.append("")
+    return lines
+
+
+def _table2_lines(results, best_exit, shallow, *, metric):
+    """Table 2 (the heterogeneous settings at both exits) and layer-wise - each baseline."""
+    hetero = "heterogeneous_layerwise_depth_aware"
+    lines = []
+    lines += [
+        f"Table 2: test {metric} [95% CI]; heterogeneous = 50% of clients at exit {shallow}, "
+        f"50% at exit {best_exit}",
+        "",
+        f"| Setting | exit {shallow} | exit {best_exit} |",
+        "|---|---|---|",
+    ]
+    names = (
+        [
+            (
+                f"homogeneous_{shallow}",
+                f"everyone at the weakest depth (homogeneous FL, exit {shallow})",
+            ),
+            (
+                "heterogeneous_deep_only",
+                f"deep clients only (the exit-{shallow} clients dropped)",
+            ),
+            ("heterogeneous_fedavg_full", "heterogeneous + fedavg_full"),
+        ]
+        + [
+            (f"heterogeneous_layerwise_{w}", f"heterogeneous + layer-wise ({w})")
+            for w in ("depth_aware", "samples", "uniform")
+        ]
+        + [
+            (
+                f"homogeneous_{best_exit}",
+                f"every client deep (homogeneous FL, exit {best_exit})",
+            )
+        ]
+    )
+    for key, label in names:
+        if key in results:
+            r = results[key]
+            lines.append(f"| {label} | {_cell(r, shallow)} | {_cell(r, best_exit)} |")
+    if hetero in results:
+        lines += ["", f"Layer-wise (depth_aware) at exit {best_exit} minus each baseline, "
+                  "same test clips (paired speaker bootstrap 95% CI):"]  # fmt: skip
+        against = [
+            (
+                f"homogeneous_{shallow}",
+                shallow,
+                f"everyone at exit {shallow} (its exit {shallow})",
+            ),
+            ("heterogeneous_deep_only", best_exit, "deep clients only"),
+            ("heterogeneous_fedavg_full", best_exit, "fedavg_full"),
+            ("heterogeneous_layerwise_samples", best_exit, "layer-wise (samples)"),
+        ]
+        for key, e, label in against:
+            if key in results:
+                diff = paired_difference(results[hetero], best_exit, results[key], e)
+                lines.append(f"- minus {label}: {_difference_text(diff)}")
+        if "heterogeneous_fedavg_full" in results:
+            diff = paired_difference(
+                results[hetero], shallow, results["heterogeneous_fedavg_full"], shallow
+            )
+            lines.append(f"- at exit {shallow}, minus fedavg_full: {_difference_text(diff)}")
+        if len(_runs(results[hetero])) > 1:
+            lines += per_seed_markdown(results, names, against, hetero, best_exit, shallow)
+    return lines
 
 
 def per_seed_markdown(results, names, against, hetero, best_exit, shallow):
