@@ -416,7 +416,7 @@ def seed_model_folder(hparams, public):
     if hparams["model"] != "tiny":
         return resolve_backbone(hparams["model"], cache_dir=hparams["cache_folder"]), {}
     objective = hparams["pretrain_objective"]
-    if objective == "none":  # random initialisation (the default: see the README)
+    if objective == "none":  # random initialisation (the default)
         return resolve_backbone("tiny", cache_dir=hparams["cache_folder"], seed=hparams["seed"]), {}
     if objective not in ("bag_of_words", "ctc"):
         raise ValueError(

@@ -144,7 +144,7 @@ def memory_cell(value):
 def report_run(settings, hparams, result, *, brain, test_set, timings, start):
     """Evaluate the final model at every trained exit and write the run's outputs.
 
-    ``results.json`` (the schema in the README), ``test_predictions.csv``, the plots and, for
+    ``results.json`` (described in the README's outputs), ``test_predictions.csv``, the plots and, for
     ASV, the trial scores; prints the results table. ``result`` is the engine's
     :class:`~speechbrain_fl.fl.server.ServerResult` or the centralized run's equivalent
     (``params`` and ``last_round``); ``brain`` the recipe's Brain (its per-process model) and

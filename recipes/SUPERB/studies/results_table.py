@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run the SUPERB scenario grid on the embedded default and write the README's result tables.
+"""Run the SUPERB scenario grid on the embedded default and write its result tables.
 
 Layout of the paper's tables (their bodies were lost from the paper's text; the numbers here
 are ours, on the embedded espeak-ng corpus):
@@ -16,8 +16,9 @@ are ours, on the embedded espeak-ng corpus):
 Each cell is one ``train_fl.py`` run per seed (``--seeds``; a subprocess; runs whose
 ``results.json`` exists are reused, so an interrupted grid resumes). With several seeds a cell
 is the accuracy pooled over the seeds' test clips (each seed generates its own corpus), its
-interval and every paired difference a bootstrap over (seed, speaker) units. The tables go between the markers
-``<!-- results:<task>:start -->`` and ``<!-- results:<task>:end -->`` of the README, and a
+interval and every paired difference a bootstrap over (seed, speaker) units. The tables go to
+``<grid_folder>/tables.md`` (and, with ``--readme FILE``, between the markers
+``<!-- results:<task>:start -->`` and ``<!-- results:<task>:end -->`` of that file), and a
 figure of the metric per exit per scenario to ``<grid_folder>/metric_by_exit.png``.
 
     > python recipes/SUPERB/studies/results_table.py --hparams hparams/kws.yaml
@@ -395,7 +396,7 @@ def per_seed_markdown(results, names, against, hetero, best_exit, shallow):
     return lines
 
 
-def write_readme(task, markdown, readme=RECIPE_DIR / "README.md"):
+def write_readme(task, markdown, readme):
     """Replace the task's table (markers ``<!-- results:<task>:start -->`` ... ``:end -->``).
 
     Through the kit's one README-table writer, :func:`speechbrain_fl.recipe.update_readme_table`.
@@ -444,7 +445,9 @@ def main(argv=None):
     )
     parser.add_argument("--best_exit", type=int, default=None, help="default: the task file's")
     parser.add_argument("--cache_folder", default=None, help="cache_folder override")
-    parser.add_argument("--no_readme", action="store_true")
+    parser.add_argument(
+        "--readme", default=None, help="also write the tables between this file's markers"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(RECIPE_DIR))
     from superb_task import load_hparams
@@ -471,8 +474,9 @@ def main(argv=None):
     markdown = tables_markdown(results, best, shallow)
     plot(results, Path(folder) / "metric_by_exit.png")
     print("\n" + markdown)
-    if not args.no_readme:
-        write_readme(hparams["task"], markdown)
+    (Path(folder) / "tables.md").write_text(markdown + "\n", encoding="utf-8")
+    if args.readme:
+        write_readme(hparams["task"], markdown, args.readme)
 
 
 if __name__ == "__main__":
