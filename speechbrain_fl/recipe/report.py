@@ -170,8 +170,8 @@ def update_readme_table(readme_path: str | os.PathLike, name: str, markdown: str
     """Write ``markdown`` between the markers of table ``name`` of a README file (atomically).
 
     The one README-table writer of the recipes (MLS ``method_table.py``, SUPERB
-    ``studies/results_table.py``, Private-Gender ``studies.py``); see :func:`insert_table`. Errors name
-    the file.
+    ``studies/results_table.py``, Private-Gender ``studies.py``); see :func:`insert_table`.
+    Errors name the file.
     """
     path = Path(readme_path)
     try:
