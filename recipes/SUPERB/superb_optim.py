@@ -40,7 +40,7 @@ def lr_factor(step, total, *, warmup_fraction=0.0, min_ratio=0.0):
     Example
     -------
     >>> [round(lr_factor(s, 10, warmup_fraction=0.2, min_ratio=0.1), 3) for s in (1, 2, 3, 10)]
-    [0.5, 1.0, 1.0, 0.127]
+    [0.5, 1.0, 1.0, 0.134]
     >>> lr_factor(1, 1)
     1.0
     """
@@ -65,7 +65,7 @@ class WarmupCosine:
     -------
     >>> schedule = WarmupCosine(warmup_fraction=0.2, min_ratio=0.1)
     >>> schedule(1, 10), round(schedule(10, 10), 3)
-    (0.5, 0.127)
+    (0.5, 0.134)
     """
 
     def __init__(self, *, warmup_fraction=0.0, min_ratio=1.0):

@@ -34,6 +34,7 @@ in place, for a dict that is not reloaded.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,14 @@ def _parse_overrides(overrides: str | dict | None) -> dict[str, Any]:
     return values
 
 
+def _recipe_modules_importable(recipe_dir: str | os.PathLike) -> None:
+    """Put the recipe folder on ``sys.path``, as running its script does, so its hparams can
+    build objects of the recipe's own modules (``!new:<module>.<Class>``) from any caller."""
+    folder = str(Path(recipe_dir).resolve())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
 def load_layered_hparams(
     hparams_file: str | os.PathLike,
     overrides: str | dict | None = None,
@@ -153,6 +162,7 @@ def load_layered_hparams(
     >>> hp["out"], hp["clip"]
     ('r/flat', 2.0)
     """
+    _recipe_modules_importable(recipe_dir)
     source, merged = _layers(
         hparams_file, overrides, recipe_dir=recipe_dir, preset_key=preset_key, preset_dir=preset_dir
     )
