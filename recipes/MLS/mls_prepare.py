@@ -214,7 +214,7 @@ def _write_reports(save_folder, rows_by_split, *, skipped, languages, missing, c
     """The preparation report, ``skipped.json``, and the Table VI statistics and speaker-overlap
     reports of the prepared splits."""
     report = {
-        "csv": {s: os.path.join(save_folder, f"{s}.csv") for s in splits},
+        "csv": {s: os.path.join(save_folder, f"{s}.csv") for s in rows_by_split},
         "counts": {
             s: {lang: sum(r["language"] == lang for r in rows) for lang in languages}
             for s, rows in rows_by_split.items()

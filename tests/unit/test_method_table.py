@@ -201,7 +201,7 @@ def test_dry_run_prints_commands(tmp_path, capsys):
     )
     assert lines[0].split(" $ ")[1].split()[:2] == [
         sys.executable,
-        str(SCRIPT.parent / "train_fl.py"),
+        str(SCRIPT.parents[1] / "train_fl.py"),
     ]
 
 
