@@ -29,11 +29,11 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_fl  # noqa: E402
-from mls_brain import RoundCosineLR  # noqa: E402
 
 from speechbrain_fl.fl.client import ClientTask, train_round  # noqa: E402
 from speechbrain_fl.fl.params import trainable_state  # noqa: E402
 from speechbrain_fl.fl.profile import pool_norms  # noqa: E402
+from speechbrain_fl.recipe.schedules import RoundCosineLR  # noqa: E402
 
 #: The optimizers a setting names: base.yaml's SGD and the real presets' AdamW.
 OPTIMIZERS = {
