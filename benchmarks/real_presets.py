@@ -274,7 +274,7 @@ def run_preset(args) -> dict:
         settings["run_opts"]["max_grad_norm"] = hparams["max_grad_norm"]
         row: dict = {"freeze_encoder": freeze, "options": settings["model"]["options"]}
         with Peak(device) as peak:
-            brain = recipe.build_brain(RunSettings(**settings))
+            brain = recipe.build_brain(RunSettings(**settings), hparams)
         row["load"] = peak.row()
         model = brain.modules.model
         layout = recipe.component_layout(brain)

@@ -20,7 +20,7 @@ They reproduce the diagnostic figures of the alpha-split paper from one run's ow
 - ``epsilon_by_round.png``: the privacy spent so far.
 
 :func:`plot_runs_by_round` draws one metric of many runs on shared axes (the MLS method
-table's dev WER of every method, ``recipes/MLS/method_table.py``).
+table's dev WER of every method, ``recipes/MLS/studies/method_table.py``).
 
 Component labels and their order come from the run's files (the layout's order), never from a
 fixed list: each label takes the next tab10 color in that order, which for a speech LLM

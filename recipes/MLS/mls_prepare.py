@@ -46,6 +46,7 @@ import soundfile as sf
 
 from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
+from mls_report import write_speaker_overlap, write_train_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -141,16 +142,14 @@ def prepare_mls(
     data_folder = os.path.abspath(data_folder)
     language_dirs, missing = _find_languages(data_folder, languages)
     carve = _check_splits(data_folder, language_dirs, splits, public_speaker_share)
-    options = {
-        "data_folder": data_folder,
-        "languages": sorted(language_dirs),
-        "splits": list(splits),
+    options = {  # what the manifests depend on: a change prepares them again
+        "data_folder": data_folder, "languages": sorted(language_dirs), "splits": list(splits),
         "max_utts_per_split": max_utts_per_split,
         "public_speaker_share": public_speaker_share if carve else None,
         "seed": seed if carve else None,
         "transcripts": _transcripts_fingerprint(data_folder, language_dirs, splits),
         "durations": durations,
-    }
+    }  # fmt: skip
     os.makedirs(save_folder, exist_ok=True)
     if skip(save_folder, options):
         logger.info("MLS preparation already done in %s, skipping.", save_folder)
@@ -167,45 +166,62 @@ def prepare_mls(
     for language, lang_dir in sorted(language_dirs.items()):
         rows = {
             split: _prepare_split(
-                data_folder,
-                lang_dir,
-                language,
-                split,
-                skipped,
-                max_utts=max_utts_per_split,
-                durations=durations,
-            )
+                data_folder, lang_dir, language, split, skipped,
+                max_utts=max_utts_per_split, durations=durations,
+            )  # fmt: skip
             for split in splits
             if not (split == "public" and language in carve)
         }
         if language in carve:
-            held = {r["spk_id"] for split in ("dev", "test") for r in rows.get(split, [])}
-            rows["train"], rows["public"], carved[language] = carve_public_split(
-                rows["train"], share=public_speaker_share, seed=seed, exclude=held
-            )
-            logger.info(
-                "%s has no public split on disk: %d of its %d training speakers moved to "
-                "public (public_speaker_share %.2f); they are not clients.",
-                language,
-                len(carved[language]),
-                len(carved[language]) + len({r["spk_id"] for r in rows["train"]}),
-                public_speaker_share,
-            )
+            carved[language] = _carve(rows, language, share=public_speaker_share, seed=seed)
         for split in splits:
             rows_by_split[split].extend(rows[split])
     for split, rows in rows_by_split.items():
         _write_csv(os.path.join(save_folder, f"{split}.csv"), rows)
         logger.info("%s.csv: %d utterances", split, len(rows))
 
+    report = _write_reports(
+        save_folder,
+        rows_by_split,
+        skipped=skipped,
+        languages=sorted(language_dirs),
+        missing=missing,
+        carved=carved,
+    )
+    save_prepare_options(save_folder, options, report, name=OPTIONS_FILE)
+    return report
+
+
+def _carve(rows: dict, language: str, *, share: float, seed: int) -> list[str]:
+    """Move ``share`` of a language's training speakers (never a dev or test speaker) from
+    ``rows["train"]`` into ``rows["public"]`` (:func:`carve_public_split`); their IDs."""
+    held = {r["spk_id"] for split in ("dev", "test") for r in rows.get(split, [])}
+    rows["train"], rows["public"], carved = carve_public_split(
+        rows["train"], share=share, seed=seed, exclude=held
+    )
+    logger.info(
+        "%s has no public split on disk: %d of its %d training speakers moved to "
+        "public (public_speaker_share %.2f); they are not clients.",
+        language,
+        len(carved),
+        len(carved) + len({r["spk_id"] for r in rows["train"]}),
+        share,
+    )
+    return carved
+
+
+def _write_reports(save_folder, rows_by_split, *, skipped, languages, missing, carved) -> dict:
+    """The preparation report, ``skipped.json``, and the Table VI statistics and speaker-overlap
+    reports of the prepared splits."""
     report = {
-        "csv": {s: os.path.join(save_folder, f"{s}.csv") for s in splits},
+        "csv": {s: os.path.join(save_folder, f"{s}.csv") for s in rows_by_split},
         "counts": {
-            s: {lang: sum(r["language"] == lang for r in rows) for lang in sorted(language_dirs)}
+            s: {lang: sum(r["language"] == lang for r in rows) for lang in languages}
             for s, rows in rows_by_split.items()
         },
         "skipped": {k: sorted(v) for k, v in skipped.items()},
         "num_skipped": {k: len(v) for k, v in skipped.items()},
-        "languages": sorted(language_dirs),
+        "languages": languages,
         "missing_languages": missing,
         "public_from_train": carved,
     }
@@ -217,7 +233,6 @@ def prepare_mls(
             report["overlap"] = write_speaker_overlap(
                 rows_by_split["train"], rows_by_split["test"], save_folder
             )
-    save_prepare_options(save_folder, options, report, name=OPTIONS_FILE)
     return report
 
 
@@ -445,97 +460,6 @@ def _write_csv(path: str, rows: list[dict]) -> None:
         writer = csv.DictWriter(handle, fieldnames=HEADER)
         writer.writeheader()
         writer.writerows(rows)
-
-
-def write_train_statistics(rows: list[dict], save_folder: str) -> str:
-    """Write the per-language training hours / clients / hours per client table (Table VI).
-
-    One client per speaker (the speaker partition). Rows are sorted by hours, descending, as in
-    the paper, with a Total row; written as ``train_statistics.csv`` and ``.md``.
-
-    Returns
-    -------
-    str
-        Path of the markdown table.
-    """
-    per_lang: dict[str, dict] = {}
-    for row in rows:
-        entry = per_lang.setdefault(row["language"], {"seconds": 0.0, "speakers": set()})
-        entry["seconds"] += float(row["duration"])
-        entry["speakers"].add(row["spk_id"])
-    table = []
-    for language, entry in sorted(per_lang.items(), key=lambda kv: -kv[1]["seconds"]):
-        hours, clients = entry["seconds"] / 3600, len(entry["speakers"])
-        table.append((language, hours, clients, hours / clients))
-    total_hours = sum(t[1] for t in table)
-    total_clients = sum(t[2] for t in table)
-    table.append(("total", total_hours, total_clients, total_hours / max(total_clients, 1)))
-    with open(os.path.join(save_folder, "train_statistics.csv"), "w", encoding="utf-8") as f:
-        f.write("language,training_hours,clients,avg_hours_per_client\n")
-        for language, hours, clients, per in table:
-            f.write(f"{language},{hours:.4f},{clients},{per:.4f}\n")
-    md = os.path.join(save_folder, "train_statistics.md")
-    with open(md, "w", encoding="utf-8") as f:
-        f.write("| Language | Training Hours | Clients (K) | Avg. Hours/Client |\n")
-        f.write("|---|---:|---:|---:|\n")
-        for language, hours, clients, per in table:
-            name = "**Total**" if language == "total" else language.capitalize()
-            f.write(f"| {name} | {hours:.3f} | {clients} | {per:.3f} |\n")
-    return md
-
-
-def write_speaker_overlap(train_rows: list[dict], test_rows: list[dict], save_folder: str) -> str:
-    """Write the train-client / test-speaker overlap report (alpha-split paper, Appendix B).
-
-    For each language and in total: training clients (speakers), test speakers, the
-    overlapping speaker IDs, the fraction of clients they are, and the fraction of training
-    utterances and hours they hold. Written as ``speaker_overlap.json``.
-
-    Returns
-    -------
-    str
-        Path of the JSON report.
-    """
-
-    def stats(train, test):
-        train_spk = {r["spk_id"] for r in train}
-        test_spk = {r["spk_id"] for r in test}
-        overlap = sorted(train_spk & test_spk)
-        in_overlap = [r for r in train if r["spk_id"] in test_spk]
-        seconds = sum(float(r["duration"]) for r in train)
-        return {
-            "train_clients": len(train_spk),
-            "test_speakers": len(test_spk),
-            "overlapping_speakers": overlap,
-            "num_overlapping": len(overlap),
-            "fraction_of_clients": len(overlap) / max(len(train_spk), 1),
-            "fraction_of_train_utterances": len(in_overlap) / max(len(train), 1),
-            "fraction_of_train_hours": sum(float(r["duration"]) for r in in_overlap)
-            / max(seconds, 1e-9),
-        }
-
-    languages = sorted({r["language"] for r in train_rows} | {r["language"] for r in test_rows})
-    report = {
-        "per_language": {
-            lang: stats(
-                [r for r in train_rows if r["language"] == lang],
-                [r for r in test_rows if r["language"] == lang],
-            )
-            for lang in languages
-        },
-        "total": stats(train_rows, test_rows),
-    }
-    path = os.path.join(save_folder, "speaker_overlap.json")
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
-    total = report["total"]
-    logger.info(
-        "Speaker overlap: %d of %d training clients also in test (%.1f%% of training utterances).",
-        total["num_overlapping"],
-        total["train_clients"],
-        100 * total["fraction_of_train_utterances"],
-    )
-    return path
 
 
 def node_train_manifest(node, hparams) -> str:

@@ -16,6 +16,7 @@ Authors
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -375,3 +376,94 @@ def report_run(
         ],
     )
     return results
+
+
+def write_train_statistics(rows: list[dict], save_folder: str) -> str:
+    """Write the per-language training hours / clients / hours per client table (Table VI).
+
+    One client per speaker (the speaker partition). Rows are sorted by hours, descending, as in
+    the paper, with a Total row; written as ``train_statistics.csv`` and ``.md``.
+
+    Returns
+    -------
+    str
+        Path of the markdown table.
+    """
+    per_lang: dict[str, dict] = {}
+    for row in rows:
+        entry = per_lang.setdefault(row["language"], {"seconds": 0.0, "speakers": set()})
+        entry["seconds"] += float(row["duration"])
+        entry["speakers"].add(row["spk_id"])
+    table = []
+    for language, entry in sorted(per_lang.items(), key=lambda kv: -kv[1]["seconds"]):
+        hours, clients = entry["seconds"] / 3600, len(entry["speakers"])
+        table.append((language, hours, clients, hours / clients))
+    total_hours = sum(t[1] for t in table)
+    total_clients = sum(t[2] for t in table)
+    table.append(("total", total_hours, total_clients, total_hours / max(total_clients, 1)))
+    with open(os.path.join(save_folder, "train_statistics.csv"), "w", encoding="utf-8") as f:
+        f.write("language,training_hours,clients,avg_hours_per_client\n")
+        for language, hours, clients, per in table:
+            f.write(f"{language},{hours:.4f},{clients},{per:.4f}\n")
+    md = os.path.join(save_folder, "train_statistics.md")
+    with open(md, "w", encoding="utf-8") as f:
+        f.write("| Language | Training Hours | Clients (K) | Avg. Hours/Client |\n")
+        f.write("|---|---:|---:|---:|\n")
+        for language, hours, clients, per in table:
+            name = "**Total**" if language == "total" else language.capitalize()
+            f.write(f"| {name} | {hours:.3f} | {clients} | {per:.3f} |\n")
+    return md
+
+
+def write_speaker_overlap(train_rows: list[dict], test_rows: list[dict], save_folder: str) -> str:
+    """Write the train-client / test-speaker overlap report (alpha-split paper, Appendix B).
+
+    For each language and in total: training clients (speakers), test speakers, the
+    overlapping speaker IDs, the fraction of clients they are, and the fraction of training
+    utterances and hours they hold. Written as ``speaker_overlap.json``.
+
+    Returns
+    -------
+    str
+        Path of the JSON report.
+    """
+
+    def stats(train, test):
+        train_spk = {r["spk_id"] for r in train}
+        test_spk = {r["spk_id"] for r in test}
+        overlap = sorted(train_spk & test_spk)
+        in_overlap = [r for r in train if r["spk_id"] in test_spk]
+        seconds = sum(float(r["duration"]) for r in train)
+        return {
+            "train_clients": len(train_spk),
+            "test_speakers": len(test_spk),
+            "overlapping_speakers": overlap,
+            "num_overlapping": len(overlap),
+            "fraction_of_clients": len(overlap) / max(len(train_spk), 1),
+            "fraction_of_train_utterances": len(in_overlap) / max(len(train), 1),
+            "fraction_of_train_hours": sum(float(r["duration"]) for r in in_overlap)
+            / max(seconds, 1e-9),
+        }
+
+    languages = sorted({r["language"] for r in train_rows} | {r["language"] for r in test_rows})
+    report = {
+        "per_language": {
+            lang: stats(
+                [r for r in train_rows if r["language"] == lang],
+                [r for r in test_rows if r["language"] == lang],
+            )
+            for lang in languages
+        },
+        "total": stats(train_rows, test_rows),
+    }
+    path = os.path.join(save_folder, "speaker_overlap.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    total = report["total"]
+    logger.info(
+        "Speaker overlap: %d of %d training clients also in test (%.1f%% of training utterances).",
+        total["num_overlapping"],
+        total["train_clients"],
+        100 * total["fraction_of_train_utterances"],
+    )
+    return path

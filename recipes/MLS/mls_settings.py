@@ -2,8 +2,8 @@
 
 - :func:`check_hparams`: every value check, before any work (the engine config included);
 - :func:`model_options`: the keyword arguments of ``build_speech_llm``;
-- :data:`BRAIN_KEYS` / :data:`PREPARATION_KEYS`: what the Brain reads, what shapes a run's
-  preparation (a change of any prepares again; corpus and seed model are cached on disk).
+- :data:`BRAIN_KEYS` / :data:`BRAIN_OBJECTS` / :data:`PREPARATION_KEYS`: the plain values and
+  the objects the Brain reads, what shapes a run's preparation (a change of any prepares again; corpus and seed model are cached on disk).
 
 Authors
  * speechbrain-fl contributors
@@ -14,63 +14,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import torch
-
 from speechbrain_fl.fl.config import FLConfig
 from speechbrain_fl.models.presets import CONNECTOR_TREATMENTS, CTC_TREATMENTS, PRESETS
 
 
 def model_options(hparams):
-    """The keyword arguments of ``build_speech_llm`` from the hparams."""
-    return {
-        "freeze_encoder": hparams["freeze_encoder"],
-        "lora_r": hparams["lora_r"],
-        "lora_alpha": hparams["lora_alpha"],
-        "connector": hparams["connector"],
-        "downsample_k": hparams["downsample_k"],
-        "ctc_weight": hparams["ctc_weight"],
-        "gradient_checkpointing": hparams["gradient_checkpointing"],
-        "prompt": hparams["prompt"],
-        "train_llm_lora": hparams["train_llm_lora"],
-        "connector_treatment": hparams["connector_treatment"],
-        "ctc_treatment": hparams["ctc_treatment"],
-        "feature_cache_mb": hparams["feature_cache_mb"],
-    }
-
-
-LOCAL_OPTIMIZERS = ("sgd", "adamw")
-
-
-def make_local_optimizer(groups, *, lr, name, momentum, weight_decay):
-    """The clients' local optimizer over the model's parameter groups.
-
-    ``sgd``: torch SGD with heavy-ball ``momentum`` (v <- mu v + g; theta <- theta - lr v).
-    ``adamw``: torch AdamW (the paper's Sec. II-D), which moves every coordinate by about lr
-    per step whatever its gradient, so update norms scale with sqrt(p) and the gradients'
-    imbalance between encoder and LLM is erased; SGD keeps it (recipes/MLS/README.md).
-
-    Example
-    -------
-    >>> import torch
-    >>> opt = make_local_optimizer([{"params": [torch.zeros(2, requires_grad=True)]}], lr=0.1,
-    ...                            name="sgd", momentum=0.9, weight_decay=0.0)
-    >>> type(opt).__name__, opt.param_groups[0]["momentum"]
-    ('SGD', 0.9)
-    """
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"local_optimizer: {name!r} must be one of {LOCAL_OPTIMIZERS}")
+    """The keyword arguments of ``build_speech_llm``: those of the ``speech_llm`` factory."""
+    return dict(hparams["speech_llm"].keywords)
 
 
 BRAIN_KEYS = (
     "seed",
-    "lr",
-    "lr_min_ratio",
-    "weight_decay",
-    "local_optimizer",
-    "momentum",
     "encoder_lr_multiplier",
     "max_new_tokens",
     "num_beams",
@@ -78,6 +32,8 @@ BRAIN_KEYS = (
     "dataloader_options",
     "eval_dataloader_options",
 )
+# The Brain's objects of the hparams file (built in each process that loads it, never stored)
+BRAIN_OBJECTS = ("opt_class", "lr_schedule", "error_stats")
 PREPARATION_KEYS = (
     "data_folder", "cache_folder", "save_folder", "skip_prep", "languages", "max_utts_per_split",
     "corpus_speakers_per_language", "corpus_utterances_per_speaker",
@@ -123,19 +79,6 @@ def check_hparams(hparams):
             f"model: {model!r} is neither a preset {sorted(PRESETS)} nor a folder with "
             "speech_llm.json"
         )
-    if not 0.0 <= float(hparams.get("lr_min_ratio", 0.0)) <= 1.0:
-        raise ValueError(f"lr_min_ratio: {hparams['lr_min_ratio']!r} must be in [0, 1]")
-    if hparams["local_optimizer"] not in LOCAL_OPTIMIZERS:
-        raise ValueError(
-            f"local_optimizer: {hparams['local_optimizer']!r} must be one of {LOCAL_OPTIMIZERS}"
-        )
-    momentum = hparams["momentum"]
-    if (
-        isinstance(momentum, bool)
-        or not isinstance(momentum, int | float)
-        or not (0.0 <= momentum < 1.0)
-    ):
-        raise ValueError(f"momentum: {momentum!r} must be a number in [0, 1)")
     for key, allowed in (
         ("connector_treatment", CONNECTOR_TREATMENTS),
         ("ctc_treatment", CTC_TREATMENTS),

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import sys
 import time
@@ -59,7 +58,6 @@ from speechbrain_fl.fl.profile import format_profile, norm_profile, profile_conf
 from speechbrain_fl.fl.server import ServerTask
 from speechbrain_fl.fl.task import import_factory
 from speechbrain_fl.models.checkpoint import save_federated_model
-from speechbrain_fl.models.presets import build_speech_llm
 from speechbrain_fl.privacy import layout_from_model
 from speechbrain_fl.recipe import (
     FederatedRecipe,
@@ -69,6 +67,7 @@ from speechbrain_fl.recipe import (
 
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
+from mls_brain import SpeechLLMBrain  # noqa: E402
 from mls_prepare import node_train_manifest, prepare_mls  # noqa: E402
 from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis API)
     PAPER_SIGMA,
@@ -84,112 +83,15 @@ from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis
 from mls_seed_model import seed_model_folder  # noqa: E402
 from mls_settings import (  # noqa: E402
     BRAIN_KEYS,
+    BRAIN_OBJECTS,
     PREPARATION_KEYS,
     check_hparams,
     engine_hparams,
-    make_local_optimizer,
     model_options,
 )
 
 logger = logging.getLogger("train_fl")  # one name whichever way the file was imported
 TASK = f"{Path(__file__).resolve()}:mls_task"
-
-
-# ##########################################################################################
-# Brain
-# ##########################################################################################
-class SpeechLLMBrain(sb.Brain):
-    """Trains the speech-LLM on transcript cross-entropy (+ optional CTC) and decodes for WER.
-
-    The federated engine calls ``fit`` for a client's local epochs; the learning rate follows a
-    cosine decay over the federated rounds (``fl_round`` / ``fl_num_rounds`` are set by the
-    engine from the round's config before each local training).
-    """
-
-    def compute_forward(self, batch, stage):
-        """Loss terms on the batch; greedy transcripts too outside training."""
-        batch = batch.to(self.device)
-        wavs, wav_lens = batch.sig
-        model = self.modules.model
-        languages = list(batch.language)
-        out = model(wavs, wav_lens, list(batch.wrd), languages)
-        hyps = None
-        if stage != sb.Stage.TRAIN:
-            hyps = model.transcribe(
-                wavs,
-                wav_lens,
-                max_new_tokens=self.hparams.max_new_tokens,
-                num_beams=self.hparams.num_beams,
-                languages=languages,
-            )
-        return out, hyps
-
-    def compute_objectives(self, predictions, batch, stage):
-        """Transcript CE (+ ctc_weight * CTC); WER bookkeeping outside training."""
-        out, hyps = predictions
-        if hyps is not None:
-            self.wer_metric.append(
-                ids=batch.id,
-                predict=[h.split() for h in hyps],
-                target=[w.split() for w in batch.wrd],
-            )
-        return out.loss
-
-    def init_optimizers(self):
-        """``local_optimizer`` (sgd with ``momentum``, or adamw) at this round's lr.
-
-        The encoder's group runs at ``lr * encoder_lr_multiplier`` (the paper's Appendix A).
-        """
-        lr = self.round_lr()
-        groups = self.modules.model.param_groups(lr, self.hparams.encoder_lr_multiplier)
-        self.optimizer = make_local_optimizer(
-            groups,
-            lr=lr,
-            name=self.hparams.local_optimizer,
-            momentum=self.hparams.momentum,
-            weight_decay=self.hparams.weight_decay,
-        )
-        self.optimizers_dict = {"optimizer": self.optimizer}
-        if self.checkpointer is not None:
-            self.checkpointer.add_recoverable("optimizer", self.optimizer)
-
-    def round_lr(self):
-        """Cosine decay of the peak ``lr`` over the federated rounds, down to a floor.
-
-        lr_t = lr * (m + (1 - m) * (1 + cos(pi (t - 1) / T)) / 2) for round t of T, with
-        m = ``lr_min_ratio``. m = 0 is the paper's cosine decay (Sec. II-D); the floor m > 0 is
-        ours (with few rounds a cosine to ~0 leaves the last rounds almost idle), m = 1 a
-        constant lr.
-
-        Example
-        -------
-        >>> from types import SimpleNamespace
-        >>> brain = SpeechLLMBrain.__new__(SpeechLLMBrain)
-        >>> brain.hparams = SimpleNamespace(lr=1.0, lr_min_ratio=0.5)
-        >>> brain.fl_round, brain.fl_num_rounds = 1, 10
-        >>> brain.round_lr()
-        1.0
-        >>> brain.fl_round = 6
-        >>> round(brain.round_lr(), 3)
-        0.75
-        """
-        rnd = getattr(self, "fl_round", 1)
-        total = max(1, getattr(self, "fl_num_rounds", 1))
-        floor = getattr(self.hparams, "lr_min_ratio", 0.0)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * (rnd - 1) / total))
-        return self.hparams.lr * (floor + (1.0 - floor) * cosine)
-
-    def on_stage_start(self, stage, epoch=None):
-        """A fresh WER accumulator for each evaluation stage."""
-        if stage != sb.Stage.TRAIN:
-            self.wer_metric = sb.utils.metric_stats.ErrorRateStats()
-
-    def on_stage_end(self, stage, stage_loss, epoch=None):
-        """Store the stage statistics (read by the engine and by ``evaluate_test``)."""
-        stats = {"loss": stage_loss}
-        if stage != sb.Stage.TRAIN:
-            stats["WER"] = self.wer_metric.summarize("error_rate") / 100.0
-        self.last_stats = stats
 
 
 # ##########################################################################################
@@ -276,27 +178,28 @@ def dataio_prepare(hparams, *, progressbar=True):
 _MODELS = ModelCache()  # one model per process, shared by the clients it trains
 
 
-def build_brain(settings, *, checkpointer=None):
+def build_brain(settings, hparams, *, checkpointer=None):
     """A SpeechLLMBrain around the seed model (one model per process, shared by its clients).
 
     A process (a Ray actor, a SuperNode) trains many clients one after another; the engine loads
     the global trainable tensors before each local training and restores them after, so one
-    model per process is enough (:class:`speechbrain_fl.recipe.ModelCache`). The Brain builds
-    its optimizer itself (``local_optimizer``, :meth:`SpeechLLMBrain.init_optimizers`).
+    model per process is enough (:class:`speechbrain_fl.recipe.ModelCache`). The model comes
+    from the hparams' ``speech_llm`` factory; the Brain's objects (``opt_class``,
+    ``lr_schedule``, ``error_stats``) from the loaded ``hparams``, beside the prepared plain
+    values of ``settings``.
     """
     model = _MODELS.get(
         [settings.model, settings.run_opts.get("device")],
-        lambda: build_speech_llm(
+        lambda: hparams["speech_llm"](
             settings.model["folder"],
             cache_dir=settings.model["cache_dir"],
             seed=settings.hparams["seed"],
             device=settings.device,
-            **settings.model["options"],
         ),
     )
     return SpeechLLMBrain(
         modules={"model": model},
-        hparams=dict(settings.hparams),
+        hparams={**settings.hparams, **{k: hparams[k] for k in BRAIN_OBJECTS}},
         run_opts=dict(settings.run_opts),
         checkpointer=checkpointer,
     )
@@ -353,13 +256,13 @@ def prepare_run(hparams, run_opts):
     return RunSettings.from_dict(prepared["settings"]), prepared["info"]
 
 
-def build_client(context, *, settings):
+def build_client(context, *, settings, hparams):
     """ClientApp builder: this partition's Brain and training set."""
     partition_id = int(context.node_config["partition-id"])
     # One intra-op thread per CPU the engine gave this client: Ray runs several clients side by
     # side, and torch's default (all cores each) oversubscribes the machine (2.5x slower here).
     torch.set_num_threads(max(1, int(settings.cpus_per_client)))
-    brain = build_brain(settings)
+    brain = build_brain(settings, hparams)
     return ClientTask(
         brain=brain,
         train_set=make_dataset(settings.clients[partition_id], settings.data_folder),
@@ -368,9 +271,9 @@ def build_client(context, *, settings):
     )
 
 
-def build_server(context, *, settings, fl_config):
+def build_server(context, *, settings, hparams, fl_config):
     """ServerApp builder: the global model, DP configuration and dev-set WER evaluation."""
-    brain = build_brain(settings)
+    brain = build_brain(settings, hparams)
     valid_set = make_dataset(settings.valid_csv, settings.data_folder)
 
     def evaluate(brain_):
@@ -425,6 +328,7 @@ def mls_task(hparams_path=None, overrides=None):
         on_result = functools.partial(
             save_final_model,
             settings=settings,
+            hparams=hparams,
             folder=os.path.join(hparams["output_folder"], "final_model"),
             info={"method": hparams["method"], "model": str(hparams["model"])},
         )
@@ -437,8 +341,8 @@ def mls_task(hparams_path=None, overrides=None):
         on_result = None
     return RECIPE.task(
         settings,
-        build_client=build_client,
-        build_server=build_server,
+        build_client=functools.partial(build_client, hparams=hparams),
+        build_server=functools.partial(build_server, hparams=hparams),
         fl_config=config,
         on_result=on_result,
         info={"settings": settings, "hparams": hparams, "run_opts": run_opts, **info},
@@ -446,13 +350,13 @@ def mls_task(hparams_path=None, overrides=None):
     )
 
 
-def save_final_model(result, *, settings, folder, info):
+def save_final_model(result, *, settings, hparams, folder, info):
     """Write the final global model as a loadable checkpoint (read by transcribe.py).
 
     The embedded tiny seed model lives in the cache; it is copied in, so the folder stands
     alone. A real preset is recorded by name and loaded from the hub (or its cache).
     """
-    brain = build_brain(settings)
+    brain = build_brain(settings, hparams)
     load_trainable(brain.modules, result.params)
     path = save_federated_model(
         brain.modules.model,
@@ -520,7 +424,7 @@ def main(run):
 
     test_rows = read_manifest(settings.test_csv)
     test_set = make_dataset(settings.test_csv, settings.data_folder)
-    brain = build_brain(settings)
+    brain = build_brain(settings, hparams)
     start = time.time()
     test_round0, details_round0 = evaluate_test(brain, test_set, test_rows, hparams)
     test_round0["audio_reliance"] = audio_reliance(brain, test_set, hparams)

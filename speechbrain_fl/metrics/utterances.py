@@ -7,7 +7,7 @@ may be empty), written by :func:`write_utterance_details` and read back by
 (:func:`utterance_errors_from_stats`). :func:`wer_report` gives the ``test`` section of
 ``results.json`` (overall and per-language WER with speaker-level bootstrap intervals of
 ``speechbrain_fl/metrics/wer.py``), and :func:`paired_bootstrap_details` compares two runs on
-the same utterances (``recipes/MLS/compare.py`` pairs two such files by ``ID``).
+the same utterances (``recipes/MLS/studies/compare.py`` pairs two such files by ``ID``).
 """
 
 from __future__ import annotations

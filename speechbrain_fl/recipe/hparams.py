@@ -33,6 +33,7 @@ in place, for a dict that is not reloaded.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -95,15 +96,58 @@ def resolve_hparams_path(path: str | os.PathLike, *, recipe_dir: str | os.PathLi
     raise FileNotFoundError(f"hparams file {str(path)!r} not found (tried {tried})")
 
 
+class HyperText(str):
+    """A layer's HyperPyYAML-tagged value (``!name:``, ``!new:``, ``!ref`` ...) as its source
+    text. It replaces the base's entry of its key whole (a model preset swapping the
+    ``opt_class`` object), where a plain override would be merged into it."""
+
+
+_TAGS = ("!new:", "!name:", "!apply:", "!ref ", "!copy ", "!tuple ", "!include:")
+
+
 def _read_plain_yaml(path: Path) -> dict[str, Any]:
+    """A layer file's values: plain YAML, a tagged value kept as :class:`HyperText`."""
+    text = Path(path).read_text(encoding="utf-8")
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def tagged(loader, suffix, node):
+        raw = text[node.start_mark.index : node.end_mark.index].rstrip().splitlines()
+        while raw and raw[-1].lstrip().startswith("#"):
+            raw.pop()  # a comment after the value belongs to the next key
+        return HyperText("\n".join(raw).rstrip())
+
+    Loader.add_multi_constructor("!", tagged)
     try:
-        with open(path, encoding="utf-8") as handle:
-            values = yaml.safe_load(handle) or {}
+        values = yaml.load(text, Loader=Loader) or {}
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of hyperparameters, got {type(values)}")
     return values
+
+
+def _layered_source(source: Path, merged: dict[str, Any]):
+    """``(stream, plain overrides)``: the base with each :class:`HyperText` layer value put in
+    place of its key's entry, and the other overrides (applied by HyperPyYAML)."""
+    tagged = {k: v for k, v in merged.items() if isinstance(v, HyperText)}
+    plain = {k: v for k, v in merged.items() if k not in tagged}
+    if not tagged:
+        return open(source, encoding="utf-8"), plain
+    lines, out, skipping = source.read_text(encoding="utf-8").splitlines(), [], False
+    for line in lines:
+        top = line[:1].strip() != ""  # column 0: a key or a comment ends the replaced entry
+        skipping = skipping and not top
+        key = line.split(":", 1)[0] if top and not line.startswith("#") else None
+        if key in tagged:
+            out.append(f"{key}: {tagged.pop(key)}")
+            skipping = True
+        elif not skipping:
+            out.append(line)
+    if tagged:
+        raise ValueError(f"override(s) {sorted(tagged)} are not keys of {source}")
+    return io.StringIO("\n".join(out) + "\n"), plain
 
 
 def _parse_overrides(overrides: str | dict | None) -> dict[str, Any]:
@@ -166,14 +210,18 @@ def load_layered_hparams(
     source, merged = _layers(
         hparams_file, overrides, recipe_dir=recipe_dir, preset_key=preset_key, preset_dir=preset_dir
     )
-    with open(source, encoding="utf-8") as handle:
-        return load_hyperpyyaml(handle, merged), source, merged
+    stream, plain = _layered_source(source, merged)
+    with stream as handle:
+        return load_hyperpyyaml(handle, plain), source, merged
 
 
 def _layers(hparams_file, overrides, *, recipe_dir, preset_key="model", preset_dir="models"):
     """``(file to load, merged overrides)`` of :func:`load_layered_hparams` (nothing built)."""
     path = resolve_hparams_path(hparams_file, recipe_dir=recipe_dir)
-    cli = _parse_overrides(overrides)
+    cli = {  # a tagged value sent on as text (a task spec's overrides) stays one
+        k: HyperText(v) if isinstance(v, str) and v.startswith(_TAGS) else v
+        for k, v in _parse_overrides(overrides).items()
+    }
     base = path.with_name(BASE_NAME)
     if not base.is_file() or base == path:
         return path, cli
@@ -207,8 +255,9 @@ def _plain_hparams(hparams_file, overrides, **kwargs) -> dict[str, Any]:
     """The hparams' plain values with every ``!ref`` resolved and no object built (no
     ``__set_seed``, no logger opening its folder): what ``--debug`` computes its sizes from."""
     source, merged = _layers(hparams_file, overrides, **kwargs)
-    with open(source, encoding="utf-8") as handle:
-        text = resolve_references(handle, merged, overrides_must_match=True).getvalue()
+    stream, plain = _layered_source(source, merged)
+    with stream as handle:
+        text = resolve_references(handle, plain, overrides_must_match=True).getvalue()
     return yaml.load(text, Loader=_PlainLoader) or {}
 
 
@@ -401,7 +450,10 @@ def load_run_hparams(
     (2, 'r/x_debug/save', {'rounds': 2, 'output_folder': 'r/x_debug'})
     """
     quiet_recipe_logs()  # every process of a run loads its hparams here
-    cli = _parse_overrides(overrides)
+    cli = {  # a tagged value sent on as text (a task spec's overrides) stays one
+        k: HyperText(v) if isinstance(v, str) and v.startswith(_TAGS) else v
+        for k, v in _parse_overrides(overrides).items()
+    }
     if not debug:
         hparams, base, merged = load_layered_hparams(
             hparams_file, cli, recipe_dir=recipe_dir, **layer_kwargs

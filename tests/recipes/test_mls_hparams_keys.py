@@ -1,10 +1,11 @@
-"""No dead keys: every top-level key of the MLS base.yaml is used by train_fl.py or referenced.
+"""No dead keys: every top-level key of every MLS hparams file is used by the recipe or referenced.
 
 A key counts as used by train_fl.py when the script names it or when
 ``FLConfig.from_hparams`` (which the script calls) reads it.
 
-The same check SpeechBrain's ``tests/consistency/test_yaml.py`` runs upstream, plus: each method
-file holds only keys of the base (it is applied on top of it) and includes the privacy keys.
+The same check SpeechBrain's ``tests/consistency/test_yaml.py`` runs upstream, for base.yaml, each
+method file and each model preset (a layer's key must be a base key, so it is used too), plus: each
+method file includes the privacy keys, and the objects swap as HyperPyYAML objects.
 """
 
 from __future__ import annotations
@@ -37,17 +38,56 @@ def top_level_keys(path: Path) -> list[str]:
     return keys
 
 
-def test_every_base_key_is_used():
-    text = (HPARAMS / "base.yaml").read_text()
+def _plain(path: Path) -> dict:
+    """A file's plain values (HyperPyYAML tags such as !ref / !new / !name read as None)."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    return yaml.load(path.read_text(), Loader=Loader) or {}
+
+
+ALL_FILES = sorted([*HPARAMS.glob("*.yaml"), *(HPARAMS / "models").glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: str(p.relative_to(HPARAMS)))
+def test_every_key_is_used(path):
+    """Each top-level key is read by the recipe's Python code (``"key"``), referenced by
+    another key (``<key>``), read by the engine config, or a base.yaml key (a layer's value
+    replaces the base's, which must then be used)."""
+    base_text = (HPARAMS / "base.yaml").read_text()
     unused = [
         key
-        for key in top_level_keys(HPARAMS / "base.yaml")
+        for key in top_level_keys(path)
         if not key.startswith("__")
         and f'"{key}"' not in SCRIPT
-        and f"<{key}>" not in text
+        and f"<{key}>" not in base_text
         and key not in FLConfig.yaml_keys()
     ]
-    assert unused == [], f"keys of base.yaml used nowhere: {unused}"
+    assert unused == [], f"keys of {path.name} used nowhere: {unused}"
+    assert set(top_level_keys(path)) <= set(top_level_keys(HPARAMS / "base.yaml")), path.name
+
+
+def test_objects_are_built_from_the_hparams(tmp_path):
+    """The model factory, optimizer, lr schedule, WER computer and train logger are objects of
+    the hparams file; a real preset swaps the optimizer class with its own object."""
+    hp, _, _ = load_layered_hparams(
+        HPARAMS / "flat.yaml", {"output_folder": str(tmp_path)}, recipe_dir=HPARAMS.parent
+    )
+    assert hp["opt_class"].func.__name__ == "SGD"
+    assert hp["opt_class"].keywords == {"momentum": 0.9, "weight_decay": 0.0}
+    assert hp["speech_llm"].keywords["lora_r"] == hp["lora_r"]
+    assert hp["error_stats"]().__class__.__name__ == "ErrorRateStats"
+    assert hp["lr_schedule"](1, 10) == hp["lr"]
+    hp, _, _ = load_layered_hparams(
+        HPARAMS / "flat.yaml",
+        {"model": "voxtral", "output_folder": str(tmp_path)},
+        recipe_dir=HPARAMS.parent,
+    )
+    assert hp["opt_class"].func.__name__ == "AdamW"
+    assert hp["opt_class"].keywords == {"weight_decay": 0.0}
+    assert hp["lr_schedule"](1, 40) == hp["lr"] == 0.0001
 
 
 @pytest.mark.parametrize("path", sorted(HPARAMS.glob("*.yaml")), ids=lambda p: p.name)
@@ -64,7 +104,7 @@ def test_method_files_only_override_base_keys(path):
 
 @pytest.mark.parametrize("path", sorted((HPARAMS / "models").glob("*.yaml")), ids=lambda p: p.name)
 def test_model_presets_only_override_base_keys(path):
-    values = yaml.safe_load(path.read_text()) or {}
+    values = _plain(path)
     assert set(values) <= set(top_level_keys(HPARAMS / "base.yaml"))
 
 
@@ -101,24 +141,14 @@ def test_each_model_preset_resolves_its_own_clip(tmp_path, method, model):
 
 def test_every_model_preset_states_its_clip():
     for path in (HPARAMS / "models").glob("*.yaml"):
-        assert yaml.safe_load(path.read_text())["clip"] == PRESET_CLIP[path.stem], path.name
-
-
-def _base_values() -> dict:
-    """base.yaml's plain values (HyperPyYAML tags such as !ref / !new read as None)."""
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
-    return yaml.load((HPARAMS / "base.yaml").read_text(), Loader=Loader)
+        assert _plain(path)["clip"] == PRESET_CLIP[path.stem], path.name
 
 
 def test_readme_hyperparameter_table_matches_base_yaml():
     """Every ``| `key`: ... | `value` |`` row of the recipe README names a base.yaml key, and
     a single literal default in the value cell equals the key's value in base.yaml."""
     readme = (HPARAMS.parent / "README.md").read_text()
-    base = _base_values()
+    base = _plain(HPARAMS / "base.yaml")
     rows = re.findall(r"^\| `([a-z_]+)`: [^\n]*\| `([^`]*)`([^|]*)\|$", readme, flags=re.M)
     assert len(rows) > 40, "the README's hyperparameter table was not found"
     wrong = []

@@ -1,4 +1,4 @@
-"""recipes/MLS/compare.py end to end on two synthetic runs with a known WER difference."""
+"""recipes/MLS/studies/compare.py end to end on two synthetic runs with a known WER difference."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 from speechbrain_fl.metrics import UtteranceErrors, write_utterance_details
 
-SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "compare.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "studies" / "compare.py"
 
 
 def _run(*args):

@@ -1,4 +1,4 @@
-"""recipes/MLS/method_table.py: table formatting, README insertion, skipping, on synthetic runs.
+"""recipes/MLS/studies/method_table.py: table formatting, README insertion, skipping, on synthetic runs.
 
 The 14 real runs take about an hour of CPU; here every run folder holds a hand-written
 ``results.json`` (the shape train_fl.py writes), so the script's own ``main`` skips them all
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "method_table.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "studies" / "method_table.py"
 _spec = importlib.util.spec_from_file_location("method_table", SCRIPT)
 method_table = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(method_table)
@@ -201,7 +201,7 @@ def test_dry_run_prints_commands(tmp_path, capsys):
     )
     assert lines[0].split(" $ ")[1].split()[:2] == [
         sys.executable,
-        str(SCRIPT.parent / "train_fl.py"),
+        str(SCRIPT.parents[1] / "train_fl.py"),
     ]
 
 

@@ -21,25 +21,29 @@ def _hparams(method="flat", **overrides):
     return hparams
 
 
-def test_sgd_keeps_the_gradient_imbalance_adamw_erases_it():
-    """One step on two tensors whose gradients differ 10x: SGD moves them 10x apart, AdamW not."""
+@pytest.mark.parametrize(("model", "name"), [("tiny", "SGD"), ("voxtral", "AdamW")])
+def test_opt_class_sgd_keeps_the_gradient_imbalance_adamw_erases_it(model, name):
+    """One step of each preset's ``opt_class`` on two tensors whose gradients differ 10x: the
+    base's SGD moves them 10x apart, the real presets' AdamW (a tagged preset value) not."""
+    opt_class = _hparams(model=model)["opt_class"]
     small, large = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
-    for name, expected in (("sgd", 10.0), ("adamw", 1.0)):
-        small.data.zero_()
-        large.data.zero_()
-        opt = mls_settings.make_local_optimizer(
-            [{"params": [small, large]}], lr=0.1, name=name, momentum=0.9, weight_decay=0.0
-        )
-        small.grad, large.grad = torch.full((4,), 0.01), torch.full((4,), 0.1)
-        opt.step()
-        assert float(large.norm() / small.norm()) == pytest.approx(expected, rel=1e-3)
+    opt = opt_class([{"params": [small, large]}], lr=0.1)
+    assert type(opt).__name__ == name and opt.defaults["weight_decay"] == 0.0
+    small.grad, large.grad = torch.full((4,), 0.01), torch.full((4,), 0.1)
+    opt.step()
+    expected = 10.0 if name == "SGD" else 1.0
+    assert float(large.norm() / small.norm()) == pytest.approx(expected, rel=1e-3)
+
+
+def test_round_cosine_lr_decays_to_its_floor():
+    schedule = _hparams()["lr_schedule"]
+    assert schedule(1, 10) == pytest.approx(0.3)
+    assert schedule(11, 10) == pytest.approx(0.03)
 
 
 @pytest.mark.parametrize(
     ("key", "value", "match"),
     [
-        ("local_optimizer", "adam", "local_optimizer: 'adam' must be one of"),
-        ("momentum", 1.0, r"momentum: 1.0 must be a number in \[0, 1\)"),
         ("connector_treatment", "own", "connector_treatment: 'own' must be one of"),
         ("ctc_treatment", "drop", "ctc_treatment: 'drop' must be one of"),
     ],

@@ -17,9 +17,9 @@ covers both the speakers and the runs' cohort/noise draws.
 
 Usage::
 
-    python recipes/MLS/compare.py results/flat/1986 results/alpha_split/1986
-    python recipes/MLS/compare.py a/test_utterances.csv b/test_utterances.csv --num-resamples 10000
-    python recipes/MLS/compare.py s1/flat s1/pfl_uniform --also s2/flat s2/pfl_uniform
+    python recipes/MLS/studies/compare.py results/flat/1986 results/alpha_split/1986
+    python recipes/MLS/studies/compare.py a/test_utterances.csv b/test_utterances.csv --num-resamples 10000
+    python recipes/MLS/studies/compare.py s1/flat s1/pfl_uniform --also s2/flat s2/pfl_uniform
 
 Exit status: 0 after printing the comparison, 2 for bad input (missing file, different
 utterance sets), with the reason on stderr.

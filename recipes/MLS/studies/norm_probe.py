@@ -9,7 +9,7 @@ joint norm, so the clip C and the optimizer can be chosen against measured norms
 Sec. IV-A3). The norms are of the training clients, outside any DP guarantee: a calibration
 for this embedded corpus, not a private procedure.
 
-    > python recipes/MLS/norm_probe.py hparams/fedavg.yaml --settings sgd:0.05 adamw:0.01 \\
+    > python recipes/MLS/studies/norm_probe.py hparams/fedavg.yaml --settings sgd:0.05 adamw:0.01 \\
           --clients 6
 
 Authors
@@ -19,6 +19,7 @@ Authors
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from pathlib import Path
@@ -26,12 +27,19 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_fl  # noqa: E402
 
 from speechbrain_fl.fl.client import ClientTask, train_round  # noqa: E402
 from speechbrain_fl.fl.params import trainable_state  # noqa: E402
 from speechbrain_fl.fl.profile import pool_norms  # noqa: E402
+from speechbrain_fl.recipe.schedules import RoundCosineLR  # noqa: E402
+
+#: The optimizers a setting names: base.yaml's SGD and the real presets' AdamW.
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, momentum=0.9, weight_decay=0.0),
+    "adamw": functools.partial(torch.optim.AdamW, weight_decay=0.0),
+}
 
 
 def main(argv=None):
@@ -40,7 +48,7 @@ def main(argv=None):
     parser.add_argument("--settings", nargs="+", default=["sgd:0.05", "adamw:0.01"],
                         help="optimizer:lr[:encoder_lr_multiplier] per setting")  # fmt: skip
     parser.add_argument("--clients", type=int, default=6)
-    parser.add_argument("--override", default="", help="YAML overrides, e.g. '{momentum: 0.9}'")
+    parser.add_argument("--override", default="", help="YAML overrides, e.g. '{local_epochs: 1}'")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     import yaml
@@ -48,7 +56,7 @@ def main(argv=None):
     overrides = yaml.safe_load(args.override) if args.override else {}
     hparams, run_opts, _ = train_fl.RECIPE.load_for_task(args.hparams, overrides)
     settings, _ = train_fl.prepare_run(hparams, run_opts)
-    brain = train_fl.build_brain(settings)
+    brain = train_fl.build_brain(settings, hparams)
     layout = train_fl.component_layout(brain)
     start = {k: v.clone() for k, v in trainable_state(brain.modules).items()}
     sizes = {}
@@ -57,8 +65,8 @@ def main(argv=None):
     print("trainable values per component:", sizes)
     for setting in args.settings:
         name, lr, *mult = setting.split(":")
-        brain.hparams.local_optimizer = name
-        brain.hparams.lr = float(lr)
+        brain.hparams.opt_class = OPTIMIZERS[name]
+        brain.hparams.lr_schedule = RoundCosineLR(float(lr), hparams["lr_min_ratio"])
         brain.hparams.encoder_lr_multiplier = float(mult[0]) if mult else 1.0
         norms_sum, joint = {}, []
         for cid in range(args.clients):

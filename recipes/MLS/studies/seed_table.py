@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from compare import compare_runs, pool_seeds
-from method_table import _get
+from method_tables import _get
 
 from speechbrain_fl.metrics import paired_bootstrap_details, read_utterance_details
 
