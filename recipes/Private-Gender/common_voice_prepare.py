@@ -160,6 +160,28 @@ def _skip(save_folder: Path, options: dict) -> bool:
     return json.loads(stamp.read_text(encoding="utf-8")).get("options") == options
 
 
+def _options(data_folder: Path, *, splits, classes, gender_map, unlabeled_values, disjoint_by,
+             max_aux, seed) -> dict:  # fmt: skip
+    """The preparation's options, normalised (gender values lower-cased) and checked; the
+    manifests are rebuilt whenever they differ from the stamp's."""
+    gender_map = {k.strip().lower(): v for k, v in (gender_map or DEFAULT_GENDER_MAP).items()}
+    if disjoint_by not in ("recording", "speaker"):
+        raise ValueError(f"disjoint_by must be 'recording' or 'speaker', got {disjoint_by!r}")
+    bad = sorted(set(gender_map.values()) - {"male", "female", "other"})
+    if bad:
+        raise ValueError(f"gender_map maps to unknown class(es) {bad}")
+    return {
+        "data_folder": str(data_folder.resolve()),
+        "splits": list(splits),
+        "classes": list(classes),
+        "gender_map": gender_map,
+        "unlabeled_values": [v.strip().lower() for v in unlabeled_values],
+        "disjoint_by": disjoint_by,
+        "max_aux": max_aux,
+        "seed": int(seed),
+    }
+
+
 def prepare_common_voice(
     data_folder: str | os.PathLike,
     save_folder: str | os.PathLike,
@@ -210,24 +232,18 @@ def prepare_common_voice(
     """
     save_folder = Path(save_folder)
     data_folder = Path(data_folder)
-    gender_map = {k.strip().lower(): v for k, v in (gender_map or DEFAULT_GENDER_MAP).items()}
-    unlabeled_values = tuple(v.strip().lower() for v in unlabeled_values)
-    classes = tuple(classes)
-    if disjoint_by not in ("recording", "speaker"):
-        raise ValueError(f"disjoint_by must be 'recording' or 'speaker', got {disjoint_by!r}")
-    bad = sorted(set(gender_map.values()) - {"male", "female", "other"})
-    if bad:
-        raise ValueError(f"gender_map maps to unknown class(es) {bad}")
-    options = {
-        "data_folder": str(data_folder.resolve()),
-        "splits": [priv_split, aux_split, test_split],
-        "classes": list(classes),
-        "gender_map": gender_map,
-        "unlabeled_values": list(unlabeled_values),
-        "disjoint_by": disjoint_by,
-        "max_aux": max_aux,
-        "seed": int(seed),
-    }
+    options = _options(
+        data_folder,
+        splits=[priv_split, aux_split, test_split],
+        classes=classes,
+        gender_map=gender_map,
+        unlabeled_values=unlabeled_values,
+        disjoint_by=disjoint_by,
+        max_aux=max_aux,
+        seed=seed,
+    )
+    gender_map, unlabeled_values = options["gender_map"], tuple(options["unlabeled_values"])
+    classes = tuple(options["classes"])
     if skip_prep or _skip(save_folder, options):
         logger.info("Manifests in %s are up to date: preparation skipped.", save_folder)
         stamp = save_folder / OPTIONS_FILE
@@ -240,33 +256,18 @@ def prepare_common_voice(
         gender_map,
         list(unlabeled_values),
     )
-    needed = {s for s in (priv_split, aux_split, test_split) if s in TSV_SPLITS}
-    if "validated_rest" in (priv_split, aux_split, test_split):
-        needed |= set(TSV_SPLITS)
-    tsv = {s: read_tsv(data_folder / f"{s}.tsv") for s in sorted(needed)}
-    sets, sources = {}, {}
-    for name, split in (("priv", priv_split), ("test", test_split), ("aux", aux_split)):
-        chosen = [sets[k] for k in sets]
-        sets[name], sources[name] = _rows_of(split, tsv, chosen=chosen, disjoint_by=disjoint_by)
-    _check_disjoint(sets, disjoint_by)
-
+    sets, sources = _read_sets(
+        data_folder, {"priv": priv_split, "aux": aux_split, "test": test_split}, disjoint_by
+    )
     manifests, counts, excluded, speakers = {}, {}, {}, {}
     for name in SET_NAMES:
-        rows, kept = sets[name], []
-        excl = Counter()
-        for row in rows:
-            label = _label(
-                row,
-                source=data_folder / sources[name].split(" ")[0],
-                gender_map=gender_map,
-                unlabeled_values=unlabeled_values,
-            )
-            if label is None:
-                excl["unlabeled"] += 1
-            elif label not in classes:
-                excl["other_class"] += 1
-            else:
-                kept.append((row, label))
+        kept, excl = _labelled(
+            sets[name],
+            source=data_folder / sources[name].split(" ")[0],
+            classes=classes,
+            gender_map=gender_map,
+            unlabeled_values=unlabeled_values,
+        )
         if name == "aux" and max_aux is not None and len(kept) > max_aux:
             pick = np.random.default_rng([int(seed), 77]).choice(len(kept), max_aux, replace=False)
             kept = [kept[i] for i in sorted(pick)]
@@ -282,32 +283,86 @@ def prepare_common_voice(
             speakers[name],
             dict(excl),
         )
-        out = []
-        for row, label in kept:
-            clip = data_folder / "clips" / row["path"]
-            try:
-                duration = sf.info(str(clip)).duration
-            except Exception as err:  # libsndfile raises RuntimeError / LibsndfileError
-                raise ValueError(
-                    f"clip {clip} (D_{name}, {sources[name]} line {row['line']}) "
-                    f"cannot be read: {err}"
-                ) from err
-            if not duration > 0:
-                raise ValueError(f"clip {clip} (D_{name}) is empty")
-            out.append(
-                {
-                    "ID": Path(row["path"]).stem,
-                    "duration": f"{duration:.3f}",
-                    "wav": f"$data_root/clips/{row['path']}",
-                    "spk_id": row["client_id"],
-                    "label": label,
-                    "gender_raw": row["gender"],
-                    "age": row.get("age", ""),
-                    "accent": row.get("accents", row.get("accent", "")),
-                    "sentence": row["sentence"],
-                }
-            )
-        manifests[name] = out
+        manifests[name] = _manifest_rows(name, kept, data_folder=data_folder, sources=sources)
+    _check_sets(manifests, counts, classes=classes, sources=sources)
+    report = {
+        "counts": counts,
+        "excluded": excluded,
+        "speakers": speakers,
+        "gender_map": gender_map,
+        "sources": sources,
+    }
+    _write_manifests(save_folder, manifests, {"options": options, "report": report})
+    return {**report, "skipped": False}
+
+
+def _read_sets(data_folder: Path, splits: dict[str, str], disjoint_by: str):
+    """The rows of D_priv, D_aux and test (``splits``: set -> split) and their sources, read
+    from the TSVs they need and checked disjoint by ``disjoint_by``."""
+    needed = {s for s in splits.values() if s in TSV_SPLITS}
+    if "validated_rest" in splits.values():
+        needed |= set(TSV_SPLITS)
+    tsv = {s: read_tsv(data_folder / f"{s}.tsv") for s in sorted(needed)}
+    sets, sources = {}, {}
+    for name in ("priv", "test", "aux"):
+        chosen = [sets[k] for k in sets]
+        sets[name], sources[name] = _rows_of(
+            splits[name], tsv, chosen=chosen, disjoint_by=disjoint_by
+        )
+    _check_disjoint(sets, disjoint_by)
+    return sets, sources
+
+
+def _labelled(rows, *, source, classes, gender_map, unlabeled_values):
+    """``(row, class)`` of the rows whose gender maps to one of ``classes``, and the counts of
+    the others (``unlabeled``, ``other_class``)."""
+    kept, excl = [], Counter()
+    for row in rows:
+        label = _label(
+            row, source=source, gender_map=gender_map, unlabeled_values=unlabeled_values
+        )
+        if label is None:
+            excl["unlabeled"] += 1
+        elif label not in classes:
+            excl["other_class"] += 1
+        else:
+            kept.append((row, label))
+    return kept, excl
+
+
+def _manifest_rows(name, kept, *, data_folder: Path, sources: dict) -> list[dict]:
+    """The manifest rows of a set, each clip opened once (its duration; a clip that cannot be
+    read is named with its set, file and line)."""
+    out = []
+    for row, label in kept:
+        clip = data_folder / "clips" / row["path"]
+        try:
+            duration = sf.info(str(clip)).duration
+        except Exception as err:  # libsndfile raises RuntimeError / LibsndfileError
+            raise ValueError(
+                f"clip {clip} (D_{name}, {sources[name]} line {row['line']}) "
+                f"cannot be read: {err}"
+            ) from err
+        if not duration > 0:
+            raise ValueError(f"clip {clip} (D_{name}) is empty")
+        out.append(
+            {
+                "ID": Path(row["path"]).stem,
+                "duration": f"{duration:.3f}",
+                "wav": f"$data_root/clips/{row['path']}",
+                "spk_id": row["client_id"],
+                "label": label,
+                "gender_raw": row["gender"],
+                "age": row.get("age", ""),
+                "accent": row.get("accents", row.get("accent", "")),
+                "sentence": row["sentence"],
+            }
+        )
+    return out
+
+
+def _check_sets(manifests, counts, *, classes, sources) -> None:
+    """``ValueError`` for an empty D_aux or test set, or a class with no clip in D_priv."""
     if not manifests["aux"]:
         raise ValueError(
             f"D_aux ({sources['aux']}) has no labelled clip of classes {classes}: "
@@ -321,20 +376,14 @@ def prepare_common_voice(
         )
     if not manifests["test"]:
         raise ValueError(f"the test set ({sources['test']}) has no labelled clip")
-    report = {
-        "counts": counts,
-        "excluded": excluded,
-        "speakers": speakers,
-        "gender_map": gender_map,
-        "sources": sources,
-    }
+
+
+def _write_manifests(save_folder: Path, manifests: dict, stamp: dict) -> None:
+    """The three manifests and the options stamp, written whole or not at all."""
     with atomic_folder(save_folder) as tmp:
         for name in SET_NAMES:
             with open(tmp / f"{name}.csv", "w", encoding="utf-8", newline="") as handle:
                 writer = csv.DictWriter(handle, fieldnames=MANIFEST_COLUMNS)
                 writer.writeheader()
                 writer.writerows(manifests[name])
-        (tmp / OPTIONS_FILE).write_text(
-            json.dumps({"options": options, "report": report}, indent=2), encoding="utf-8"
-        )
-    return {**report, "skipped": False}
+        (tmp / OPTIONS_FILE).write_text(json.dumps(stamp, indent=2), encoding="utf-8")

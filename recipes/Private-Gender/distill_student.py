@@ -47,14 +47,18 @@ sys.path.insert(0, str(RECIPE_DIR))
 
 from gender_checks import check_student_hparams  # noqa: E402
 from gender_data import load_set  # noqa: E402
-from gender_model import build_model, predict_logits  # noqa: E402
-from gender_plots import plot_confusion  # noqa: E402
-from gender_report import eps_str, joint_row, results_table, write_json  # noqa: E402
+from gender_report import (  # noqa: E402
+    eps_str,
+    joint_row,
+    plot_confusion,
+    results_table,
+    write_json,
+)
+from gender_training import make_model, predict_logits  # noqa: E402
 
 from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.labels import IGNORE_LABEL, hide_labels  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
-from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
 from speechbrain_fl.distill.store import (  # noqa: E402
     read_teacher_outputs,
     verify_teacher_outputs,
@@ -122,12 +126,12 @@ class StudentBrain(sb.Brain):
 
 
 def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, run_opts):
-    """Adam on the KD objective through :class:`StudentBrain` (non-private: D_aux is public).
+    """The YAML's ``opt_class`` on the KD objective through :class:`StudentBrain` for the
+    YAML's ``epoch_counter`` (non-private: D_aux is public).
 
     ``run_opts`` (``sb.parse_arguments``): ``--debug`` limits the epochs and batches as in any
     SpeechBrain recipe. Returns ``(model, {"losses", "steps", "epochs"})``.
     """
-    from speechbrain.utils.epoch_loop import EpochCounter
     from torch.utils.data import DataLoader, TensorDataset
 
     loader = DataLoader(
@@ -138,18 +142,18 @@ def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, run_
     )
     brain = StudentBrain(
         modules={"student": model},
-        opt_class=lambda params: torch.optim.Adam(params, lr=hparams["lr"]),
+        opt_class=hparams["opt_class"],
         hparams={
             "temperature": hparams["temperature"],
             "alpha": hparams["alpha"],
             "class_weight": ce_class_weight(
-                hparams.get("ce_class_weight", "none"), labels, teacher_probs.shape[1]
+                hparams["ce_class_weight"], labels, teacher_probs.shape[1]
             ),
             "train_logger": hparams["train_logger"],
         },
         run_opts={"device": "cpu", **dict(run_opts or {})},
     )
-    brain.fit(EpochCounter(limit=hparams["epochs"]), train_set=loader)
+    brain.fit(hparams["epoch_counter"], train_set=loader)
     model.eval()
     return model, {"losses": brain.losses, "steps": brain.steps, "epochs": len(brain.losses)}
 
@@ -183,16 +187,82 @@ def main(argv):
 
 
 def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_all: float):
-    """The student run proper (``main`` checks the hparams and holds the run locks)."""
+    """The student run proper (``main`` checks the hparams and holds the run locks): the
+    verified teacher outputs, D_aux and test, the student, its metrics and privacy."""
     out = root / "student"
-    teacher_results = root / "teacher" / "results.json"
     sb.create_experiment_directory(
         experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
     )
-    debug = run_opts.get("debug", False)
+    teacher_run, outputs = read_teacher_run(hparams, root / "teacher" / "results.json")
+    classes = teacher_run["data"]["classes"]
+    majority = classes.index(teacher_run["data"]["majority_class"])
+    start = time.time()
+    data = load_student_data(hparams, teacher_run, outputs)
+    timings = {"data": time.time() - start}
 
-    # What the student may read: the teacher-output file, and the teacher run's public
-    # bookkeeping (privacy figures, DP-direct metrics, class names, D_aux/test manifests).
+    start = time.time()
+    student = make_model(
+        hparams["model"], num_classes=len(classes), privileged=False, init_seed=hparams["seed"]
+    )
+    student, info = train_student(
+        student,
+        feats=data["aux"]["feats"],
+        lengths=data["aux"]["lengths"],
+        labels=data["aux_labels"],
+        teacher_probs=data["teacher_probs"],
+        hparams=hparams,
+        run_opts=run_opts,
+    )
+    timings["student"] = time.time() - start
+    test = data["test"]
+    report = hparams["metrics"](
+        speakers=test["speakers"],
+        labels=test["labels"].tolist(),
+        predictions=predict_logits(student, test["feats"], test["lengths"]).argmax(1).tolist(),
+        classes=classes,
+        majority_class=majority,
+    )
+    with atomic_open(out / "student.ckpt", "wb") as handle:
+        torch.save(student.state_dict(), handle)
+    plot_confusion(
+        report["confusion"],
+        classes,
+        out / "plots" / "confusion_student.png",
+        title=f"student (KD, ε = {eps_str(teacher_run['privacy']['epsilon'])})",
+    )
+    timings["total"] = time.time() - start_all
+    results = {
+        "privacy": student_privacy(teacher_run),
+        # The run released more from D_priv than the student (DP-direct, trained on it too):
+        # the guarantee of everything released together is the teacher run's joint figure.
+        "privacy_joint": teacher_run.get("privacy_joint"),
+        "test": report,
+        "dp_direct": teacher_run["dp_direct"],
+        "teacher_outputs": str(hparams["teacher_outputs"]),
+        "kd": kd_block(hparams, info, data),
+        "method": teacher_run["method"],
+        "majority_class": classes[majority],
+        "majority_class_note": "from D_priv's label counts (teacher run): a raw D_priv "
+        "statistic, outside the DP guarantee",
+        "debug": bool(run_opts.get("debug", False)),
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+    write_json(out / "results.json", results)
+    hparams["train_logger"].log_stats(
+        stats_meta={"stage": "test"},
+        test_stats={
+            "balanced_accuracy": report["balanced_accuracy"]["value"],
+            "majpred": report["majpred"]["value"],
+        },
+    )
+    print_summary(results, teacher_run, classes, out)
+    return results
+
+
+def read_teacher_run(hparams, teacher_results: Path):
+    """What the student may read of the teacher run: its public bookkeeping (privacy figures,
+    DP-direct metrics, class names, D_aux/test manifests) and the teacher-output file, checked
+    against it (SHA-256, run id, privacy settings, classes)."""
     teacher_run = json.loads(teacher_results.read_text(encoding="utf-8"))
     outputs = read_teacher_outputs(hparams["teacher_outputs"], temperature=hparams["temperature"])
     verify_teacher_outputs(
@@ -206,13 +276,16 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
         raise ValueError(
             f"{hparams['teacher_outputs']} has classes {outputs.classes}, the teacher run {classes}"
         )
-    majority = classes.index(teacher_run["data"]["majority_class"])
+    return teacher_run, outputs
+
+
+def load_student_data(hparams, teacher_run, outputs) -> dict:
+    """D_aux (the ``aux_subset`` drawn from ``seed``), test, the teacher's probabilities on
+    D_aux and the ``aux_labels`` D_aux labels the student may read (the others hidden)."""
+    classes = teacher_run["data"]["classes"]
     data_folder, manifests = teacher_run["data"]["data_folder"], teacher_run["data"]["manifests"]
-    sets = {}
-    start = time.time()
-    for name in ("aux", "test"):
-        sets[name] = load_set(name, manifests, data_folder, hparams, classes)
-    aux, test = sets["aux"], sets["test"]
+    aux = load_set("aux", manifests, data_folder, hparams, classes)
+    test = load_set("test", manifests, data_folder, hparams, classes)
     if hparams["aux_subset"] is not None and hparams["aux_subset"] < len(aux["ids"]):
         if hparams["aux_subset"] < 1:
             raise ValueError(f"aux_subset must be >= 1 or null, got {hparams['aux_subset']}")
@@ -232,106 +305,68 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
     label_counts = {c: int((aux_labels == i).sum()) for i, c in enumerate(classes)}
     logger.info("D_aux labels read by the student: %d of %d %s", int(labelled.sum()),
                 len(aux_labels), label_counts)  # fmt: skip
-    timings = {"data": time.time() - start}
+    return {
+        "aux": aux,
+        "test": test,
+        "teacher_probs": teacher_probs,
+        "aux_labels": aux_labels,
+        "labelled": int(labelled.sum()),
+        "label_counts": label_counts,
+    }
 
-    start = time.time()
-    student = build_model(
-        hparams, num_classes=len(classes), privileged=False, init_seed=hparams["seed"]
-    )
-    student, info = train_student(
-        student,
-        feats=aux["feats"],
-        lengths=aux["lengths"],
-        labels=aux_labels,
-        teacher_probs=teacher_probs,
-        hparams=hparams,
-        run_opts=run_opts,
-    )
-    timings["student"] = time.time() - start
-    logits = predict_logits(student, test["feats"], test["lengths"])
-    report = collapse_report(
-        speakers=test["speakers"],
-        labels=test["labels"].tolist(),
-        predictions=logits.argmax(1).tolist(),
-        classes=classes,
-        majority_class=majority,
-        num_resamples=hparams["bootstrap_resamples"],
-    )
-    with atomic_open(out / "student.ckpt", "wb") as handle:
-        torch.save(student.state_dict(), handle)
-    plot_confusion(
-        report["confusion"],
-        classes,
-        out / "plots" / "confusion_student.png",
-        title=f"student (KD, ε = {eps_str(teacher_run['privacy']['epsilon'])})",
-    )
 
-    privacy = {
-        "epsilon": teacher_run["privacy"]["epsilon"],
-        "epsilon_rdp": teacher_run["privacy"].get("epsilon_rdp"),
-        "delta": teacher_run["privacy"]["delta"],
-        "accountant": teacher_run["privacy"]["accountant"],
+def student_privacy(teacher_run) -> dict:
+    """The student's guarantee: the teacher's (epsilon, delta), inherited by post-processing."""
+    teacher = teacher_run["privacy"]
+    return {
+        "epsilon": teacher["epsilon"],
+        "epsilon_rdp": teacher.get("epsilon_rdp"),
+        "delta": teacher["delta"],
+        "accountant": teacher["accountant"],
         # the teacher's DP-SGD audit (figures only): the student is post-processing of it
-        "audit": teacher_run["privacy"].get("audit"),
+        "audit": teacher.get("audit"),
         "guarantee": "inherited by post-processing",
         "scope": "example-level (epsilon, delta)-DP with respect to D_priv; no claim for D_aux",
         "covers": "the student alone (a function of the teacher's logits only)",
-        "unit": teacher_run["privacy"].get("unit"),
-        "speaker_level": teacher_run["privacy"].get("speaker_level"),
+        "unit": teacher.get("unit"),
+        "speaker_level": teacher.get("speaker_level"),
     }
-    # The run released more from D_priv than the student (DP-direct, trained on it too): the
-    # guarantee of everything released together is the teacher run's joint figure.
-    privacy_joint = teacher_run.get("privacy_joint")
-    timings["total"] = time.time() - start_all
-    results = {
-        "privacy": privacy,
-        "privacy_joint": privacy_joint,
-        "test": report,
-        "dp_direct": teacher_run["dp_direct"],
-        "teacher_outputs": str(hparams["teacher_outputs"]),
-        "kd": {
-            "temperature": hparams["temperature"],
-            "alpha": hparams["alpha"],
-            "dsaf": hparams["dsaf"],
-            "ce_class_weight": hparams.get("ce_class_weight", "none"),
-            "epochs": info["epochs"],
-            "steps": info["steps"],
-            "losses": info["losses"],
-            "aux_records": len(aux["ids"]),
-            "aux_labels": int(labelled.sum()),
-            "aux_label_counts": label_counts,
-        },
-        "method": teacher_run["method"],
-        "majority_class": classes[majority],
-        "majority_class_note": "from D_priv's label counts (teacher run): a raw D_priv "
-        "statistic, outside the DP guarantee",
-        "debug": bool(debug),
-        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+
+
+def kd_block(hparams, info, data) -> dict:
+    """The distillation section of results.json: settings, steps, losses and labels read."""
+    return {
+        "temperature": hparams["temperature"],
+        "alpha": hparams["alpha"],
+        "dsaf": hparams["dsaf"],
+        "ce_class_weight": hparams["ce_class_weight"],
+        "epochs": info["epochs"],
+        "steps": info["steps"],
+        "losses": info["losses"],
+        "aux_records": len(data["aux"]["ids"]),
+        "aux_labels": data["labelled"],
+        "aux_label_counts": data["label_counts"],
     }
-    write_json(out / "results.json", results)
-    hparams["train_logger"].log_stats(
-        stats_meta={"stage": "test"},
-        test_stats={
-            "balanced_accuracy": report["balanced_accuracy"]["value"],
-            "majpred": report["majpred"]["value"],
-        },
-    )
+
+
+def print_summary(results, teacher_run, classes, out: Path) -> None:
+    """The results table (DP-direct, the student, the joint figure) and the timings."""
+    report, direct = results["test"], results["dp_direct"] or {}
     direct_eps = (teacher_run.get("dp_direct_privacy") or {}).get("epsilon")
     rows = [
         ("DP-direct", results["dp_direct"], eps_str(direct_eps)),
-        ("student (KD)", report, eps_str(privacy["epsilon"])),
+        ("student (KD)", report, eps_str(results["privacy"]["epsilon"])),
     ]
-    if privacy_joint is not None:
-        rows.append(joint_row(privacy_joint))
+    if results["privacy_joint"] is not None:
+        rows.append(joint_row(results["privacy_joint"]))
     print("\n" + results_table(rows, classes))
-    dpd = (results["dp_direct"] or {}).get("balanced_accuracy", {}).get("value", np.nan)
+    dpd = direct.get("balanced_accuracy", {}).get("value", np.nan)
     print(
         f"Student balanced accuracy {report['balanced_accuracy']['value']:.3f} vs DP-direct {dpd:.3f}; "
-        f"MajPred {report['majpred']['value']:.3f} vs {(results['dp_direct'] or {}).get('majpred', {}).get('value', np.nan):.3f}"
+        f"MajPred {report['majpred']['value']:.3f} vs {direct.get('majpred', {}).get('value', np.nan):.3f}"
     )
     print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
     print(f"Results: {out / 'results.json'}")
-    return results
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 :func:`check_teacher_hparams` and :func:`check_student_hparams` look at every value the two
 scripts use and raise :class:`HparamsError` (a ``ValueError``) for the first bad one, with one
 message naming the hparams file, the key and the value (and "command line" when the value
-came from an override). Values that used to be accepted silently are errors here: ``clip: 0``
+came from an override). Values that would otherwise pass silently are errors here: ``clip: 0``
 (every clipped gradient is zero: training to chance at a reported epsilon), a non-integer
-``aw_floor`` (was truncated), ``noise_multiplier <= 0`` (no noise: not private; negative ones
+``aw_floor`` (it would be truncated), ``noise_multiplier <= 0`` (no noise: not private; negative ones
 ended in a torch traceback), ``batch_size: 0``. The one check that needs the data,
 ``delta <= 1 / |D_priv|``, runs as soon as |D_priv| is known (``gender_training.check_delta``).
 

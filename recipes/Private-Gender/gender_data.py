@@ -110,7 +110,7 @@ def cap_clips_per_speaker(rows: list[dict], *, max_clips: int, seed: int) -> lis
     The subset is drawn from ``seed`` before training (which clips a speaker keeps is not a
     function of the clips' content), so that one speaker is at most ``max_clips`` records of
     D_priv and the clip-level guarantee extends to speakers by group privacy
-    (``gender_privacy.speaker_level``).
+    (``gender_report.speaker_level``).
 
     Example
     -------

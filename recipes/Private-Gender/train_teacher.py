@@ -31,7 +31,6 @@ Authors
 
 from __future__ import annotations
 
-import copy
 import logging
 import sys
 import time
@@ -47,32 +46,72 @@ sys.path.insert(0, str(RECIPE_DIR))
 
 from gender_checks import check_teacher_hparams  # noqa: E402
 from gender_data import load_set, prepare_data, privileged_tokens  # noqa: E402
-from gender_model import build_model, per_sample_grad_norms, predict_logits  # noqa: E402
-from gender_plots import plot_confusion, plot_grad_norms  # noqa: E402
-from gender_privacy import UNIT_OF_PRIVACY, joint_privacy, speaker_level  # noqa: E402
 from gender_report import (  # noqa: E402
     audit_table,
+    data_block,
+    dp_direct_privacy,
     eps_str,
+    joint_release_privacy,
     joint_row,
+    plot_confusion,
+    plot_grad_norms,
     results_table,
+    teacher_block,
+    teacher_privacy,
     write_json,
 )
-from gender_training import RAW_LOSS_KEY, train_model  # noqa: E402
+from gender_training import (  # noqa: E402
+    make_model,
+    median_clip,
+    per_sample_grad_norms,
+    predict_logits,
+    train_model,
+)
 
-from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
-from speechbrain_fl.distill.metrics import collapse_report  # noqa: E402
 from speechbrain_fl.distill.store import (  # noqa: E402
     teacher_outputs_record,
     write_teacher_outputs,
 )
 from speechbrain_fl.recipe import load_run_hparams  # noqa: E402
+from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 
+def dp_settings(hparams) -> dict | None:
+    """The DP-SGD settings of ``train_model`` from the hparams (``None`` when ``dp`` is off)."""
+    if not hparams["dp"]:
+        return None
+    return {
+        "target_epsilon": hparams["target_epsilon"],
+        "noise_multiplier": hparams["noise_multiplier"],
+        "delta": hparams["delta"],
+        "clip": hparams["clip"],
+        "accountant": hparams["accountant"],
+        "seed": hparams["dp_seed"],
+    }
+
+
+def with_clip(dp, rule):
+    """The DP settings with the clip of a median rule (``rule`` None: unchanged)."""
+    return dp if dp is None or rule is None else {**dp, "clip": rule["clip"]}
+
+
+def audit_settings(hparams, plots: Path):
+    """The teacher's canary audit (``audit_canaries`` > 0 with DP), else ``None``."""
+    if not hparams["dp"] or not hparams["audit_canaries"]:
+        return None
+    return {
+        "canaries": hparams["audit_canaries"],
+        "confidence": hparams["audit_confidence"],
+        "plot": plots / "audit_cosines.png",
+    }
+
+
 def aw_weights(hparams, aux_counts, classes):
-    """AW-DP class weights from a privacy-free source (D_aux label counts or a prior).
+    """AW-DP class weights ``w_c = (min_k n_k / n_c) ** aw_gamma`` from a privacy-free source
+    (D_aux label counts or a prior); ``(None, None)`` when ``aw_dp`` is off.
 
     The keys were checked before any work (``gender_checks``); only the data-dependent
     condition (every class present in D_aux) is checked here.
@@ -110,71 +149,18 @@ def aw_weights(hparams, aux_counts, classes):
     }
 
 
-def audit_settings(hparams, plots: Path):
-    """The teacher's canary audit (``audit_canaries`` > 0 with DP), else ``None``."""
-    if not hparams["dp"] or not hparams["audit_canaries"]:
-        return None
-    return {
-        "canaries": hparams["audit_canaries"],
-        "confidence": hparams["audit_confidence"],
-        "plot": plots / "audit_cosines.png",
-    }
-
-
-def dp_settings(hparams):
-    if not hparams["dp"]:
-        return None
-    return {
-        "target_epsilon": hparams["target_epsilon"],
-        "noise_multiplier": hparams["noise_multiplier"],
-        "delta": hparams["delta"],
-        "clip": hparams["clip"],
-        "accountant": hparams["accountant"],
-        "seed": hparams["dp_seed"],
-    }
-
-
-def _with_clip(dp, rule):
-    """The DP settings with the clip of a median rule (``rule`` None: unchanged)."""
-    return dp if dp is None or rule is None else {**dp, "clip": rule["clip"]}
-
-
-def median_clip(hparams, model, aux, tokens) -> dict:
-    """``C = clip_median_factor * median_i ||g_i||`` of ``model`` at initialisation on D_aux.
-
-    The norms are those of the model about to be trained (its own front-end, DSAF or not), on
-    the public D_aux, so the rule costs no privacy and C sits where clipping binds for about
-    half the records, the regime where DSAF's lower norm dispersion can matter (with C far
-    below every norm, every gradient is clipped with or without DSAF).
-    """
-    n = min(hparams["grad_norm_records"], aux["labels"].numel())
-    norms = per_sample_grad_norms(
-        copy.deepcopy(model),  # the model to be trained keeps its untouched initialisation
-        aux["feats"][:n],
-        aux["lengths"][:n],
-        aux["labels"][:n],
-        tokens=None if tokens is None else tokens[:n],
-    )
-    median = float(np.median(norms))
-    return {
-        "rule": "clip_median_factor * median per-sample gradient norm at init (D_aux)",
-        "factor": hparams["clip_median_factor"],
-        "median_norm": median,
-        "records": int(n),
-        "clip": hparams["clip_median_factor"] * median,
-    }
-
-
 def dsaf_diagnostic(hparams, aux, num_classes, plots):
-    """CV of per-sample gradient norms at initialisation, with and without DSAF (on D_aux)."""
+    """CV = std / mean of the per-sample gradient norms at initialisation, with and without DSAF
+    (the YAML's ``model`` with ``dsaf`` True and False, same initial draw, on D_aux)."""
     n = min(hparams["grad_norm_records"], aux["labels"].numel())
     norms = {}
     for name, flag in (("with DSAF", True), ("without DSAF", False)):
-        model = build_model(
-            {**hparams, "dsaf": flag},
+        model = make_model(
+            hparams["model"],
             num_classes=num_classes,
             privileged=False,
             init_seed=hparams["seed"],
+            dsaf=flag,
         )
         norms[name] = per_sample_grad_norms(
             model, aux["feats"][:n], aux["lengths"][:n], aux["labels"][:n]
@@ -197,6 +183,7 @@ def dsaf_diagnostic(hparams, aux, num_classes, plots):
         n,
     )
     return {"records": int(n), "set": "D_aux (public)", "at": "initialisation", **stats}
+
 
 
 # --debug (SpeechBrain's: 2 epochs of 2 batches): a small embedded corpus in its own cache
@@ -227,17 +214,76 @@ def main(argv):
 
 
 def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all: float) -> dict:
-    """The teacher run proper (``main`` checks the hparams and holds the run lock)."""
+    """The teacher run proper (``main`` checks the hparams and holds the run lock): the data,
+    the DSAF diagnostic, the teacher and its single query on D_aux, DP-direct, the report."""
     sb.create_experiment_directory(
         experiment_directory=str(out), hyperparams_to_save=str(hparams_path), overrides=overrides
     )
-    debug = run_opts.get("debug", False)
-    max_steps = run_opts.get("debug_batches", 2) if debug else None
-    epochs = run_opts.get("debug_epochs", 2) if debug else hparams["epochs"]
-    classes = list(hparams["classes"])
+    debug = bool(run_opts.get("debug", False))
     timings = {}
-
     start = time.time()
+    data = load_data(hparams)
+    timings["data"] = time.time() - start
+
+    plots = out / "plots"
+    start = time.time()
+    diagnostic = dsaf_diagnostic(hparams, data["aux"], len(data["classes"]), plots)
+    timings["dsaf_diagnostic"] = time.time() - start
+    weights, aw_info = aw_weights(hparams, data["aux_counts"], data["classes"])
+    options = training_options(hparams, run_opts, weights=weights, aw_info=aw_info)
+    clip_rules = {}
+    start = time.time()
+    teacher, teacher_info = train_teacher_model(hparams, data, options, clip_rules, plots)
+    timings["teacher"] = time.time() - start
+    # The single query of the teacher on D_aux (with D_aux's own privileged inputs).
+    aux_logits = predict_logits(
+        teacher, data["aux"]["feats"], data["aux"]["lengths"], split_tokens(hparams, data["aux"])
+    )
+    privacy = teacher_privacy(hparams, teacher_info)
+    evaluation = evaluate_teacher(hparams, data, teacher, aux_logits)
+    with atomic_open(out / "teacher.ckpt", "wb") as handle:
+        torch.save(teacher.state_dict(), handle)
+
+    direct = {"block": None, "info": None}
+    if hparams["train_dp_direct"]:
+        start = time.time()
+        direct = dp_direct(hparams, data, options, clip_rules, (teacher, teacher_info), out)
+        timings["dp_direct"] = time.time() - start
+    plot_confusion(
+        evaluation["test"]["confusion"],
+        data["classes"],
+        plots / "confusion_teacher.png",
+        title=f"teacher ({hparams['teacher_modality']}, not released)",
+    )
+    privacy_joint = joint_release_privacy(hparams, teacher_info, direct["info"])
+    timings["total"] = time.time() - start_all
+    results = {
+        "privacy": privacy,
+        "privacy_joint": privacy_joint,
+        "dp_direct": direct["block"],
+        "dp_direct_privacy": dp_direct_privacy(hparams, direct["info"]),
+        "teacher": teacher_block(hparams, teacher_info, evaluation),
+        "method": {
+            "dsaf": hparams["dsaf"],
+            "aw_dp": aw_info,
+            "dp": hparams["dp"],
+            "target_epsilon": hparams["target_epsilon"] if hparams["dp"] else None,
+            "clip_rules": clip_rules or None,
+        },
+        "dsaf_diagnostic": diagnostic,
+        "data": data_block(hparams, data),
+        "debug": debug,
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+    write_outputs(hparams, out, results, aux_ids=data["aux"]["ids"], aux_logits=aux_logits)
+    print_summary(results, data["classes"], out, modality=hparams["teacher_modality"])
+    return results
+
+
+def load_data(hparams) -> dict:
+    """D_priv (capped per speaker), D_aux and test, their label counts and D_priv's majority
+    class (an evaluation-only statistic, outside the guarantee)."""
+    classes = list(hparams["classes"])
     data_folder, manifests, prep = prepare_data(hparams)
     priv = load_set(
         "priv",
@@ -249,10 +295,8 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
     )
     aux = load_set("aux", manifests, data_folder, hparams, classes)
     test = load_set("test", manifests, data_folder, hparams, classes)
-    timings["data"] = time.time() - start
     priv_counts = {c: int((priv["labels"] == i).sum()) for i, c in enumerate(classes)}
     aux_counts = {c: int((aux["labels"] == i).sum()) for i, c in enumerate(classes)}
-    majority = int(np.argmax([priv_counts[c] for c in classes]))
     logger.info(
         "|D_priv| = %d %s, |D_aux| = %d %s, |test| = %d",
         len(priv["ids"]),
@@ -261,240 +305,178 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
         aux_counts,
         len(test["ids"]),
     )
+    return {
+        "classes": classes,
+        "data_folder": data_folder,
+        "manifests": manifests,
+        "prep": prep,
+        "priv": priv,
+        "aux": aux,
+        "test": test,
+        "priv_counts": priv_counts,
+        "aux_counts": aux_counts,
+        "majority": int(np.argmax([priv_counts[c] for c in classes])),
+    }
 
-    plots = out / "plots"
-    start = time.time()
-    diagnostic = dsaf_diagnostic(hparams, aux, len(classes), plots)
-    timings["dsaf_diagnostic"] = time.time() - start
-    weights, aw_info = aw_weights(hparams, aux_counts, classes)
-    dp = dp_settings(hparams)
 
-    multimodal = hparams["teacher_modality"] == "multimodal"
+def split_tokens(hparams, split):
+    """The privileged tokens of a split for the multimodal teacher (``None`` when audio-only)."""
+    if hparams["teacher_modality"] != "multimodal":
+        return None
+    return privileged_tokens(
+        split["rows"],
+        fields=hparams["privileged_fields"],
+        buckets=hparams["priv_buckets"],
+        max_tokens=hparams["max_tokens"],
+    )
 
-    def tokens(split):
-        if not multimodal:
-            return None
-        return privileged_tokens(
-            split["rows"],
-            fields=hparams["privileged_fields"],
-            buckets=hparams["priv_buckets"],
-            max_tokens=hparams["max_tokens"],
-        )
 
-    common = {
-        "epochs": epochs,
+def training_options(hparams, run_opts, *, weights, aw_info) -> dict:
+    """The ``train_model`` keywords the teacher and DP-direct share (``--debug``: 2 epochs of 2
+    batches unless ``--debug_epochs`` / ``--debug_batches`` say otherwise)."""
+    debug = run_opts.get("debug", False)
+    return {
+        "epochs": run_opts.get("debug_epochs", 2) if debug else hparams["epochs"],
         "batch_size": hparams["batch_size"],
-        "lr": hparams["lr"],
-        "dp": dp,
+        "opt_class": hparams["opt_class"],
+        "dp": dp_settings(hparams),
         "class_weights": weights,
-        "max_steps": max_steps,
+        "max_steps": run_opts.get("debug_batches", 2) if debug else None,
         "train_logger": hparams["train_logger"],
         "batch_adaptive": {"shares": aw_info["counts"], "floor": aw_info["floor"]}
         if aw_info and aw_info["mode"] == "batch_adaptive"
         else None,
     }
-    start = time.time()
-    teacher = build_model(
-        hparams, num_classes=len(classes), privileged=multimodal, init_seed=hparams["seed"]
-    )
-    clip_rules = {}
+
+
+def _train_on_priv(hparams, data, options, clip_rules, model, *, desc, tokens, audit=None):
+    """``train_model`` on D_priv, with C from the median rule when ``clip_median_factor`` is
+    set (recorded in ``clip_rules[desc]``)."""
+    dp = options["dp"]
     if dp and hparams["clip_median_factor"] is not None:
-        clip_rules["teacher"] = median_clip(hparams, teacher, aux, tokens(aux))
-        logger.info("teacher clip from the D_aux median rule: %s", clip_rules["teacher"])
-    teacher, teacher_info = train_model(
-        teacher,
+        aux_tokens = None if tokens is None else split_tokens(hparams, data["aux"])
+        clip_rules[desc] = median_clip(hparams, model, data["aux"], aux_tokens)
+        logger.info("%s clip from the D_aux median rule: %s", desc, clip_rules[desc])
+    priv = data["priv"]
+    return train_model(
+        model,
         feats=priv["feats"],
         lengths=priv["lengths"],
-        tokens=tokens(priv),
+        tokens=tokens,
         labels=priv["labels"],
+        desc=desc,
+        audit=audit,
+        **{**options, "dp": with_clip(dp, clip_rules.get(desc))},
+    )
+
+
+def train_teacher_model(hparams, data, options, clip_rules, plots):
+    """The teacher (multimodal or audio-only, ``seed``) trained with DP-SGD and the audit."""
+    multimodal = hparams["teacher_modality"] == "multimodal"
+    teacher = make_model(
+        hparams["model"],
+        num_classes=len(data["classes"]),
+        privileged=multimodal,
+        init_seed=hparams["seed"],
+    )
+    return _train_on_priv(
+        hparams,
+        data,
+        options,
+        clip_rules,
+        teacher,
         desc="teacher",
+        tokens=split_tokens(hparams, data["priv"]),
         audit=audit_settings(hparams, plots),
-        **{**common, "dp": _with_clip(dp, clip_rules.get("teacher"))},
     )
-    timings["teacher"] = time.time() - start
 
-    # The single query of the teacher on D_aux (with D_aux's own privileged inputs).
-    aux_logits = predict_logits(teacher, aux["feats"], aux["lengths"], tokens(aux))
-    privacy = {
-        "epsilon": teacher_info["epsilon"],
-        "epsilon_rdp": teacher_info.get("epsilon_rdp"),
-        "delta": hparams["delta"] if dp else None,
-        "accountant": hparams["accountant"] if dp else None,
-        "sigma_calibrated_with": teacher_info.get("sigma_calibrated_with"),
-        **{
-            k: teacher_info.get(k)
-            for k in ("noise_multiplier", "sampling_rate", "clip", "steps", "aw_batch_adaptive")
-        },
-        "audit": teacher_info.get("audit"),
-        "unit": UNIT_OF_PRIVACY,
-        "speaker_level": speaker_level(
-            epsilon=teacher_info["epsilon"],
-            delta=hparams["delta"] if dp else None,
-            max_clips=hparams["max_clips_per_speaker"],
-        ),
-    }
-    teacher_aux = collapse_report(
-        speakers=aux["speakers"],
-        labels=aux["labels"].tolist(),
-        predictions=aux_logits.argmax(1).tolist(),
-        classes=classes,
-        majority_class=majority,
-        num_resamples=hparams["bootstrap_resamples"],
-    )
-    teacher_test_logits = predict_logits(teacher, test["feats"], test["lengths"], tokens(test))
-    teacher_test = collapse_report(
-        speakers=test["speakers"],
-        labels=test["labels"].tolist(),
-        predictions=teacher_test_logits.argmax(1).tolist(),
-        classes=classes,
-        majority_class=majority,
-        num_resamples=hparams["bootstrap_resamples"],
-    )
-    with atomic_open(out / "teacher.ckpt", "wb") as handle:
-        torch.save(teacher.state_dict(), handle)
 
-    dp_direct_block, dp_direct_info = None, None
-    if hparams["train_dp_direct"]:
-        start = time.time()
-        if multimodal:
-            direct = build_model(
-                hparams, num_classes=len(classes), privileged=False, init_seed=hparams["seed"] + 1
-            )
-            if dp and hparams["clip_median_factor"] is not None:
-                clip_rules["DP-direct"] = median_clip(hparams, direct, aux, None)
-            direct, dp_direct_info = train_model(
-                direct,
-                feats=priv["feats"],
-                lengths=priv["lengths"],
-                tokens=None,
-                labels=priv["labels"],
-                desc="DP-direct",
-                **{**common, "dp": _with_clip(dp, clip_rules.get("DP-direct"))},
-            )
-        else:  # an audio-only teacher *is* the DP-direct model
-            direct, dp_direct_info = teacher, teacher_info
-        timings["dp_direct"] = time.time() - start
-        direct_logits = predict_logits(direct, test["feats"], test["lengths"])
-        dp_direct_block = collapse_report(
-            speakers=test["speakers"],
-            labels=test["labels"].tolist(),
-            predictions=direct_logits.argmax(1).tolist(),
-            classes=classes,
-            majority_class=majority,
-            num_resamples=hparams["bootstrap_resamples"],
+def _report(hparams, data, split, logits) -> dict:
+    """The YAML's ``metrics`` (collapse report) of ``logits`` on ``split``."""
+    return hparams["metrics"](
+        speakers=split["speakers"],
+        labels=split["labels"].tolist(),
+        predictions=logits.argmax(1).tolist(),
+        classes=data["classes"],
+        majority_class=data["majority"],
+    )
+
+
+def evaluate_teacher(hparams, data, teacher, aux_logits) -> dict:
+    """The teacher's agreement with D_aux's labels and its test metrics (not released)."""
+    aux_report = _report(hparams, data, data["aux"], aux_logits)
+    test = data["test"]
+    logits = predict_logits(teacher, test["feats"], test["lengths"], split_tokens(hparams, test))
+    return {"aux": aux_report, "test": _report(hparams, data, test, logits)}
+
+
+def dp_direct(hparams, data, options, clip_rules, teacher_and_info, out: Path) -> dict:
+    """DP-direct, the audio-only baseline at the same budget (``seed + 1``; an audio-only
+    teacher *is* DP-direct), its test metrics, confusion plot and checkpoint."""
+    if hparams["teacher_modality"] == "multimodal":
+        direct = make_model(
+            hparams["model"],
+            num_classes=len(data["classes"]),
+            privileged=False,
+            init_seed=hparams["seed"] + 1,
         )
-        plot_confusion(
-            dp_direct_block["confusion"],
-            classes,
-            plots / "confusion_dp_direct.png",
-            title=f"DP-direct (ε = {eps_str(dp_direct_info['epsilon'])})",
+        direct, info = _train_on_priv(
+            hparams, data, options, clip_rules, direct, desc="DP-direct", tokens=None
         )
-        with atomic_open(out / "dp_direct.ckpt", "wb") as handle:
-            torch.save(direct.state_dict(), handle)
+    else:
+        direct, info = teacher_and_info
+    test = data["test"]
+    block = _report(hparams, data, test, predict_logits(direct, test["feats"], test["lengths"]))
     plot_confusion(
-        teacher_test["confusion"],
-        classes,
-        plots / "confusion_teacher.png",
-        title=f"teacher ({hparams['teacher_modality']}, not released)",
+        block["confusion"],
+        data["classes"],
+        out / "plots" / "confusion_dp_direct.png",
+        title=f"DP-direct (ε = {eps_str(info['epsilon'])})",
     )
+    with atomic_open(out / "dp_direct.ckpt", "wb") as handle:
+        torch.save(direct.state_dict(), handle)
+    return {"block": block, "info": info}
 
-    # Everything this run releases from D_priv: the teacher (its logits) and DP-direct.
-    privacy_joint = None
-    if dp:
-        releases = [{"name": "teacher", "history": teacher_info["accountant_history"]}]
-        if dp_direct_info is not None and dp_direct_info is not teacher_info:
-            releases.append({"name": "DP-direct", "history": dp_direct_info["accountant_history"]})
-        privacy_joint = joint_privacy(
-            releases, delta=hparams["delta"], accountant=hparams["accountant"]
-        )
-        logger.info("Joint privacy of the run's releases from D_priv: %s", privacy_joint)
-    timings["total"] = time.time() - start_all
-    results = {
-        "privacy": privacy,
-        "privacy_joint": privacy_joint,
-        "dp_direct": dp_direct_block,
-        "dp_direct_privacy": None
-        if dp_direct_info is None
-        else {
-            "epsilon": dp_direct_info["epsilon"],
-            "epsilon_rdp": dp_direct_info.get("epsilon_rdp"),
-            "delta": hparams["delta"] if dp else None,
-            "noise_multiplier": dp_direct_info.get("noise_multiplier"),
-            "clip": dp_direct_info.get("clip"),
-            "steps": dp_direct_info["steps"],
-            "note": "a separate release at the same budget (alternative to the teacher-student pipeline)",
-        },
-        "teacher": {
-            "modality": hparams["teacher_modality"],
-            "privileged_fields": hparams["privileged_fields"] if multimodal else [],
-            "modality_dropout": hparams["modality_dropout"] if multimodal else None,
-            "test": teacher_test,
-            "aux_agreement": teacher_aux,
-            "losses": teacher_info["losses"],
-            "losses_note": RAW_LOSS_KEY,
-            "note": "not released; its test metrics use the test set's privileged inputs",
-        },
-        "method": {
-            "dsaf": hparams["dsaf"],
-            "aw_dp": aw_info,
-            "dp": hparams["dp"],
-            "target_epsilon": hparams["target_epsilon"] if dp else None,
-            "clip_rules": clip_rules or None,
-        },
-        "dsaf_diagnostic": diagnostic,
-        "data": {
-            "data_folder": str(data_folder),
-            "embedded_corpus": hparams["data_folder"] is None,
-            "manifests": str(manifests),
-            "classes": classes,
-            "counts": prep.get("counts"),
-            "excluded": prep.get("excluded"),
-            "speakers": prep.get("speakers"),
-            "gender_map": prep.get("gender_map"),
-            "sources": prep.get("sources"),
-            "priv_counts": priv_counts,
-            "aux_counts": aux_counts,
-            "majority_class": classes[majority],
-            "majority_class_note": "D_priv label counts: evaluation-only statistic, outside the DP guarantee",
-            "capped_clips": priv.get("capped_clips"),
-            "outside_guarantee": "raw D_priv statistics, released without noise and outside the "
-            "DP guarantee: counts.priv, excluded.priv, speakers.priv, priv_counts, "
-            "majority_class, capped_clips (and teacher.losses)",
-        },
-        "debug": bool(debug),
-        "timings_s": {k: round(v, 1) for k, v in timings.items()},
-    }
-    # The teacher's outputs are one unit: the logits first, then results.json (the manifest,
-    # with the logits' SHA-256, run id and privacy settings), which the student verifies.
-    run_id = uuid.uuid4().hex
+
+def write_outputs(hparams, out: Path, results, *, aux_ids, aux_logits) -> None:
+    """The teacher's outputs as one unit: the logits first, then results.json (the manifest,
+    with the logits' SHA-256, run id and privacy settings), which the student verifies; then
+    the test stage of the train log."""
+    privacy = results["privacy"]
     write_teacher_outputs(
         out / "aux_logits.npz",
-        ids=aux["ids"],
+        ids=aux_ids,
         logits=aux_logits.numpy(),
-        classes=classes,
-        meta={**privacy, "teacher_modality": hparams["teacher_modality"], "run_id": run_id},
+        classes=results["data"]["classes"],
+        meta={
+            **privacy,
+            "teacher_modality": hparams["teacher_modality"],
+            "run_id": uuid.uuid4().hex,
+        },
     )
     results["teacher_outputs"] = teacher_outputs_record(out / "aux_logits.npz")
     write_json(out / "results.json", results)
     hparams["train_logger"].log_stats(
         stats_meta={"stage": "test"},
         test_stats={
-            "dp_direct_balanced_accuracy": (dp_direct_block or {})
+            "dp_direct_balanced_accuracy": (results["dp_direct"] or {})
             .get("balanced_accuracy", {})
             .get("value"),
             "epsilon": privacy["epsilon"],
         },
     )
+
+
+def print_summary(results, classes, out: Path, *, modality: str) -> None:
+    """The results table (each model's epsilon, a last row for the joint one), the audit, the
+    DSAF diagnostic and the timings."""
+    privacy, diagnostic = results["privacy"], results["dsaf_diagnostic"]
     rows = [
-        ("DP-direct", dp_direct_block, eps_str((dp_direct_info or {}).get("epsilon"))),
-        (
-            f"teacher ({hparams['teacher_modality']}, not released)",
-            teacher_test,
-            eps_str(privacy["epsilon"]),
-        ),
-    ]
-    if privacy_joint is not None:
-        rows.append(joint_row(privacy_joint))
+        ("DP-direct", results["dp_direct"], eps_str((results["dp_direct_privacy"] or {}).get("epsilon"))),
+        (f"teacher ({modality}, not released)", results["teacher"]["test"], eps_str(privacy["epsilon"])),
+    ]  # fmt: skip
+    if results["privacy_joint"] is not None:
+        rows.append(joint_row(results["privacy_joint"]))
     print("\n" + results_table(rows, classes))
     if privacy["audit"] is not None:
         print(audit_table(privacy["audit"]))
@@ -504,7 +486,6 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
     )
     print("Time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["timings_s"].items()))
     print(f"Results: {out / 'results.json'}; teacher outputs: {out / 'aux_logits.npz'}")
-    return results
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes" / "Private-Gender"))
 
-from gender_privacy import history_epsilon, joint_privacy, speaker_level  # noqa: E402
+from gender_report import history_epsilon, joint_privacy, speaker_level  # noqa: E402
 
 ORDERS = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)), dtype=float)
 

@@ -25,11 +25,11 @@ tables give the 95% bootstrap intervals, which cover the test-set sampling only,
 training randomness; with several, mean ± sd over the seeds, and studies that compare methods
 (ablation, alpha) also the paired differences to their reference row (``gender_stats.paired``).
 
-    > python recipes/Private-Gender/studies.py --only repeats --seeds 1 2 3 4 5
-    > python recipes/Private-Gender/studies.py --root results/Private-Gender/studies
-    > python recipes/Private-Gender/studies.py --only ablation alpha --study_seeds 1 2 3 4 5
-    > python recipes/Private-Gender/studies.py --only ablation --extra "--epochs 10"
-    > python recipes/Private-Gender/studies.py --only    # rewrite the tables, run nothing
+    > python recipes/Private-Gender/studies/studies.py --only repeats --seeds 1 2 3 4 5
+    > python recipes/Private-Gender/studies/studies.py --root results/Private-Gender/studies
+    > python recipes/Private-Gender/studies/studies.py --only ablation alpha --study_seeds 1 2 3 4 5
+    > python recipes/Private-Gender/studies/studies.py --only ablation --extra "--epochs 10"
+    > python recipes/Private-Gender/studies/studies.py --only    # rewrite the tables, run nothing
 
 **Tuning on a real D_priv is not accounted.** Every row trains new DP models on the same
 D_priv, and each row's epsilon covers that row alone. Comparing rows and keeping the best
@@ -52,8 +52,9 @@ import time
 import warnings
 from pathlib import Path
 
-RECIPE_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(RECIPE_DIR))
+STUDIES_DIR = Path(__file__).resolve().parent
+RECIPE_DIR = STUDIES_DIR.parent  # the recipe scripts and their hparams/
+sys.path[:0] = [str(STUDIES_DIR), str(RECIPE_DIR)]
 
 import distill_student  # noqa: E402
 import gender_repeats  # noqa: E402
@@ -422,7 +423,7 @@ def main(argv=None):
         help="seeds of the other studies (each row once per seed; default 1 2 3); given "
         "without a value: one run per row with the hparams' seed",
     )
-    parser.add_argument("--readme", default=str(RECIPE_DIR / "README.md"))
+    parser.add_argument("--readme", default=str(STUDIES_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
     root, extra = Path(args.root), shlex.split(args.extra)

@@ -10,7 +10,7 @@ effect (the canaries' directions and split still come from the OS). DP-direct is
 the markdown table (per metric: mean ± sd with canaries, without, and the paired difference
 with its 95% t-interval over the seeds, ``gender_stats.paired``).
 
-    > python recipes/Private-Gender/audit_cost.py --seeds 1 2 3 4 5 --root results/audit_cost
+    > python recipes/Private-Gender/studies/audit_cost.py --seeds 1 2 3 4 5 --root results/audit_cost
 
 Authors
  * speechbrain-fl contributors
@@ -24,8 +24,9 @@ import os
 import sys
 from pathlib import Path
 
-RECIPE_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(RECIPE_DIR))
+STUDIES_DIR = Path(__file__).resolve().parent
+RECIPE_DIR = STUDIES_DIR.parent  # the recipe scripts and their hparams/
+sys.path[:0] = [str(STUDIES_DIR), str(RECIPE_DIR)]
 
 import distill_student  # noqa: E402
 import train_teacher  # noqa: E402
