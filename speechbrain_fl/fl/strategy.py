@@ -89,7 +89,7 @@ PRIVACY_KEYS = (
     "delta",
     "sampling_rate",
     "accountant",
-    "clip_method",
+    "method",
     "alpha",
     "ema_beta",
     "ema_gamma",
@@ -316,7 +316,7 @@ class DPFedAvg(FedAvg):
             else None
         )
         self.ema = None
-        base = ema_base_of(config.clip_method) if config.clip is not None else None
+        base = ema_base_of(config.method) if config.clip is not None else None
         if base is not None:
             self.ema = EMABudgetState(
                 layout,
@@ -367,7 +367,7 @@ class DPFedAvg(FedAvg):
             return None
         return compute_budgets(
             self.layout,
-            method=self.config.clip_method,
+            method=self.config.method,
             clip=self.config.clip,
             alpha=self.config.alpha,
             ema_state=self.ema,
