@@ -31,7 +31,8 @@ from .npy_codec import decode_record
 from .params import load_trainable, params_fingerprint, trainable_state
 from .server import ServerResult, ServerTask, default_layout, model_depth_names
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
-from .strategy import AggregateFailed, DPFedAvg, RoundFailed, RoundReport
+from .round_report import AggregateFailed, RoundFailed, RoundReport
+from .strategy import DPFedAvg
 from .telemetry import RoundsTelemetry, progress_line, train_log_rounds, truncate_train_log
 
 __all__ = ["RoundLoop", "round_meta"]
