@@ -140,6 +140,9 @@ class ServerResult:
     privacy : dict, optional
         :func:`speechbrain_fl.privacy.accounting.privacy_report` of the run (``None`` without
         noise).
+    config : FLConfig, optional
+        The configuration the run ran with (the task's, built once by the recipe's factory):
+        a report reads it from here instead of building its own.
     """
 
     params: dict[str, torch.Tensor]
@@ -150,6 +153,7 @@ class ServerResult:
     round_budgets: list[dict[str, float]] = field(default_factory=list)
     reports: list[Any] = field(default_factory=list)
     privacy: dict[str, Any] | None = None
+    config: FLConfig | None = None
 
 
 def default_layout(brain: sb.Brain) -> Layout:

@@ -310,6 +310,7 @@ class RoundLoop:
             round_budgets=self.round_budgets,
             reports=self.reports,
             privacy=self.finish(),
+            config=self.cfg,
         )
 
     def finish(self) -> dict[str, Any] | None:
