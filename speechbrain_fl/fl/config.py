@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speechbrain_fl.privacy import budget_methods, get_budget_method
+from speechbrain_fl.privacy import PrivacyMethod, budget_methods, get_budget_method
 
 from .config_checks import BACKENDS, check_config
 
@@ -229,7 +229,10 @@ class FLConfig:
         ---------
         hparams : mapping
             Loaded hparams; the keys of :data:`YAML_KEYS` and the fields named alike are read,
-            the rest (model, data, logging keys) ignored. ``method`` defaults to ``fedavg``.
+            the rest (model, data, logging keys) ignored. ``method`` is a registered name
+            (default ``fedavg``) or a :class:`~speechbrain_fl.privacy.methods.PrivacyMethod`
+            built by the YAML (``!new:speechbrain_fl.privacy.methods.Flat``), whose own
+            settings (``clip``, ``noise_multiplier``, ``alpha``, the EMA keys) are the ones read.
         **changes
             FLConfig fields to set after the mapping (e.g. ``output_folder`` of a profiling run).
 
@@ -245,7 +248,14 @@ class FLConfig:
         >>> cfg.num_rounds, cfg.method, cfg.private, cfg.aggregation_rule_name
         (5, 'alpha_split', True, 'uniform')
         >>> FLConfig.from_hparams({"output_folder": "o", "method": "fedavg", "clip": 3.0}).clip
+        >>> from speechbrain_fl.privacy import PFLDimEMA
+        >>> cfg = FLConfig.from_hparams({"output_folder": "o", "clip": 3.0,
+        ...     "method": PFLDimEMA(clip=1.0, noise_multiplier=0.5, ema_warmup_rounds=1)})
+        >>> cfg.method, cfg.clip, cfg.ema_warmup_rounds
+        ('pfl_dim_ema', 1.0, 1)
         """
+        if isinstance(hparams.get("method"), PrivacyMethod):
+            hparams = {**hparams, **hparams["method"].settings()}
         keys = cls.yaml_keys()
         values = {YAML_KEYS.get(k, k): v for k, v in hparams.items() if k in keys}
         method = values.pop("method", NO_CLIP_METHOD)
