@@ -134,7 +134,8 @@ class ServerResult:
         Wall time of each round run by this process.
     round_budgets : list of dict
         Per trained round (1, 2, ...), the clip budget of each component label
-        (``RoundReport.component_budgets``; ``{}`` for a flat budget over several components).
+        (``RoundReport.component_budgets``; ``{}`` for a flat budget over several components),
+        as recorded in ``budgets.csv``; empty for a run without clipping.
     reports : list of RoundReport
         The rounds run by this process (norms, clip rates, budgets).
     privacy : dict, optional

@@ -25,6 +25,7 @@ from speechbrain.utils.train_logger import FileTrainLogger, TrainLogger
 from speechbrain_fl.privacy.accounting import privacy_report
 from speechbrain_fl.privacy.audit import plot_audit_cosines
 
+from .budget_log import BudgetLog
 from .config import FLConfig
 from .config_checks import check_delta_population
 from .npy_codec import decode_record
@@ -61,7 +62,9 @@ class RoundLoop:
         self.log_path = Path(getattr(self.train_logger, "save_file", self.out / "train_log.txt"))
         self.telemetry: RoundsTelemetry | None = None
         self.metric_names: list[str] = []
-        self.round_budgets: list[dict[str, float]] = []
+        # every round's component budgets, for the privacy report (not in the state: it would
+        # grow with the rounds); only a clipping run has budgets
+        self.budget_log = BudgetLog(self.out) if self.cfg.clip is not None else None
         self.reports: list[Any] = []
         self.round_seconds: list[float] = []
         if self.cfg.private and self.cfg.max_retries > 0:
@@ -79,6 +82,8 @@ class RoundLoop:
         ``epsilon`` is the running figure of ``accountant`` (:meth:`DPFedAvg.round_epsilon`);
         the log line names it (``epsilon_rdp: 1.2``).
         """
+        if report is not None and self.budget_log is not None:  # first: see _restore_outputs
+            self.budget_log.append(done, report.component_budgets)
         self.telemetry.write_round(done, report=report, epsilon=epsilon, metrics=metrics)
         meta: dict[str, Any] = {"round": done}
         if report is not None:
@@ -95,7 +100,11 @@ class RoundLoop:
         )
 
     def save(self, done: int, outputs: dict[str, Any]) -> None:
-        """Commit round ``done``: parameters, accountant, EMA, RNG and its pending outputs."""
+        """Commit round ``done``: parameters, accountant, EMA, RNG and its pending outputs.
+
+        Only what a resume needs, whose size does not depend on the round: the per-round
+        history is in the output files (``rounds.csv``, ``budgets.csv``).
+        """
         atomic_torch_save(
             {
                 "round": done,
@@ -104,7 +113,6 @@ class RoundLoop:
                 "rng": capture_rng_states(),
                 "metric_names": self.metric_names,
                 "initial_fingerprint": self.initial_fingerprint,
-                "round_budgets": self.round_budgets,
                 "outputs": outputs,
             },
             self.out / STATE_FILE,
@@ -142,7 +150,7 @@ class RoundLoop:
         return start
 
     def _start_fresh(self) -> int:
-        for stale in ("rounds.csv", "group_norms.csv"):
+        for stale in ("rounds.csv", "group_norms.csv", BudgetLog(self.out).path.name):
             (self.out / stale).unlink(missing_ok=True)
         truncate_train_log(self.log_path, -1)  # lines of a run whose state was removed
         metrics = _evaluate_isolated(self.task)
@@ -176,10 +184,11 @@ class RoundLoop:
         self.strategy.load_state_dict(state["strategy"], source=str(source))
         restore_rng_states(state["rng"])
         self.metric_names = state["metric_names"]
-        self.round_budgets = list(state.get("round_budgets", []))
         self.telemetry = RoundsTelemetry(self.out, self.layout, self.metric_names)
         # rows and lines of rounds after the committed one (written by an older version) go
         self.telemetry.truncate(start)
+        if self.budget_log is not None:
+            self.budget_log.truncate(start)
         truncate_train_log(self.log_path, start)
         load_trainable(self.task.brain.modules, self.params)
         log(INFO, "resuming from %s after round %d", source, start)
@@ -263,7 +272,6 @@ class RoundLoop:
         self.params = decode_record(arrays)  # arrays.to_torch_state_dict(), the header cached
         report, (epsilon, accountant) = self.strategy.last_report, self.running()
         self.reports.append(report)
-        self.round_budgets.append(dict(report.component_budgets))
         # account first, then release: the accountant step, the new model and the round's
         # pending outputs are committed before anything derived from them is written
         self.save(
@@ -307,11 +315,15 @@ class RoundLoop:
             last_round=done,
             stopped_early=stopped_early,
             round_seconds=self.round_seconds,
-            round_budgets=self.round_budgets,
+            round_budgets=self.round_budgets(),
             reports=self.reports,
             privacy=self.finish(),
             config=self.cfg,
         )
+
+    def round_budgets(self) -> list[dict[str, float]]:
+        """Every trained round's component budgets (``budgets.csv``; none without a clip)."""
+        return [] if self.budget_log is None else self.budget_log.read()
 
     def finish(self) -> dict[str, Any] | None:
         """The run's privacy report (results.json ``privacy``; None without noise), audited."""
@@ -320,7 +332,7 @@ class RoundLoop:
             return None
         privacy = privacy_report(
             self.layout,
-            self.round_budgets,
+            self.round_budgets(),
             noise_multiplier=cfg.noise_multiplier,
             clip=cfg.clip,
             sampling_rate=cfg.sampling_rate,
