@@ -241,7 +241,7 @@ def main(argv=None) -> int:
         "server (reply checks, aggregation, clip/noise, state file, accounting)": e_step - delivery,
     }
     engine, plain = engines, plains
-    privacy = f"DP {config.clip_method}" if config.private else "no DP"
+    privacy = f"DP {config.method}" if config.private else "no DP"
     print(
         f"\n{task_path} ({hparams or 'defaults'}), {privacy} (sigma {config.noise_multiplier:g}), "
         f"aggregation {config.aggregation_rule_name}, K={task.num_partitions}, "
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     out = {
         "task": task_path,
         "hparams": hparams,
-        "method": config.clip_method if config.private else "no DP",
+        "method": config.method if config.private else "no DP",
         "aggregation": config.aggregation_rule_name,
         "engine": engine,
         "plain": plain,

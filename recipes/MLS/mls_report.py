@@ -141,7 +141,7 @@ def privacy_section(hparams, config, result, *, alpha_from_profile=False):
     # The engine's report: accountant "pld" (dp-accounting) by default, epsilon_rdp beside it.
     report = dict(result.privacy)
     # alpha-split with a frozen encoder runs as the paper's alpha = 0 row (mls_settings.engine_hparams)
-    return {**report, **disclosure, "alpha": config.alpha, "clip_method": config.clip_method}
+    return {**report, **disclosure, "alpha": config.alpha, "clip_method": config.method}
 
 
 PAPER_SIGMA = 0.1  # the alpha-split paper's noise multiplier (Sec. II-D)

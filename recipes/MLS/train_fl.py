@@ -464,14 +464,13 @@ def main(run):
             logger.info("alpha: auto -> %.4f (from the norm profile)", hparams["alpha"])
 
     start = time.time()
-    config = FLConfig.from_hparams(engine_hparams(hparams))
     result = RECIPE.simulate(RECIPE.spec(run), hparams)
     timings["federated"] = time.time() - start
 
     load_trainable(brain.modules, result.params)  # the task's on_result saved final_model/
     return report_run(
         brain=brain, layout=component_layout(brain), test_set=test_set, test_rows=test_rows,
-        hparams=hparams, settings=settings, info=info, config=config, result=result,
+        hparams=hparams, settings=settings, info=info, config=result.config, result=result,
         round0=(test_round0, details_round0), profile=profile,
         alpha_from_profile=alpha_from_profile, timings=timings, start=start_all,
     )  # fmt: skip

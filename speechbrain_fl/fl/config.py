@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from speechbrain_fl.privacy import budget_methods, get_budget_method
+from speechbrain_fl.privacy import PrivacyMethod, budget_methods, get_budget_method
 
 from .config_checks import BACKENDS, check_config
 
@@ -62,7 +62,7 @@ NO_CLIP_METHOD = "fedavg"
 
 # YAML key -> FLConfig field, for every key whose name differs; every other field is read under
 # its own name (``sampling_rate``, ``clip``, ``delta``, ...).
-YAML_KEYS = {"number_of_rounds": "num_rounds", "method": "clip_method"}
+YAML_KEYS = {"number_of_rounds": "num_rounds"}
 
 
 @dataclass
@@ -85,7 +85,7 @@ class FLConfig:
         sigma of the Gaussian mechanism; 0 disables noise and accounting.
     clip : float, optional
         Total clip norm C; ``None`` disables clipping (non-private runs only).
-    clip_method : str
+    method : str
         Budget allocator of :func:`speechbrain_fl.privacy.compute_budgets`.
     alpha : float, optional
         Encoder fraction for ``alpha_split``.
@@ -169,7 +169,7 @@ class FLConfig:
     local_epochs: int = 1
     noise_multiplier: float = 0.0
     clip: float | None = None
-    clip_method: str = "flat"
+    method: str = "flat"
     alpha: float | None = None
     ema_beta: float = 0.2
     ema_gamma: float = 0.75
@@ -229,7 +229,10 @@ class FLConfig:
         ---------
         hparams : mapping
             Loaded hparams; the keys of :data:`YAML_KEYS` and the fields named alike are read,
-            the rest (model, data, logging keys) ignored. ``method`` defaults to ``fedavg``.
+            the rest (model, data, logging keys) ignored. ``method`` is a registered name
+            (default ``fedavg``) or a :class:`~speechbrain_fl.privacy.methods.PrivacyMethod`
+            built by the YAML (``!new:speechbrain_fl.privacy.methods.Flat``), whose own
+            settings (``clip``, ``noise_multiplier``, ``alpha``, the EMA keys) are the ones read.
         **changes
             FLConfig fields to set after the mapping (e.g. ``output_folder`` of a profiling run).
 
@@ -242,13 +245,20 @@ class FLConfig:
         >>> cfg = FLConfig.from_hparams({"output_folder": "o", "number_of_rounds": 5,
         ...     "method": "alpha_split", "alpha": 0.1, "clip": 1.0, "noise_multiplier": 0.5,
         ...     "lr": 0.1})
-        >>> cfg.num_rounds, cfg.clip_method, cfg.private, cfg.aggregation_rule_name
+        >>> cfg.num_rounds, cfg.method, cfg.private, cfg.aggregation_rule_name
         (5, 'alpha_split', True, 'uniform')
         >>> FLConfig.from_hparams({"output_folder": "o", "method": "fedavg", "clip": 3.0}).clip
+        >>> from speechbrain_fl.privacy import PFLDimEMA
+        >>> cfg = FLConfig.from_hparams({"output_folder": "o", "clip": 3.0,
+        ...     "method": PFLDimEMA(clip=1.0, noise_multiplier=0.5, ema_warmup_rounds=1)})
+        >>> cfg.method, cfg.clip, cfg.ema_warmup_rounds
+        ('pfl_dim_ema', 1.0, 1)
         """
+        if isinstance(hparams.get("method"), PrivacyMethod):
+            hparams = {**hparams, **hparams["method"].settings()}
         keys = cls.yaml_keys()
         values = {YAML_KEYS.get(k, k): v for k, v in hparams.items() if k in keys}
-        method = values.pop("clip_method", NO_CLIP_METHOD)
+        method = values.pop("method", NO_CLIP_METHOD)
         sigma = values.get("noise_multiplier") or 0.0
         if method == NO_CLIP_METHOD:
             if sigma > 0:
@@ -263,7 +273,7 @@ class FLConfig:
                 f"method: {method!r} is not one of {[NO_CLIP_METHOD, *budget_methods()]}"
             )
         else:
-            values["clip_method"] = method
+            values["method"] = method
             if method != "alpha_split":
                 values["alpha"] = None
             else:

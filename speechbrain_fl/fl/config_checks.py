@@ -114,12 +114,12 @@ def check_config(cfg: Any, *, hparams_keys: Mapping[str, str] | None = None) -> 
     real("clip", low=0.0, strict=True, optional=True, why="must be > 0")
     if cfg.noise_multiplier > 0 and cfg.clip is None:
         raise bad("clip", "is required when noise_multiplier > 0")
-    if cfg.clip_method not in budget_methods():
-        raise bad("clip_method", f"must be one of {list(budget_methods())}")
+    if cfg.method not in budget_methods():
+        raise bad("method", f"must be one of {list(budget_methods())}")
     if cfg.alpha is not None and not (_is_real(cfg.alpha) and 0.0 < cfg.alpha < 1.0):
         raise bad("alpha", "must be in (0, 1)")
-    if cfg.clip is not None and cfg.clip_method == "alpha_split" and cfg.alpha is None:
-        raise bad("alpha", "is required by clip_method alpha_split (the encoder's share)")
+    if cfg.clip is not None and cfg.method == "alpha_split" and cfg.alpha is None:
+        raise bad("alpha", "is required by method alpha_split (the encoder's share)")
     if not (_is_real(cfg.ema_beta) and 0.0 < cfg.ema_beta <= 1.0):
         raise bad("ema_beta", "must be in (0, 1]")
     real("ema_gamma", low=0.0, strict=False)

@@ -105,7 +105,7 @@ def privacy_disclosure(
                     "run is NOT differentially private"
                 )
     ema = None
-    if config.clip is not None and ema_base_of(config.clip_method) is not None:
+    if config.clip is not None and ema_base_of(config.method) is not None:
         raw = config.ema_signal == "raw"
         ema = {
             "signal": config.ema_signal,  # "noisy" (the released aggregate) or "raw"

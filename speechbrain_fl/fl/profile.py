@@ -66,7 +66,7 @@ def profile_config(config: FLConfig, *, rounds: int, output_folder: str) -> FLCo
         num_rounds=rounds,
         noise_multiplier=0.0,
         clip=PROFILE_CLIP,
-        clip_method="pfl_dim",
+        method="pfl_dim",
         alpha=None,
         aggregation="weighted",
         eval_every=0,

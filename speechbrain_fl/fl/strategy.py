@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
@@ -61,161 +59,28 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from speechbrain_fl.privacy import (
-    EMABudgetState,
-    GaussianNoise,
-    Layout,
-    PrivacyAccountant,
-    clip_update,
-    component_budgets,
-    compute_budgets,
-    noisy_norm_signal,
-)
+from speechbrain_fl.privacy import Layout, clip_update, compute_budgets, noisy_norm_signal
 
 from .aggregation import ClientUpdate, get_rule
 from .canaries import FederatedAudit
-from .config import FLConfig, ema_base_of
+from .config import FLConfig
 from .disclosure import privacy_disclosure
+from .global_update import apply_aggregate
+from .node_order import connected_nodes, enrol_nodes, partition_id_of, query_partitions
+from .mechanism import privacy_mechanism
 from .npy_codec import decode_record, encode_record
+from .privacy_settings import check_privacy_settings, privacy_settings
 from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
-from .sampling import PoissonSampler
-
-__all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
-
-#: FLConfig fields a resumed run must not change (the privacy settings of its earlier rounds).
-PRIVACY_KEYS = (
-    "noise_multiplier",
-    "clip",
-    "delta",
-    "sampling_rate",
-    "accountant",
-    "clip_method",
-    "alpha",
-    "ema_beta",
-    "ema_gamma",
-    "ema_warmup_rounds",
-    "ema_signal",
+from .round_report import (
+    AggregateFailed,
+    RoundFailed,
+    RoundReport,
+    client_statistics,
+    mean_or_none,
 )
 
-
-class RoundFailed(RuntimeError):
-    """Fewer than ``min_clients`` valid replies in a non-private run; the round may be retried."""
-
-
-class AggregateFailed(RoundFailed):
-    """The aggregate of a non-private round is unusable (the rule raised, or a value non-finite).
-
-    Retried like :class:`RoundFailed`; once the retries are spent the server records the round
-    as failed, keeps the global model and goes on (:func:`speechbrain_fl.fl.server.run_server`).
-    """
-
-
-def partition_id_of(metrics: Any) -> int | None:
-    """The integer ``partition-id`` of a query reply's metrics, or ``None`` when absent or bad.
-
-    Example
-    -------
-    >>> partition_id_of({"partition-id": 2}), partition_id_of({"partition-id": [2]})
-    (2, None)
-    """
-    value = metrics.get("partition-id") if hasattr(metrics, "get") else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if not (math.isfinite(value) and float(value).is_integer() and value >= 0):
-        return None
-    return int(value)
-
-
-def _layout_rows(layout: Layout) -> list[list[Any]]:
-    return [[g.name, g.component, g.numel, list(g.parameter_names)] for g in layout]
-
-
-def _layout_difference(old: list, new: list) -> str:
-    if len(old) != len(new):
-        return f"{len(old)} groups -> {len(new)} groups"
-    for a, b in zip(old, new, strict=True):
-        if list(a) != list(b):
-            return f"group {list(a)} -> {list(b)} (name, component, numel, members)"
-    return "same groups"
-
-
-@dataclass
-class RoundReport:
-    """What one aggregated round did (the source of a ``rounds.csv`` row)."""
-
-    round: int
-    cohort_size: int
-    population: int
-    num_replied: int
-    num_failed: int
-    failures: list[str] = field(default_factory=list)
-    noise_std: float | None = None
-    joint_norm_mean: float | None = None
-    clip_rate: float | None = None
-    mean_clip_ratio: float | None = None
-    train_loss: float | None = None
-    group_norms: dict[str, float] = field(default_factory=dict)
-    group_clip_rates: dict[str, float] = field(default_factory=dict)
-    group_budgets: dict[str, float] = field(default_factory=dict)
-    component_norms: dict[str, float] = field(default_factory=dict)
-    component_clip_rates: dict[str, float] = field(default_factory=dict)
-    component_budgets: dict[str, float] = field(default_factory=dict)
-    connected: int | None = None
-    ignored: list[str] = field(default_factory=list)
-    num_dropped: int = 0
-    round_failed: str | None = None
-
-
-def _mean(values: list[float]) -> float | None:
-    return float(np.mean(values)) if values else None
-
-
-#: Parameter dtypes whose update :func:`_updated` makes in one NumPy pass (float16 is left to
-#: torch, whose float64 -> float16 cast goes through float32).
-_NUMPY_PARAMS = (torch.float32, torch.float64)
-
-
-def _updated(value: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """``(value.to(float64) + update.to(float64)).to(value.dtype)``, the same two roundings.
-
-    On CPU NumPy adds in float64 (``dtype=float64`` casts both inputs exactly) and rounds to
-    the parameter's dtype in one pass each, without torch's two float64 temporaries.
-
-    Example
-    -------
-    >>> _updated(torch.ones(2), torch.full((2,), 0.5, dtype=torch.float64)).tolist()
-    [1.5, 1.5]
-    """
-    if (
-        value.device.type == "cpu"
-        and update.device.type == "cpu"
-        and value.dtype in _NUMPY_PARAMS
-        and update.dtype in (torch.float16, torch.float32, torch.float64)
-    ):
-        # an overflow gives inf silently, as in torch (the caller checks finiteness); asarray:
-        # the sum of two 0-d arrays is a NumPy scalar
-        with np.errstate(over="ignore", invalid="ignore"):
-            total = np.asarray(
-                np.add(value.detach().numpy(), update.detach().numpy(), dtype=np.float64)
-            )
-            if value.dtype == torch.float32:
-                total = total.astype(np.float32)
-        return torch.from_numpy(total)
-    return (value.to(torch.float64) + update.to(torch.float64)).to(value.dtype)
-
-
-def _all_finite(value: torch.Tensor) -> bool:
-    """``bool(torch.isfinite(value).all())``; NumPy's on CPU (~5 us for 65k float32 values on
-    one CPU thread here, torch's ~190 us).
-
-    Example
-    -------
-    >>> _all_finite(torch.ones(3)), _all_finite(torch.tensor([1.0, float("nan")]))
-    (True, False)
-    """
-    if value.device.type == "cpu" and value.dtype in (torch.float16, torch.float32, torch.float64):
-        return bool(np.isfinite(value.detach().numpy()).all())
-    return bool(torch.isfinite(value).all())
+# RoundReport, its failures and partition_id_of are the strategy's vocabulary: importable here
+__all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
 
 
 class DPFedAvg(FedAvg):
@@ -281,57 +146,10 @@ class DPFedAvg(FedAvg):
                 "accountant): set population_size in the federated config, or give the "
                 "ServerTask its num_partitions"
             )
-        if config.private:
-            sampler_seed = config.sampler_seed
-            for key in ("sampler_seed", "noise_seed"):
-                if getattr(config, key) is not None:
-                    log(
-                        WARNING,
-                        "%s=%s is fixed: cohorts or noise are predictable; for testing only, "
-                        "not private (recorded in results.json privacy.caveats)",
-                        key,
-                        getattr(config, key),
-                    )
-        else:  # no privacy claim: the public seed gives reproducible cohorts
-            sampler_seed = config.seed if config.sampler_seed is None else config.sampler_seed
-        self.sampler = PoissonSampler(config.sampling_rate, seed=sampler_seed)
+        self.sampler, self.noise, self.accountant, self.ema = privacy_mechanism(config, layout)
         self.seed_rng = np.random.default_rng(None if config.seed is None else config.seed + 1)
         self._draws: dict[int, int] = {}
         self._population_warned: int | None = None
-        self.noise = (
-            GaussianNoise(
-                noise_multiplier=config.noise_multiplier, clip=config.clip, seed=config.noise_seed
-            )
-            if config.private
-            else None
-        )
-        self.accountant = (
-            PrivacyAccountant(
-                sampling_rate=config.sampling_rate,
-                noise_multiplier=config.noise_multiplier,
-                delta=config.delta,
-                accountant=config.accountant,
-            )
-            if config.private
-            else None
-        )
-        self.ema = None
-        base = ema_base_of(config.clip_method) if config.clip is not None else None
-        if base is not None:
-            self.ema = EMABudgetState(
-                layout,
-                base=base,
-                beta=config.ema_beta,
-                gamma=config.ema_gamma,
-                warmup_rounds=config.ema_warmup_rounds,
-                signal=config.ema_signal,
-            )
-            if config.ema_signal == "raw":
-                log(
-                    WARNING,
-                    "ema_signal='raw': the EMA budgets use raw client norms, which is "
-                    "OUTSIDE the differential-privacy guarantee (paper reproduction only)",
-                )
         self.partition_sizes = (
             None if partition_sizes is None else [int(n) for n in partition_sizes]
         )
@@ -367,7 +185,7 @@ class DPFedAvg(FedAvg):
             return None
         return compute_budgets(
             self.layout,
-            method=self.config.clip_method,
+            method=self.config.method,
             clip=self.config.clip,
             alpha=self.config.alpha,
             ema_state=self.ema,
@@ -415,11 +233,9 @@ class DPFedAvg(FedAvg):
 
     def privacy_settings(self) -> dict[str, Any]:
         """The settings a resumed run must keep: C, delta, q, sigma, method, layout, K."""
-        settings = {key: getattr(self.config, key) for key in PRIVACY_KEYS}
-        settings["aggregation"] = self.config.aggregation_rule_name
-        settings["population_size"] = self.population_size
-        settings["layout"] = _layout_rows(self.layout)
-        return settings
+        return privacy_settings(
+            self.config, population_size=self.population_size, layout=self.layout
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Return what a resumed run needs: accountant, EMA budgets, settings, training seeds.
@@ -437,27 +253,7 @@ class DPFedAvg(FedAvg):
 
     def check_privacy_settings(self, saved: dict[str, Any] | None, *, source: str) -> None:
         """Raise ``ValueError`` naming the first privacy setting that differs from ``saved``."""
-        if saved is None:
-            raise ValueError(
-                f"{source} records no privacy settings (written by an earlier version, which "
-                "also stored the noise seed): it cannot be resumed safely; delete it to restart"
-            )
-        current = self.privacy_settings()
-        for key, new in current.items():
-            old = saved.get(key)
-            if old == new:
-                continue
-            if key == "layout":
-                raise ValueError(
-                    f"{source}: resuming would change the layout ({_layout_difference(old, new)})"
-                    "; the earlier rounds were clipped and accounted with the old one. Restore "
-                    "it, or start a new run in another output_folder"
-                )
-            raise ValueError(
-                f"{source}: resuming would change {key} from {old!r} to {new!r}; the earlier "
-                "rounds were noised and accounted with the old value. Restore it, or start a "
-                "new run in another output_folder"
-            )
+        check_privacy_settings(self.privacy_settings(), saved, source=source)
 
     def load_state_dict(self, state: dict[str, Any], *, source: str = "saved server state") -> None:
         """Restore what :meth:`state_dict` saved, refusing changed privacy settings.
@@ -512,18 +308,7 @@ class DPFedAvg(FedAvg):
 
     def _connected_nodes(self, grid: Grid) -> list[int]:
         """Return the connected nodes, waiting until ``min_available_nodes`` are."""
-        polls = 0
-        while len(nodes := list(grid.get_node_ids())) < self.min_available_nodes:
-            if polls % 20 == 0:
-                log(
-                    INFO,
-                    "waiting for nodes: %d connected, %d needed",
-                    len(nodes),
-                    self.min_available_nodes,
-                )
-            polls += 1
-            time.sleep(0.1)
-        return nodes
+        return connected_nodes(grid, self.min_available_nodes)
 
     def learn_node_order(self, grid: Grid, timeout: float) -> None:
         """Ask nodes not seen before for their ``partition-id`` (a ``query`` message).
@@ -535,54 +320,16 @@ class DPFedAvg(FedAvg):
         owner counts once in the population, the cohort and the accountant (docs/fl_engine.md
         "Identity in deployment").
         """
-        unknown = [
-            n
-            for n in self._connected_nodes(grid)
-            if n not in self.node_order and n not in self.refused_nodes
-        ]
+        known = self.node_order.keys() | self.refused_nodes.keys()
+        unknown = [n for n in self._connected_nodes(grid) if n not in known]
         if not unknown:
             return
-        messages = [
-            Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n)
-            for n in unknown
-        ]
-        asked, answers = set(unknown), {}
-        for reply in grid.send_and_receive(messages, timeout=timeout):
-            node = reply.metadata.src_node_id
-            if node not in asked or reply.has_error() or not reply.content.metric_records:
-                continue
-            asked.discard(node)  # one answer per node
-            partition = partition_id_of(next(iter(reply.content.metric_records.values())))
-            if partition is None:
-                log(WARNING, "node %d: query reply without an integer partition-id", node)
-            else:
-                answers[node] = partition
-        owner = {p: n for n, p in self.node_order.items()}
-        binding = self.config.node_partitions
-        for node in sorted(answers):
-            partition = answers[node]
-            reason = None
-            if binding is not None and node not in binding:
-                reason = "its node id is not in node_partitions (not an enrolled SuperNode)"
-            elif binding is not None and binding[node] != partition:
-                reason = (
-                    f"it answered partition-id={partition}, but node_partitions binds it to "
-                    f"partition {binding[node]}"
-                )
-            elif partition in owner:
-                reason = f"partition-id={partition} is already claimed by node {owner[partition]}"
-            if reason is not None:
-                self.refused_nodes[node] = reason
-                log(
-                    WARNING,
-                    "node %d: refused, %s; its replies are dropped (check the SuperNodes' "
-                    "--node-config)",
-                    node,
-                    self.refused_nodes[node],
-                )
-                continue
-            owner[partition] = node
-            self.node_order[node] = partition
+        enrol_nodes(
+            query_partitions(grid, unknown, timeout=timeout),
+            node_order=self.node_order,
+            refused=self.refused_nodes,
+            binding=self.config.node_partitions,
+        )
 
     # ------------------------------------------------------------------ Flower hooks
     def configure_train(
@@ -662,13 +409,46 @@ class DPFedAvg(FedAvg):
         is dropped with one log line naming the node and the reason, counted in
         ``RoundReport.num_dropped``, and the round goes on. In a non-private run an unusable
         aggregate (the rule raised, a non-finite value) raises :class:`AggregateFailed`.
+        Steps 1-7 of the module docstring, one method each.
         """
         if self.current_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
         global_params = decode_record(self.current_arrays)  # to_torch_state_dict(), cached header
+        budgets = self.budgets()
+        updates, report = self._collect_replies(server_round, replies, global_params, budgets)
+        self._enforce_min_clients(report, updates)
+        self.last_report = report
+        if budgets is None and self.config.record_norms:
+            client_statistics(updates, None, report, layout=self.layout)  # norms only
+        if budgets is not None:
+            # the round's budgets are recorded even when nobody replied (a private round is
+            # released all the same): the privacy report's per-pool sigma_eff reads them
+            client_statistics(updates, budgets, report, layout=self.layout)
+        updates, aggregate = self._noisy_aggregate(updates, global_params, budgets, report)
+        new_params, bad = apply_aggregate(global_params, aggregate)
+        if bad is not None:
+            reason = (
+                f"the update made parameter {bad!r} non-finite; the global model was not "
+                "changed"
+            )
+            if self.config.private:
+                raise FloatingPointError(f"round {server_round}: {reason}")
+            raise self._failed(report, reason)
+        if self.ema is not None:
+            self._update_ema(updates, aggregate, report)
+        self.current_arrays = None  # one release per configured draw
+        return encode_record(new_params), self._round_metrics(updates, report)
+
+    def _collect_replies(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        global_params: Mapping[str, torch.Tensor],
+        budgets: float | dict[str, float] | None,
+    ) -> tuple[list[ClientUpdate], RoundReport]:
+        """Steps 1 and 3: one checked, re-clipped update per sampled node, and the report."""
         shapes = {k: tuple(v.shape) for k, v in global_params.items()}
         limits = self.reply_limits(global_params)
-        budgets = self.budgets()
         updates: list[ClientUpdate] = []
         failures: list[str] = []
         ignored: list[str] = []
@@ -705,44 +485,55 @@ class DPFedAvg(FedAvg):
             log(WARNING, "round %d: dropped %s", server_round, reason)
         # a fixed summation order makes the float sum independent of reply arrival order
         updates.sort(key=lambda u: (u.metrics.get("partition-id", u.node_id), u.node_id))
-        private = self.config.private
         report = RoundReport(
             round=server_round,
             cohort_size=len(self.cohort),
-            population=self.population_size if private else self.population,
+            population=self.population_size if self.config.private else self.population,
             num_replied=len(updates),
             num_failed=len(failures),
             failures=failures,
-            train_loss=_mean(
+            train_loss=mean_or_none(
                 [u.metrics["train-loss"] for u in updates if "train-loss" in u.metrics]
             ),
             connected=self.population,
             ignored=ignored,
             num_dropped=dropped,
         )
-        if len(updates) < self.config.min_clients:
-            summary = (
-                f"round {server_round}: {len(updates)} valid replies from a cohort of "
-                f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
-                f"{self.config.min_clients}"
-            )
-            if not private:
-                report.round_failed = summary
-                self.last_report = report
-                raise RoundFailed(summary)
-            log(
-                WARNING,
-                "%s; released anyway (noise and an accountant step): a private run releases "
-                "every Poisson draw",
-                summary,
-            )
-        self.last_report = report
-        if budgets is None and self.config.record_norms:
-            self._client_statistics(updates, None, report)  # norms only: nothing to clip
-        if budgets is not None:
-            # the round's budgets are recorded even when nobody replied (a private round is
-            # released all the same): the privacy report's per-pool sigma_eff reads them
-            self._client_statistics(updates, budgets, report)
+        return updates, report
+
+    def _enforce_min_clients(self, report: RoundReport, updates: list[ClientUpdate]) -> None:
+        """Step 2: a non-private round short of ``min_clients`` fails; a private one goes on."""
+        if len(updates) >= self.config.min_clients:
+            return
+        summary = (
+            f"round {report.round}: {len(updates)} valid replies from a cohort of "
+            f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
+            f"{self.config.min_clients}"
+        )
+        if not self.config.private:
+            report.round_failed = summary
+            self.last_report = report
+            raise RoundFailed(summary)
+        log(
+            WARNING,
+            "%s; released anyway (noise and an accountant step): a private run releases "
+            "every Poisson draw",
+            summary,
+        )
+
+    def _noisy_aggregate(
+        self,
+        updates: list[ClientUpdate],
+        global_params: Mapping[str, torch.Tensor],
+        budgets: float | dict[str, float] | None,
+        report: RoundReport,
+    ) -> tuple[list[ClientUpdate], dict[str, torch.Tensor]]:
+        """Steps 4-5: the rule's aggregate over n (qK private, m otherwise), noised once.
+
+        Returns the updates summed (the canaries of an audited round included) and the
+        aggregate; a private run's aggregate has every parameter, each with its noise.
+        """
+        private, server_round = self.config.private, report.round
         n = self.expected_cohort_size() if private else float(len(updates))
         if self.audit is not None:
             # canaries join the sum after the clients' statistics: they are not users
@@ -763,29 +554,17 @@ class DPFedAvg(FedAvg):
             report.noise_std = self.noise.std(n)
             aggregate = self.noise.add(aggregate, expected_cohort_size=n, draw=server_round)
             self.accountant.step()
-        new_params = {}
-        for name, value in global_params.items():
-            if name in aggregate:
-                value = _updated(value, aggregate[name])
-            if not _all_finite(value):
-                reason = (
-                    f"the update made parameter {name!r} non-finite; the global model was not "
-                    "changed"
-                )
-                if private:
-                    raise FloatingPointError(f"round {server_round}: {reason}")
-                raise self._failed(report, reason)
-            new_params[name] = value
-        if self.ema is not None:
-            self._update_ema(updates, aggregate, report)
+        return updates, aggregate
+
+    def _round_metrics(self, updates: list[ClientUpdate], report: RoundReport) -> MetricRecord:
+        """The round's MetricRecord: replies, cohort, train loss, the running epsilon."""
         metrics = MetricRecord({"num-replied": len(updates), "cohort-size": len(self.cohort)})
-        self.current_arrays = None  # one release per configured draw
         if report.train_loss is not None:
             metrics["train-loss"] = report.train_loss
         running = self.round_epsilon()
         if running is not None:  # e.g. "epsilon-rdp": the figure names its accountant
             metrics[f"epsilon-{running[1]}"] = running[0]
-        return encode_record(new_params), metrics  # ArrayRecord(new_params), byte for byte
+        return metrics
 
     # ------------------------------------------------------------------ audit
     def audit_report(self, params: Mapping[str, torch.Tensor], *, confidence: float = 0.95):
@@ -805,40 +584,6 @@ class DPFedAvg(FedAvg):
         return AggregateFailed(f"round {report.round}: {reason}")
 
     # ------------------------------------------------------------------ helpers
-    def _client_statistics(
-        self,
-        updates: list[ClientUpdate],
-        budgets: float | dict[str, float] | None,
-        report: RoundReport,
-    ) -> None:
-        """Average the pre-clip statistics the clients reported (telemetry, Fig. 2/3/5)."""
-        groups, comps = list(self.layout.names), list(self.layout.components)
-
-        def column(key: str, names: list[str]) -> dict[str, float]:
-            rows = [u.metrics[key] for u in updates if isinstance(u.metrics.get(key), list)]
-            rows = [r for r in rows if len(r) == len(names)]
-            if not rows:
-                return {}
-            return dict(
-                zip(names, np.asarray(rows, dtype=float).mean(axis=0).tolist(), strict=True)
-            )
-
-        report.group_norms = column("group-norms", groups)
-        report.group_clip_rates = column("group-clipped", groups)
-        report.component_norms = column("component-norms", comps)
-        report.component_clip_rates = column("component-clipped", comps)
-        report.joint_norm_mean = _mean(
-            [u.metrics["joint-norm"] for u in updates if "joint-norm" in u.metrics]
-        )
-        ratios = [u.metrics["clip-ratio"] for u in updates if "clip-ratio" in u.metrics]
-        report.mean_clip_ratio = _mean(ratios)
-        report.clip_rate = _mean([float(r < 1.0) for r in ratios])
-        if isinstance(budgets, dict):
-            report.group_budgets = dict(budgets)
-            report.component_budgets = dict(component_budgets(self.layout, budgets))
-        elif budgets is not None:
-            report.component_budgets = {"all": float(budgets)} if comps == ["all"] else {}
-
     def _update_ema(
         self, updates: list[ClientUpdate], aggregate: dict[str, torch.Tensor], report: RoundReport
     ) -> None:

@@ -276,7 +276,7 @@ class SpecServer:
         return load_task(self.spec).build_server(context)
 
 
-RESOLVED_FIELDS = ("num_rounds", "sampling_rate", "clip_method", "clip", "noise_multiplier",
+RESOLVED_FIELDS = ("num_rounds", "sampling_rate", "method", "clip", "noise_multiplier",
                    "local_epochs", "delta", "max_epsilon", "accountant", "population_size",
                    "output_folder")  # fmt: skip
 

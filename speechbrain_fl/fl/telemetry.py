@@ -32,7 +32,7 @@ from speechbrain_fl.privacy import Layout
 from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, GROUP_COLUMNS, ROUND_COLUMNS
 from speechbrain_fl.utils.atomic import atomic_open
 
-from .strategy import RoundReport
+from .round_report import RoundReport
 
 __all__ = ["RoundsTelemetry", "progress_line", "train_log_rounds", "truncate_train_log"]
 

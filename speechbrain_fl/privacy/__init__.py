@@ -63,3 +63,18 @@ __all__ = [
     "one_shot_epsilon",
     "one_run_lower_bound",
 ]
+
+from .methods import (  # noqa: E402 (the method objects, after the registry they name)
+    AlphaSplit,
+    FedAvg,
+    Flat,
+    PFLDim,
+    PFLDimEMA,
+    PFLUnifEMA,
+    PFLUniform,
+    PrivacyMethod,
+    privacy_method,
+)
+
+__all__ += ["PrivacyMethod", "FedAvg", "Flat", "PFLUniform", "PFLDim", "PFLDimEMA", "PFLUnifEMA"]
+__all__ += ["AlphaSplit", "privacy_method"]

@@ -153,6 +153,8 @@ class FederatedRecipe:
     debug_values: Mapping[str, Any] = field(default_factory=dict)
     defaults: Callable[[dict[str, Any]], None] | None = None
     node_manifest: Callable[[Any, dict[str, Any]], str] | None = None
+    # the runs this process loaded, by the cache key of the spec that runs them (:meth:`spec`)
+    _runs: dict[str, RecipeRun] = field(default_factory=dict, init=False, repr=False)
 
     # -- 1. load --------------------------------------------------------------------------
     def load(self, hparams_file, overrides=None, run_opts=None):
@@ -180,11 +182,22 @@ class FederatedRecipe:
         return hparams, run_opts, base_file, merged
 
     def load_for_task(self, hparams_path=None, overrides=None):
-        """:meth:`load` from one mapping of hparams overrides and run options (a factory's).
+        """A factory's hparams: the run this process loaded for the spec, else :meth:`load`.
 
-        ``overrides`` as ``flwr run --run-config`` sends them (hyphens read as underscores);
-        ``stage`` is popped and returned. Returns ``(hparams, run_opts, stage)``.
+        In the script's process the factory is called with the spec of a run the script has
+        already loaded (:meth:`spec` remembers it): that run's hparams and run options are
+        returned, not loaded again, so the hparams of a run are loaded once per process. A Ray
+        actor or a ``flwr run`` process loads them here, from the one mapping of hparams
+        overrides and run options the spec carries (as ``flwr run --run-config`` sends them;
+        hyphens read as underscores). ``stage`` is popped and returned. Returns ``(hparams,
+        run_opts, stage)``.
         """
+        from speechbrain_fl.fl.task import TaskSpec
+
+        key = TaskSpec(self.task_ref, hparams_path, dict(overrides or {})).cache_key
+        if key in self._runs:
+            run = self._runs[key]
+            return run.hparams, run.run_opts, (overrides or {}).get("stage", "train")
         values, run_opts = split_overrides(overrides)
         stage = values.pop("stage", "train")
         hparams, run_opts, _, _ = self.load(hparams_path or self.default_hparams, values, run_opts)
@@ -345,10 +358,16 @@ class FederatedRecipe:
 
     # -- 5. the simulation run ------------------------------------------------------------
     def spec(self, run: RecipeRun, **extra_overrides: Any):
-        """The :class:`~speechbrain_fl.fl.task.TaskSpec` of this run (``extra`` overrides added)."""
+        """The :class:`~speechbrain_fl.fl.task.TaskSpec` of this run (``extra`` overrides added).
+
+        The kit remembers ``run`` under the spec, so the factory called with it in this process
+        reuses the loaded hparams (:meth:`load_for_task`).
+        """
         from speechbrain_fl.fl.task import TaskSpec
 
-        return TaskSpec(self.task_ref, run.hparams_path, {**run.overrides, **extra_overrides})
+        spec = TaskSpec(self.task_ref, run.hparams_path, {**run.overrides, **extra_overrides})
+        self._runs[spec.cache_key] = run
+        return spec
 
     @staticmethod
     def simulate(spec, hparams: Mapping[str, Any]):

@@ -14,6 +14,12 @@ recipe run):
   is shown once per process (:class:`OncePerProcess`), and the Hugging Face loading/writing bars
   (``transformers``' own progress bars) stop once the first Brain is built: the first model
   load shows them, the per-client rebuilds of the same model do not;
+- SpeechBrain's start-up lines of every Brain (:data:`STARTUP_LINES`: "Run option
+  max_grad_norm from hparams is used", "Gradscaler enabled: ...", the precisions, ...), logged
+  by ``Brain.__init__`` for each client's Brain (515 of the ~618 console lines of a default MLS
+  run): each distinct line goes to the log files (``log.txt``) once per process and never to
+  the console (:class:`FileOncePerProcess`), which keeps the progress bar, the round lines and
+  the results;
 - SpeechBrain's import-time warning "torchvision is not available - cannot save figures": it is
   about ``ProgressSampleLogger``'s image saving, which no recipe here uses (our figures are
   matplotlib's). It is dropped by a filter that :mod:`speechbrain_fl` installs when it is
@@ -35,7 +41,9 @@ from collections.abc import Iterator
 __all__ = [
     "QUIET_LOGGERS",
     "TORCHVISION_WARNING",
+    "STARTUP_LINES",
     "DropMessage",
+    "FileOncePerProcess",
     "OncePerProcess",
     "install_filters",
     "muted",
@@ -65,6 +73,14 @@ QUIET_LOGGERS = (
 #: SpeechBrain's import-time warning about figures no recipe saves.
 TORCHVISION_WARNING = "torchvision is not available - cannot save figures"
 _MODEL_STATISTICS = " Model Statistics:"
+#: Beginnings of the lines ``speechbrain.core`` logs at INFO for every Brain it builds.
+STARTUP_LINES = (
+    "Run option ",
+    "Gradscaler enabled: ",
+    "Using training precision: ",
+    "Using evaluation precision: ",
+    "Since debug mode is active, switching checkpointer",
+)
 _VERBOSE_ENV = "SB_FL_VERBOSE_LOGS"
 
 
@@ -121,6 +137,55 @@ class OncePerProcess(logging.Filter):
         return True
 
 
+class FileOncePerProcess(logging.Filter):
+    """Send the records starting with one of ``prefixes`` to the log files only, once each.
+
+    The first record of each distinct message is handed to the ``logging.FileHandler``\ s on
+    its logger's path (SpeechBrain's ``log.txt``), not to the console; a repeat goes nowhere.
+    Other records pass unchanged.
+
+    Arguments
+    ---------
+    prefixes : tuple of str
+        Beginnings of the messages concerned (:data:`STARTUP_LINES`).
+
+    Example
+    -------
+    >>> f = FileOncePerProcess(("Run option ",))
+    >>> rec = lambda m: logging.makeLogRecord({"msg": m, "levelno": logging.INFO})
+    >>> [f.filter(rec(m)) for m in ("Run option lr from hparams is used", "other")]
+    [False, True]
+    >>> sorted(f.seen)
+    ['Run option lr from hparams is used']
+    """
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        message = record.getMessage()
+        if not message.startswith(self.prefixes):
+            return True
+        if message not in self.seen:
+            self.seen.add(message)
+            for handler in _file_handlers(logging.getLogger(record.name)):
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+        return False
+
+
+def _file_handlers(logger: logging.Logger) -> list[logging.Handler]:
+    """The file handlers a record of ``logger`` propagates to."""
+    found: list[logging.Handler] = []
+    node: logging.Logger | None = logger
+    while node is not None:
+        found += [h for h in node.handlers if isinstance(h, logging.FileHandler)]
+        node = node.parent if node.propagate else None
+    return found
+
+
 @contextlib.contextmanager
 def muted(*names: str, level: int = logging.WARNING) -> Iterator[None]:
     """Loggers ``names`` below ``level`` muted inside the block (e.g. a load whose seed line a
@@ -172,7 +237,7 @@ def _hf_bars_off() -> None:
 def install_filters() -> None:
     """Install this process's filters (idempotent; :mod:`speechbrain_fl` runs it on import):
     SpeechBrain's torchvision warning dropped, its "Model Statistics" once per process (then
-    the Hugging Face bars off).
+    the Hugging Face bars off), its Brain start-up lines to the log files once per process.
 
     Example
     -------
@@ -189,6 +254,8 @@ def install_filters() -> None:
     core = logging.getLogger("speechbrain.core")
     if not _has_filter(core, OncePerProcess, "marker", _MODEL_STATISTICS):
         core.addFilter(OncePerProcess(_MODEL_STATISTICS, on_first=_hf_bars_off))
+    if not any(isinstance(f, FileOncePerProcess) for f in core.filters):
+        core.addFilter(FileOncePerProcess(STARTUP_LINES))
 
 
 def quiet_recipe_logs() -> None:

@@ -37,7 +37,7 @@ SETTINGS = {
 
 SCRIPT = """
 import json, os, sys
-import speechbrain_fl.fl.server as server
+import speechbrain_fl.fl.server_loop as server
 from speechbrain_fl.fl import run_simulation
 from speechbrain_fl.fl.toy import toy_task
 

@@ -56,6 +56,10 @@ def test_local_backend_identical_to_ray(tmp_path, method):
     for name, value in ray_result.params.items():
         assert torch.equal(value, local_result.params[name]), name  # bit for bit
     assert ray_result.epsilon == local_result.epsilon
+    # the result carries the FLConfig the task was built with (a report reads it, not rebuilds it)
+    for result in (ray_result, local_result):
+        assert result.config.noise_multiplier == extra.get("noise_multiplier", 0.0)
+        assert result.config.num_rounds == SETTINGS["number_of_rounds"]
     assert ray_files == local_files  # every rounds.csv and group_norms.csv row
     rows = ray_files["rounds.csv"].splitlines()
     assert len(rows) == 1 + 1 + SETTINGS["number_of_rounds"]  # header, round 0, rounds

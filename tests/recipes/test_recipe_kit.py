@@ -127,6 +127,25 @@ def test_run_script_parses_locks_and_runs_main(recipe_dir):
     }  # fmt: skip
 
 
+def test_the_factory_reuses_the_run_the_script_loaded(recipe_dir):
+    """One load per process: a factory called with a run's spec gets that run's hparams."""
+    calls = []
+    recipe = _recipe(recipe_dir, calls)
+    run = recipe.parse([str(recipe_dir / "hparams" / "method.yaml"), "--steps", "7"])
+    assert calls.count(("check", 5, 7)) == 1
+    for stage in (None, "profile"):
+        spec = recipe.spec(run) if stage is None else recipe.spec(run, stage=stage)
+        hparams, run_opts, got_stage = recipe.load_for_task(spec.hparams, dict(spec.overrides))
+        assert hparams is run.hparams and run_opts == run.run_opts
+        assert got_stage == (stage or "train")
+    assert calls.count(("check", 5, 7)) == 1  # loaded and checked once
+    # another process (no run remembered) loads the same values from the spec
+    other = _recipe(recipe_dir, calls)
+    hparams, _, _ = other.load_for_task(spec.hparams, dict(spec.overrides))
+    assert hparams is not run.hparams and hparams["steps"] == run.hparams["steps"] == 7
+    assert calls.count(("check", 5, 7)) == 2
+
+
 def test_run_script_reports_a_user_error_in_one_line(recipe_dir, capsys):
     recipe = _recipe(recipe_dir, [])
     argv = [str(recipe_dir / "hparams" / "method.yaml"), "--value", "-1"]

@@ -117,7 +117,7 @@ def run_canaries_only(method, *, noise_scale=1.0, canaries=CANARIES):
         sampling_rate=Q,
         noise_multiplier=SIGMA,
         clip=1.0,
-        clip_method=method,
+        method=method,
         alpha=0.3 if method == "alpha_split" else None,
         population_size=K,
         audit_canaries=canaries,

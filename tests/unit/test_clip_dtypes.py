@@ -120,7 +120,7 @@ def _aggregate_move(folder, sizes, wire, method, exponent, seed) -> float:
         config=FLConfig(
             output_folder=str(folder),
             clip=1.0,
-            clip_method=method,
+            method=method,
             alpha=0.3 if method == "alpha_split" else None,
             aggregation="uniform",
             ema_warmup_rounds=0,

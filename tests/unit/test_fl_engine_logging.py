@@ -171,3 +171,38 @@ def test_hf_bars_go_off_without_importing_transformers():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+BRAINS = """
+import sys
+import speechbrain as sb
+import torch
+import speechbrain_fl  # noqa: F401 (installs the log filters, as in every process of a run)
+
+sb.create_experiment_directory(sys.argv[1])
+for _ in range(5):  # a process that trains five clients builds five Brains
+    sb.Brain(modules={"m": torch.nn.Linear(2, 2)}, hparams={"max_grad_norm": 1.0},
+             run_opts={"device": "cpu"})
+print("done")
+"""
+
+
+def test_brain_start_up_lines_go_to_log_txt_once_per_process_never_to_the_console(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "SB_FL_VERBOSE_LOGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", BRAINS, str(tmp_path)], capture_output=True, text=True,
+        env={**env, "OMP_NUM_THREADS": "1"}, cwd=os.getcwd(), timeout=300, check=True,
+    )  # fmt: skip
+    console = proc.stdout + proc.stderr
+    log_txt = (tmp_path / "log.txt").read_text()
+    assert "done" in proc.stdout
+    for line in ("Run option max_grad_norm from hparams is used", "Gradscaler enabled:",
+                 "Using training precision:", "Using evaluation precision:"):  # fmt: skip
+        assert console.count(line) == 0, line
+        assert log_txt.count(line) == 1, line
+    # the model statistics block stays: once per process
+    assert console.count("Model Statistics:") == 1

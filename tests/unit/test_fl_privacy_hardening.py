@@ -294,7 +294,7 @@ def test_partition_id_of_a_query_reply_must_be_an_integer(tmp_path):
 
 # ----------------------------------------------------------------------------- 5/6. labels
 def test_disclosure_labels_what_the_epsilon_does_not_cover(tmp_path):
-    cfg = FLConfig(output_folder=str(tmp_path), **PRIVATE, clip_method="pfl_dim_ema")
+    cfg = FLConfig(output_folder=str(tmp_path), **PRIVATE, method="pfl_dim_ema")
     out = privacy_disclosure(cfg)
     assert "add/remove" in out["guarantee"] and "joint" in out["guarantee"]
     assert out["ema_signal"] == {
@@ -310,7 +310,7 @@ def test_disclosure_labels_what_the_epsilon_does_not_cover(tmp_path):
     assert out["caveats"] == [] and out["epsilon_covers_everything"] is True
     raw = privacy_disclosure(
         FLConfig(
-            output_folder=str(tmp_path), **PRIVATE, clip_method="pfl_dim_ema", ema_signal="raw"
+            output_folder=str(tmp_path), **PRIVATE, method="pfl_dim_ema", ema_signal="raw"
         ),
         profile_rounds=2,
         alpha_from_profile=True,
@@ -329,7 +329,7 @@ def test_budgets_recorded_for_a_round_nobody_replied_to(tmp_path):
     lay = Layout([Group("e", "encoder", 4), Group("l", "llm", 4), Group("c", "connector", 2)])
     cfg = FLConfig(
         output_folder=str(tmp_path), noise_multiplier=0.1, clip=1.0, sampling_rate=0.5,
-        clip_method="alpha_split", alpha=0.05, noise_seed=0, sampler_seed=0,
+        method="alpha_split", alpha=0.05, noise_seed=0, sampler_seed=0,
     )  # fmt: skip
     strategy = DPFedAvg(config=cfg, layout=lay, population_size=4)
     strategy.current_arrays = ArrayRecord({g.name: torch.zeros(g.numel) for g in lay})

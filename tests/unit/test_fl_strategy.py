@@ -116,7 +116,7 @@ def test_ema_budgets_are_updated_by_the_strategy(tmp_path):
         sampling_rate=1.0,
         noise_multiplier=1e-3,
         clip=1.0,
-        clip_method="pfl_unif_ema",
+        method="pfl_unif_ema",
         ema_warmup_rounds=2,
         ema_beta=0.5,
         population_size=2,

@@ -22,7 +22,7 @@ def test_from_hparams_maps_the_yaml_vocabulary():
     cfg = FLConfig.from_hparams(
         {**BASE, "method": "pfl_dim", "clip": 2.0, "noise_multiplier": 0.7, "alpha": 0.3}
     )
-    assert (cfg.num_rounds, cfg.clip_method, cfg.clip, cfg.noise_multiplier) == (
+    assert (cfg.num_rounds, cfg.method, cfg.clip, cfg.noise_multiplier) == (
         3,
         "pfl_dim",
         2.0,
@@ -50,7 +50,7 @@ def test_fedavg_is_not_private_and_refuses_noise():
 def test_clipping_method_without_noise_is_a_non_private_run(caplog):
     with caplog.at_level(logging.WARNING):
         cfg = FLConfig.from_hparams({**BASE, "method": "flat", "clip": 1.0, "noise_multiplier": 0})
-    assert not cfg.private and cfg.clip == 1.0 and cfg.clip_method == "flat"
+    assert not cfg.private and cfg.clip == 1.0 and cfg.method == "flat"
     assert "non-private run" in caplog.text
     with pytest.raises(ValueError, match="clip: None must be > 0 for method flat"):
         FLConfig.from_hparams({**BASE, "method": "flat", "noise_multiplier": 1.0})

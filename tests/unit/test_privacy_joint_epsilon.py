@@ -51,7 +51,7 @@ def test_engine_report_from_the_strategys_budgets_is_the_accountants(caplog):
     caplog.set_level(logging.ERROR)
     cfg = FLConfig(
         output_folder="unused", sampling_rate=Q, noise_multiplier=SIGMA, clip=1.0,
-        clip_method="alpha_split", alpha=0.1, population_size=10, delta=DELTA,
+        method="alpha_split", alpha=0.1, population_size=10, delta=DELTA,
     )  # fmt: skip
     strategy = DPFedAvg(config=cfg, layout=LAYOUT)
     params = {g.name: torch.zeros(g.numel) for g in LAYOUT}
@@ -84,7 +84,7 @@ def test_resume_with_another_clip_is_refused(sigma):
     def strategy(clip):
         cfg = FLConfig(
             output_folder="unused", sampling_rate=Q, noise_multiplier=sigma, clip=clip,
-            clip_method="flat", population_size=10,
+            method="flat", population_size=10,
         )  # fmt: skip
         return DPFedAvg(config=cfg, layout=LAYOUT)
 
