@@ -42,8 +42,7 @@ import logging
 import math
 import os
 
-import soundfile as sf
-
+from speechbrain_fl.data.audio_check import read_headers
 from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 from mls_report import write_speaker_overlap, write_train_statistics
@@ -81,6 +80,7 @@ def prepare_mls(
     public_speaker_share: float | None = None,
     seed: int = 1234,
     durations: str = "segments",
+    progress: bool = True,
 ) -> dict:
     """Prepare CSV manifests, the Table VI statistics and the overlap report for MLS.
 
@@ -106,11 +106,16 @@ def prepare_mls(
         Seed of the speaker choice of :func:`carve_public_split`.
     durations : str
         ``segments``: each utterance's duration is ``end - start`` of its line in the split's
-        ``segments.txt`` (``<id> <url> <start> <end>``), so no audio file is opened (at full MLS
-        size, ~50k hours, opening every header takes hours); an utterance without a segment
-        line falls back to its audio header, and an unreadable file is found only when it is
-        loaded. ``audio``: every header is read (``soundfile.info``), which also lists
-        unreadable audio in ``skipped.json``.
+        ``segments.txt`` (``<id> <url> <start> <end>``); an utterance without a segment line
+        takes its audio header's. ``audio``: from every header.
+    progress : bool
+        A progress bar over the header reads.
+
+    Every audio header is read either way (``soundfile.info``, in a thread pool:
+    :func:`speechbrain_fl.data.audio_check.read_headers`): a file libsndfile cannot open is
+    left out, logged, and listed in ``skipped.json`` and the report's
+    ``skipped.unreadable_audio`` (paths relative to ``data_folder``) with the error in
+    ``skipped.unreadable_audio_reasons``. Cost: see that module's docstring.
 
     Returns
     -------
@@ -156,6 +161,7 @@ def prepare_mls(
         with open(os.path.join(save_folder, OPTIONS_FILE), encoding="utf-8") as handle:
             return json.load(handle)["report"]
 
+    reasons: dict[str, str] = {}  # unreadable file (relative path) -> libsndfile's error
     skipped = {
         "unreadable_audio": [],
         "transcript_without_audio": [],
@@ -167,7 +173,8 @@ def prepare_mls(
         rows = {
             split: _prepare_split(
                 data_folder, lang_dir, language, split, skipped,
-                max_utts=max_utts_per_split, durations=durations,
+                max_utts=max_utts_per_split, durations=durations, reasons=reasons,
+                progress=progress,
             )  # fmt: skip
             for split in splits
             if not (split == "public" and language in carve)
@@ -184,6 +191,7 @@ def prepare_mls(
         save_folder,
         rows_by_split,
         skipped=skipped,
+        reasons=reasons,
         languages=sorted(language_dirs),
         missing=missing,
         carved=carved,
@@ -210,16 +218,19 @@ def _carve(rows: dict, language: str, *, share: float, seed: int) -> list[str]:
     return carved
 
 
-def _write_reports(save_folder, rows_by_split, *, skipped, languages, missing, carved) -> dict:
+def _write_reports(
+    save_folder, rows_by_split, *, skipped, reasons, languages, missing, carved
+) -> dict:
     """The preparation report, ``skipped.json``, and the Table VI statistics and speaker-overlap
-    reports of the prepared splits."""
+    reports of the prepared splits; ``reasons``: unreadable file -> libsndfile's error."""
     report = {
         "csv": {s: os.path.join(save_folder, f"{s}.csv") for s in rows_by_split},
         "counts": {
             s: {lang: sum(r["language"] == lang for r in rows) for lang in languages}
             for s, rows in rows_by_split.items()
         },
-        "skipped": {k: sorted(v) for k, v in skipped.items()},
+        "skipped": {k: sorted(v) for k, v in skipped.items()}
+        | ({"unreadable_audio_reasons": dict(sorted(reasons.items()))} if reasons else {}),
         "num_skipped": {k: len(v) for k, v in skipped.items()},
         "languages": languages,
         "missing_languages": missing,
@@ -407,7 +418,16 @@ def read_segment_durations(path: str) -> dict[str, float]:
 
 
 def _prepare_split(
-    data_folder, lang_dir, language, split, skipped, *, max_utts, durations="segments"
+    data_folder,
+    lang_dir,
+    language,
+    split,
+    skipped,
+    *,
+    max_utts,
+    durations="segments",
+    reasons=None,
+    progress=False,
 ):
     split_dir = os.path.join(data_folder, lang_dir, split)
     transcripts = _read_transcripts(os.path.join(split_dir, "transcripts.txt"))
@@ -429,19 +449,26 @@ def _prepare_split(
     ids = sorted(transcripts)
     if max_utts is not None:
         ids = ids[:max_utts]
-    rows = []
     for utt_id in ids:
         if utt_id not in audio:
             logger.warning("Transcript without audio (skipped): %s in %s", utt_id, split_dir)
             skipped["transcript_without_audio"].append(f"{lang_dir}/{split}/{utt_id}")
-            continue
+    ids = [u for u in ids if u in audio]
+    # every header is read (in parallel): a file that is not audio is left out and listed
+    # here, not found by the client that would load it in every round
+    headers, unreadable = read_headers(
+        [audio[u] for u in ids], progress=progress, desc=f"{lang_dir}/{split} headers"
+    )
+    reasons = {} if reasons is None else reasons
+    for path, reason in sorted(unreadable.items()):
+        skipped["unreadable_audio"].append(os.path.relpath(path, data_folder))
+        reasons[os.path.relpath(path, data_folder)] = reason
+    rows = []
+    for utt_id in ids:
         path = audio[utt_id]
-        try:
-            duration = segments[utt_id] if utt_id in segments else sf.info(path).duration
-        except (RuntimeError, sf.LibsndfileError) as err:
-            logger.warning("Unreadable audio (skipped): %s (%s)", path, err)
-            skipped["unreadable_audio"].append(os.path.relpath(path, data_folder))
+        if path in unreadable:
             continue
+        duration = segments[utt_id] if utt_id in segments else headers[path]
         rows.append(
             {
                 "ID": utt_id,

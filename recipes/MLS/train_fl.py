@@ -49,6 +49,7 @@ from pathlib import Path
 import speechbrain as sb
 import torch
 
+from speechbrain_fl.data.audio_check import guarded_read
 from speechbrain_fl.data.mls_synth import generate_mls_corpus
 from speechbrain_fl.data.partition import partition_manifest, read_manifest
 from speechbrain_fl.fl.client import ClientTask
@@ -97,8 +98,13 @@ TASK = f"{Path(__file__).resolve()}:mls_task"
 # ##########################################################################################
 # Data
 # ##########################################################################################
-def make_dataset(csv_path, data_folder):
-    """A DynamicItemDataset yielding ``sig`` (16 kHz waveform), ``wrd`` and ``language``."""
+def make_dataset(csv_path, data_folder, *, skip_unreadable=False):
+    """A DynamicItemDataset yielding ``sig`` (16 kHz waveform), ``wrd`` and ``language``.
+
+    ``skip_unreadable``: a file that fails to decode yields an ``Unreadable`` marker (one log
+    line) that the client's collate function drops (a client's training set), instead of
+    raising (evaluation, where every utterance counts).
+    """
     dataset = sb.dataio.dataset.DynamicItemDataset.from_csv(
         csv_path=csv_path, replacements={"data_root": data_folder}
     )
@@ -106,6 +112,8 @@ def make_dataset(csv_path, data_folder):
     @sb.utils.data_pipeline.takes("wav")
     @sb.utils.data_pipeline.provides("sig")
     def audio_pipeline(wav):
+        if skip_unreadable:
+            return guarded_read(sb.dataio.dataio.read_audio, wav, wav)
         return sb.dataio.dataio.read_audio(wav)
 
     sb.dataio.dataset.add_dynamic_item([dataset], audio_pipeline)
@@ -265,7 +273,9 @@ def build_client(context, *, settings, hparams):
     brain = build_brain(settings, hparams)
     return ClientTask(
         brain=brain,
-        train_set=make_dataset(settings.clients[partition_id], settings.data_folder),
+        train_set=make_dataset(
+            settings.clients[partition_id], settings.data_folder, skip_unreadable=True
+        ),
         train_loader_kwargs=dict(settings.hparams["dataloader_options"]),
         layout=component_layout(brain),
     )

@@ -23,7 +23,9 @@ is in none of the other two chosen sets). The three sets must be disjoint by rec
 clip file name; the paper's safeguard) and, with ``disjoint_by="speaker"``, by ``client_id``
 too: an overlap is refused with the files (or speakers) named. Audio may be MP3 (the real
 releases) or any format libsndfile reads (WAV, FLAC): every clip is opened once with
-``soundfile.info`` to get its duration, so a missing or corrupt clip is named here.
+``soundfile.info`` (in a thread pool) to get its duration: a missing or corrupt clip is left
+out with one log line naming it, counted under ``excluded[set]["unreadable_audio"]`` and
+listed with libsndfile's error in the report's ``unreadable_audio``.
 
 Example
 -------
@@ -47,8 +49,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 
+from speechbrain_fl.data.audio_check import read_headers
 from speechbrain_fl.utils.atomic import atomic_folder
 
 logger = logging.getLogger(__name__)
@@ -227,8 +229,9 @@ def prepare_common_voice(
     Returns
     -------
     dict
-        ``{"counts": {set: {class: n}}, "excluded": {set: {"unlabeled": n, "other_class": n}},
-        "gender_map", "sources", "speakers": {set: n}, "skipped": bool}``.
+        ``{"counts": {set: {class: n}}, "excluded": {set: {"unlabeled": n, "other_class": n,
+        "unreadable_audio": n}}, "gender_map", "sources", "speakers": {set: n}, "skipped":
+        bool}``, and ``"unreadable_audio": {clip: error}`` when a clip could not be read.
     """
     save_folder = Path(save_folder)
     data_folder = Path(data_folder)
@@ -260,6 +263,7 @@ def prepare_common_voice(
         data_folder, {"priv": priv_split, "aux": aux_split, "test": test_split}, disjoint_by
     )
     manifests, counts, excluded, speakers = {}, {}, {}, {}
+    unreadable: dict[str, str] = {}  # clip -> libsndfile's error
     for name in SET_NAMES:
         kept, excl = _labelled(
             sets[name],
@@ -271,6 +275,9 @@ def prepare_common_voice(
         if name == "aux" and max_aux is not None and len(kept) > max_aux:
             pick = np.random.default_rng([int(seed), 77]).choice(len(kept), max_aux, replace=False)
             kept = [kept[i] for i in sorted(pick)]
+        kept, durations, bad = _readable(name, kept, data_folder=data_folder)
+        excl.update({"unreadable_audio": len(bad)} if bad else {})
+        unreadable.update(bad)
         counts[name] = {c: sum(1 for _, lab in kept if lab == c) for c in classes}
         excluded[name] = dict(excl)
         speakers[name] = len({r["client_id"] for r, _ in kept})
@@ -283,7 +290,9 @@ def prepare_common_voice(
             speakers[name],
             dict(excl),
         )
-        manifests[name] = _manifest_rows(name, kept, data_folder=data_folder, sources=sources)
+        manifests[name] = _manifest_rows(
+            name, kept, data_folder=data_folder, durations=durations
+        )
     _check_sets(manifests, counts, classes=classes, sources=sources)
     report = {
         "counts": counts,
@@ -291,6 +300,7 @@ def prepare_common_voice(
         "speakers": speakers,
         "gender_map": gender_map,
         "sources": sources,
+        **({"unreadable_audio": dict(sorted(unreadable.items()))} if unreadable else {}),
     }
     _write_manifests(save_folder, manifests, {"options": options, "report": report})
     return {**report, "skipped": False}
@@ -330,19 +340,22 @@ def _labelled(rows, *, source, classes, gender_map, unlabeled_values):
     return kept, excl
 
 
-def _manifest_rows(name, kept, *, data_folder: Path, sources: dict) -> list[dict]:
-    """The manifest rows of a set, each clip opened once (its duration; a clip that cannot be
-    read is named with its set, file and line)."""
+def _readable(name, kept, *, data_folder: Path):
+    """``kept`` without the clips whose header cannot be read (read in parallel and each
+    left-out clip logged: :func:`speechbrain_fl.data.audio_check.read_headers`), the durations
+    of the others and ``{clip: error}`` of the left-out ones."""
+    clips = [str(data_folder / "clips" / r["path"]) for r, _ in kept]
+    durations, bad = read_headers(clips, desc=f"D_{name} headers")
+    kept = [k for k, clip in zip(kept, clips, strict=True) if clip not in bad]
+    return kept, durations, bad
+
+
+def _manifest_rows(name, kept, *, data_folder: Path, durations: dict) -> list[dict]:
+    """The manifest rows of a set; ``durations``: clip path -> seconds (its header)."""
     out = []
     for row, label in kept:
         clip = data_folder / "clips" / row["path"]
-        try:
-            duration = sf.info(str(clip)).duration
-        except Exception as err:  # libsndfile raises RuntimeError / LibsndfileError
-            raise ValueError(
-                f"clip {clip} (D_{name}, {sources[name]} line {row['line']}) "
-                f"cannot be read: {err}"
-            ) from err
+        duration = durations[str(clip)]
         if not duration > 0:
             raise ValueError(f"clip {clip} (D_{name}) is empty")
         out.append(

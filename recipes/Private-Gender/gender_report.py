@@ -313,6 +313,9 @@ def data_block(hparams, data) -> dict:
         "classes": classes,
         "counts": prep.get("counts"),
         "excluded": prep.get("excluded"),
+        # clips left out at preparation (libsndfile could not open them), with the error
+        **({k: prep[k] for k in ("unreadable_audio", "unreadable_note") if k in prep}
+           if prep.get("unreadable_audio") else {}),  # fmt: skip
         "speakers": prep.get("speakers"),
         "gender_map": prep.get("gender_map"),
         "sources": prep.get("sources"),

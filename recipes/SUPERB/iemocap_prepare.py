@@ -24,8 +24,15 @@ import os
 import re
 
 import numpy as np
-import soundfile as sf
-from prepare_common import corpus_stamp, rel, require, save_options, skip, write_manifest
+from prepare_common import (
+    corpus_stamp,
+    readable_rows,
+    rel,
+    require,
+    save_options,
+    skip,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +115,11 @@ def prepare_iemocap(
                     if not os.path.isfile(path):
                         logger.warning("IEMOCAP: no audio %s for %s; skipped", path, utt)
                         continue
-                    info = sf.info(path)
                     split = "test" if session == f"Session{test_session}" else "train"
                     rows[split].append(
                         {
                             "ID": utt,
-                            "duration": round(info.frames / info.samplerate, 4),
+                            "_path": path,  # duration from its header: readable_rows
                             "wav": rel(path, data_folder),
                             "start": 0,
                             "stop": -1,
@@ -121,6 +127,7 @@ def prepare_iemocap(
                             "label": emotion,
                         }
                     )
+    rows = readable_rows(rows, data_folder, save_folder=save_folder, corpus="IEMOCAP")
     rng = np.random.default_rng(seed)
     keep = []
     for speaker in sorted({r["spk_id"] for r in rows["train"]}):

@@ -7,7 +7,9 @@ Parses the layout the openslr.org/12 archives unpack to::
 
 and writes ``<save_folder>/<split>.csv`` (``ID,duration,wav,spk_id,wrd``; transcripts
 lower-cased) for each split asked for (``train-clean-100``, ``dev-clean``, ``test-clean``; the
-embedded corpus adds ``public``). A transcript line without audio is skipped with a log line.
+embedded corpus adds ``public``). A transcript line without audio is skipped with a log line;
+an audio file whose header cannot be read is left out and listed in ``unreadable_audio.json``
+(:func:`prepare_common.check_audio`).
 
 Authors
  * speechbrain-fl contributors
@@ -18,8 +20,15 @@ from __future__ import annotations
 import logging
 import os
 
-import soundfile as sf
-from prepare_common import corpus_stamp, rel, require, save_options, skip, write_manifest
+from prepare_common import (
+    check_audio,
+    corpus_stamp,
+    rel,
+    require,
+    save_options,
+    skip,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,33 +74,49 @@ def prepare_librispeech(
     require(data_folder, [f"LibriSpeech/{s}" for s in splits], corpus="LibriSpeech", where=_WHERE)
     counts = {}
     os.makedirs(save_folder, exist_ok=True)
+    listed = {split: _transcribed(data_folder, split) for split in splits}
+    durations = check_audio(
+        [path for entries in listed.values() for _, path, _ in entries],
+        data_folder,
+        save_folder=save_folder,
+        corpus="LibriSpeech",
+    )
     for split in splits:
-        rows = []
         root = os.path.join(data_folder, "LibriSpeech", split)
-        for dirpath, _, names in sorted(os.walk(root)):
-            for name in sorted(n for n in names if n.endswith(".trans.txt")):
-                with open(os.path.join(dirpath, name), encoding="utf-8") as handle:
-                    for line in handle:
-                        if not line.strip():
-                            continue
-                        uid, _, text = line.strip().partition(" ")
-                        path = os.path.join(dirpath, f"{uid}.flac")
-                        if not os.path.isfile(path):
-                            logger.warning("LibriSpeech: %s has no audio %s; skipped", uid, path)
-                            continue
-                        info = sf.info(path)
-                        rows.append(
-                            {
-                                "ID": uid,
-                                "duration": round(info.frames / info.samplerate, 4),
-                                "wav": rel(path, data_folder),
-                                "spk_id": uid.split("-")[0],
-                                "wrd": text.lower(),
-                            }
-                        )
+        rows = [
+            {
+                "ID": uid,
+                "duration": round(durations[path], 4),
+                "wav": rel(path, data_folder),
+                "spk_id": uid.split("-")[0],
+                "wrd": text.lower(),
+            }
+            for uid, path, text in listed[split]
+            if path in durations  # an unreadable file is left out (listed by check_audio)
+        ]
         if not rows:
             raise OSError(f"LibriSpeech: no transcribed audio under {root}. {_WHERE}")
         write_manifest(os.path.join(save_folder, f"{split}.csv"), rows, HEADER)
         counts[split] = len(rows)
     save_options(save_folder, options, {"counts": counts})
     return {"counts": counts, "skipped": False}
+
+
+def _transcribed(data_folder, split):
+    """``[(utterance id, audio path, transcript)]`` of a split; a transcript line without
+    its audio file is logged and left out."""
+    entries = []
+    root = os.path.join(data_folder, "LibriSpeech", split)
+    for dirpath, _, names in sorted(os.walk(root)):
+        for name in sorted(n for n in names if n.endswith(".trans.txt")):
+            with open(os.path.join(dirpath, name), encoding="utf-8") as handle:
+                for line in handle:
+                    if not line.strip():
+                        continue
+                    uid, _, text = line.strip().partition(" ")
+                    path = os.path.join(dirpath, f"{uid}.flac")
+                    if not os.path.isfile(path):
+                        logger.warning("LibriSpeech: %s has no audio %s; skipped", uid, path)
+                        continue
+                    entries.append((uid, path, text))
+    return entries

@@ -3,7 +3,10 @@
 - :func:`require`: raise ``OSError`` naming every missing file or folder of a corpus layout and
   where to get the corpus;
 - :func:`write_manifest`: a SpeechBrain CSV (``$data_root`` in paths), written atomically;
-- :func:`skip` / :func:`save_options`: a saved-options file, so a changed option re-prepares.
+- :func:`skip` / :func:`save_options`: a saved-options file, so a changed option re-prepares;
+- :func:`check_audio` / :func:`unreadable_audio`: every audio header read before a manifest is
+  written (in a thread pool); a file that cannot be read is left out, logged and listed in
+  ``unreadable_audio.json`` (relative path -> error), read back on reuse.
 
 Authors
  * speechbrain-fl contributors
@@ -16,10 +19,12 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 
+from speechbrain_fl.data.audio_check import read_headers
 from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 
 OPTIONS_FILE = "prepare_options.json"
+UNREADABLE_FILE = "unreadable_audio.json"
 
 
 def require(data_folder: str, paths: Iterable[str], *, corpus: str, where: str) -> None:
@@ -77,3 +82,52 @@ def corpus_stamp(data_folder: str) -> str | None:
         return None
     with open(path, encoding="utf-8") as handle:
         return json.dumps(json.load(handle).get("options"), sort_keys=True)
+
+
+def check_audio(
+    paths: Sequence[str], data_folder: str, *, save_folder: str, corpus: str
+) -> dict[str, float]:
+    """The durations (s) of the readable ``paths``; the others are left out and listed.
+
+    Every header is read (``soundfile.info``, :func:`speechbrain_fl.data.audio_check.
+    read_headers`); a file libsndfile cannot open is logged once and written to
+    ``<save_folder>/unreadable_audio.json`` as ``{path relative to data_folder: error}``
+    (an empty mapping when every file is readable, so a reuse reads the current list).
+    """
+    durations, unreadable = read_headers(paths, desc=f"{corpus} headers")
+    listed = {os.path.relpath(p, data_folder): why for p, why in sorted(unreadable.items())}
+    os.makedirs(save_folder, exist_ok=True)
+    with atomic_open(os.path.join(save_folder, UNREADABLE_FILE)) as handle:
+        json.dump(listed, handle, indent=2)
+    return durations
+
+
+def unreadable_audio(save_folder: str) -> dict[str, str]:
+    """``unreadable_audio.json`` of a preparation (``{}`` when absent)."""
+    path = os.path.join(save_folder, UNREADABLE_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def readable_rows(
+    rows: dict[str, list[dict]], data_folder: str, *, save_folder: str, corpus: str
+) -> dict[str, list[dict]]:
+    """``rows`` (split -> manifest rows, each with its audio file under ``"_path"``) without
+    the rows whose file is unreadable (:func:`check_audio`), each with its ``duration``
+    (seconds, 4 decimals) and without ``"_path"``; the order is kept."""
+    durations = check_audio(
+        [r["_path"] for split_rows in rows.values() for r in split_rows],
+        data_folder,
+        save_folder=save_folder,
+        corpus=corpus,
+    )
+    out = {}
+    for split, split_rows in rows.items():
+        out[split] = []
+        for row in split_rows:
+            path = row.pop("_path")
+            if path in durations:
+                out[split].append({**row, "duration": round(durations[path], 4)})
+    return out

@@ -31,7 +31,15 @@ import os
 
 import numpy as np
 import soundfile as sf
-from prepare_common import corpus_stamp, rel, require, save_options, skip, write_manifest
+from prepare_common import (
+    check_audio,
+    corpus_stamp,
+    rel,
+    require,
+    save_options,
+    skip,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,22 +134,29 @@ def prepare_speech_commands(
     )
     labels = labels_for(task, words)
     rows = {"train": [], "valid": [], "test": []}
+    clips = []
     for word in words:
-        label = word if word in labels else "_unknown_"
         if task == "kws35" and word not in labels:
             logger.info("skipping folder %s: not a KWS-35 word", word)
             continue
-        for name in sorted(os.listdir(os.path.join(data_folder, word))):
-            if not name.endswith(".wav"):
-                continue
-            relative = f"{word}/{name}"
-            split = next((s for s in ("valid", "test") if relative in lists[s]), "train")
-            path = os.path.join(data_folder, word, name)
-            info = sf.info(path)
+        names = sorted(os.listdir(os.path.join(data_folder, word)))
+        clips += [(word, n) for n in names if n.endswith(".wav")]
+    durations = check_audio(
+        [os.path.join(data_folder, w, n) for w, n in clips],
+        data_folder,
+        save_folder=save_folder,
+        corpus="Speech Commands",
+    )
+    for word, name in clips:
+        label = word if word in labels else "_unknown_"
+        relative = f"{word}/{name}"
+        split = next((s for s in ("valid", "test") if relative in lists[s]), "train")
+        path = os.path.join(data_folder, word, name)
+        if path in durations:  # an unreadable clip is left out (listed by check_audio)
             rows[split].append(
                 {
                     "ID": f"{word}_{name[:-4]}",
-                    "duration": round(info.frames / info.samplerate, 4),
+                    "duration": round(durations[path], 4),
                     "wav": rel(path, data_folder),
                     "start": 0,
                     "stop": -1,

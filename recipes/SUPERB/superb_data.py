@@ -28,6 +28,7 @@ import numpy as np
 import speechbrain as sb
 import torch
 
+from speechbrain_fl.data.audio_check import guarded_read
 from speechbrain_fl.recipe import cache_tag, cached_seed_model, file_digest
 
 logger = logging.getLogger(__name__)
@@ -252,8 +253,20 @@ def prepare_task(hparams):
         "test": test,
         "labels": labels,
         "public": public,
-        "extra": {k: v for k, v in report.items() if k not in ("labels",)},
+        "extra": {k: v for k, v in report.items() if k not in ("labels",)}
+        | _unreadable(save, data_folder),
     }
+
+
+def _unreadable(save, data_folder):
+    """``{"unreadable_audio": {file: error}}`` of the preparation in ``save`` (files under
+    ``data_folder``, left out of the manifests), or ``{}`` when every file was readable."""
+    from prepare_common import unreadable_audio
+
+    listed = unreadable_audio(save)
+    if not listed:
+        return {}
+    return {"unreadable_audio": {os.path.join(data_folder, f): why for f, why in listed.items()}}
 
 
 # ------------------------------------------------------------------------------ data pipeline
@@ -267,8 +280,22 @@ def encode_chars(text):
     return [CTC_ALPHABET.index(c) + 1 for c in text.lower() if c in CTC_ALPHABET]
 
 
-def make_dataset(csv_path, data_folder, *, labels=None, ctc=False):
-    """A DynamicItemDataset: ``sig`` (16 kHz), ``spk_id`` and ``label_id`` or ``tokens``."""
+def _guarded(read, source):
+    """``read(source)``, or an ``Unreadable`` marker naming the file when it raises."""
+    path = source["file"] if isinstance(source, dict) else source
+    return guarded_read(read, path, source)
+
+
+def make_dataset(csv_path, data_folder, *, labels=None, ctc=False, skip_unreadable=False):
+    """A DynamicItemDataset: ``sig`` (16 kHz), ``spk_id`` and ``label_id`` or ``tokens``.
+
+    ``skip_unreadable``: a file that fails to decode yields an ``Unreadable`` marker (one log
+    line) that the client's collate function drops (a client's training set), instead of
+    raising (evaluation, where every utterance counts).
+    """
+    read = sb.dataio.dataio.read_audio
+    if skip_unreadable:
+        read = functools.partial(_guarded, read)
     dataset = sb.dataio.dataset.DynamicItemDataset.from_csv(
         csv_path=csv_path, replacements={"data_root": data_folder}
     )
@@ -280,17 +307,15 @@ def make_dataset(csv_path, data_folder, *, labels=None, ctc=False):
         @sb.utils.data_pipeline.provides("sig")
         def audio(wav, start, stop):
             if int(stop) > 0:
-                return sb.dataio.dataio.read_audio(
-                    {"file": wav, "start": int(start), "stop": int(stop)}
-                )
-            return sb.dataio.dataio.read_audio(wav)
+                return read({"file": wav, "start": int(start), "stop": int(stop)})
+            return read(wav)
 
     else:
 
         @sb.utils.data_pipeline.takes("wav")
         @sb.utils.data_pipeline.provides("sig")
         def audio(wav):
-            return sb.dataio.dataio.read_audio(wav)
+            return read(wav)
 
     keys = ["id", "sig", "spk_id"]
     items = [audio]

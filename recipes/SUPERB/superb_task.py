@@ -287,7 +287,9 @@ def build_client(context, *, settings, hparams):
     manifest = settings.clients[partition_id]
     return ClientTask(
         brain=brain,
-        train_set=make_dataset(manifest, settings.data_folder, **settings.data_kw),
+        train_set=make_dataset(
+            manifest, settings.data_folder, skip_unreadable=True, **settings.data_kw
+        ),
         train_loader_kwargs=train_loader_kwargs(hparams, manifest),
         partial=_reply_partial,
     )

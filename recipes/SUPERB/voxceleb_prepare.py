@@ -22,8 +22,15 @@ import csv
 import logging
 import os
 
-import soundfile as sf
-from prepare_common import corpus_stamp, rel, require, save_options, skip, write_manifest
+from prepare_common import (
+    corpus_stamp,
+    readable_rows,
+    rel,
+    require,
+    save_options,
+    skip,
+    write_manifest,
+)
 
 from speechbrain_fl.utils.atomic import atomic_open
 
@@ -111,11 +118,10 @@ def prepare_voxceleb1(
                 missing += 1
                 logger.warning("VoxCeleb1: %s listed in iden_split.txt is missing; skipped", path)
                 continue
-            info = sf.info(path)
             rows[_SPLITS[fields[0]]].append(
                 {
                     "ID": fields[1][:-4].replace("/", "_"),
-                    "duration": round(info.frames / info.samplerate, 4),
+                    "_path": path,  # duration from its header: readable_rows
                     "wav": rel(path, data_folder),
                     "start": 0,
                     "stop": -1,
@@ -123,6 +129,7 @@ def prepare_voxceleb1(
                     "label": speaker,
                 }
             )
+    rows = readable_rows(rows, data_folder, save_folder=save_folder, corpus="VoxCeleb1")
     labels = sorted({r["label"] for r in rows["train"]})
     os.makedirs(save_folder, exist_ok=True)
     for split, split_rows in rows.items():

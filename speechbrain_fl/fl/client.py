@@ -105,6 +105,7 @@ import contextlib
 import copy
 import functools
 import json
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -116,12 +117,14 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from speechbrain.dataio.batch import PaddedBatch
+from speechbrain.dataio.dataset import DynamicItemDataset
 from speechbrain.dataio.dataloader import LoopedLoader
 
 from speechbrain_fl.privacy import Layout, clip_update
 
+from ..data.audio_check import EMPTY_BATCH, SkippingCollate
 from ..utils.gc_freeze import refreeze
-from .collation import epoch_batches, pad_right_stacked
+from .collation import TensorRows, epoch_batches, pad_right_stacked
 from .collation import stacked_padded_batch as _stacked_padded_batch
 from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_applies
 from .npy_codec import decode_record, encode_record
@@ -221,10 +224,21 @@ def _train_loader(task: ClientTask) -> Any:
         kwargs = dict(task.train_loader_kwargs)
         if task.fast_collate and kwargs.get("collate_fn") is PaddedBatch:
             kwargs["collate_fn"] = _stacked_padded_batch
+        collate = kwargs.get("collate_fn")
+        if collate is None and isinstance(task.train_set, DynamicItemDataset):
+            collate = PaddedBatch  # what make_dataloader gives such a dataset
+        if collate is not None:  # an unreadable example is dropped, not the client's round
+            kwargs["collate_fn"] = SkippingCollate(collate, trusted=(TensorRows,))
         loader = task.brain.make_dataloader(task.train_set, stage=sb.Stage.TRAIN, **kwargs)
         task._loader = (loader, task.brain.train_sampler)
     loader, task.brain.train_sampler = task._loader
     return loader
+
+
+def _skipping_collate(loader: Any) -> SkippingCollate | None:
+    """The loader's :class:`SkippingCollate` (:func:`_train_loader`'s), else ``None``."""
+    collate = getattr(loader, "collate_fn", None)
+    return collate if isinstance(collate, SkippingCollate) else None
 
 
 def _immutable(value: Any) -> bool:
@@ -442,6 +456,8 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
         for batch in epoch_batches(train_loader):
             if brain._optimizer_step_limit_exceeded:
                 break
+            if batch is EMPTY_BATCH:  # every example unreadable: nothing to train on
+                continue
             brain.step += 1
             if not lean_step:
                 loss = brain.fit_batch(batch)
@@ -512,13 +528,25 @@ def _local_fit(
         lean_fit(brain, train_loader, epochs, lean_step=lean_step)
         return
     if not lean_step:
-        brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
-        return
-    brain.fit_batch = lambda batch: lean_fit_batch(brain, batch)[0]
+        fit_batch = brain.fit_batch
+    else:
+        def fit_batch(batch):
+            return lean_fit_batch(brain, batch)[0]
+
+    def skipping_fit_batch(batch):
+        if batch is EMPTY_BATCH:  # every example unreadable: no step, a zero loss
+            return torch.zeros(())
+        return fit_batch(batch)
+
+    own = brain.__dict__.get("fit_batch")
+    brain.fit_batch = skipping_fit_batch
     try:
         brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
     finally:
-        del brain.fit_batch  # back to the class method
+        if own is None:
+            del brain.fit_batch  # back to the class method
+        else:
+            brain.fit_batch = own
 
 
 # The last round's decoded global tensors: (names, the Arrays' bytes objects, tensors).
@@ -633,7 +661,11 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             _reset_optimizer(task.brain, parameters),
             _skip_disabled_clipping(task.brain),
         ):
-            _local_fit(task, _train_loader(task), epochs, lean_step=lean_step)
+            loader = _train_loader(task)
+            collate = _skipping_collate(loader)
+            if collate is not None:
+                collate.reset()
+            _local_fit(task, loader, epochs, lean_step=lean_step)
         with torch.no_grad():
             delta = {n: _difference(params[n], v) for n, v in global_params.items()}
         train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
@@ -641,6 +673,8 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             "num-examples": len(task.train_set),
             "train-loss": train_losses[-1] if train_losses else float("nan"),
         }
+        if collate is not None and collate.skipped:
+            metrics.update(_unreadable_metrics(collate.skipped, len(task.train_set), partition_id))
         if task.partial is not None:
             reset_model()  # ``partial`` reads the Brain: as reset, as before
             names, extra = task.partial(task.brain)
@@ -669,6 +703,27 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     finally:
         reset_model()
     return reply_record(arrays, metric_record(metrics))
+
+
+def _unreadable_metrics(skipped: dict[str, str], size: int, partition_id: int) -> dict[str, int]:
+    """The reply's count of this round's unreadable utterances (``unreadable-utterances``),
+    one warning naming them, and an error-level line when none of the client's ``size``
+    utterances could be read (``readable-utterances``: 0, its update is zero)."""
+    files = sorted(skipped)
+    readable = max(0, size - len(files))
+    logging.getLogger(__name__).warning(
+        "partition %d: %d of %d utterances unreadable and skipped: %s%s",
+        partition_id,
+        len(files),
+        size,
+        ", ".join(files[:5]),
+        " ..." if len(files) > 5 else "",
+    )
+    if readable == 0:
+        logging.getLogger(__name__).error(
+            "partition %d: no readable utterance; its update is zero", partition_id
+        )
+    return {"unreadable-utterances": len(files), "readable-utterances": readable}
 
 
 def _process_cache() -> OrderedDict[Any, ClientTask]:

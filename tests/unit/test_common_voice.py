@@ -166,12 +166,14 @@ def test_missing_class_and_empty_aux(copy, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-def test_corrupt_clip_named(copy, tmp_path):
+def test_corrupt_clip_left_out_and_named(copy, tmp_path):
     clip = copy / "clips" / read_tsv(copy / "test.tsv")[0]["path"]
     clip.write_bytes(b"not audio at all")
-    with pytest.raises(ValueError, match=rf"clip .*{clip.name} .*cannot be read"):
-        prepare_common_voice(copy, tmp_path / "m")
-    assert not (tmp_path / "m").exists()
+    report = prepare_common_voice(copy, tmp_path / "m")
+    assert list(report["unreadable_audio"]) == [str(clip)]
+    assert report["excluded"]["test"]["unreadable_audio"] == 1
+    assert "unreadable_note" in report
+    assert clip.name not in (tmp_path / "m" / "test.csv").read_text()
 
 
 def test_not_a_common_voice_folder(tmp_path):

@@ -60,7 +60,7 @@ def test_client_loader_gives_speechbrains_batches():
     client = _client(1)
     train = client.train_set
     loader = _train_loader(client)
-    assert isinstance(train, _Examples) and loader.collate_fn is _stacked_padded_batch
+    assert isinstance(train, _Examples) and loader.collate_fn.collate is _stacked_padded_batch
     got = _batches(client.brain, loader, seed=3)
     reference = _client(1).brain
     plain = reference.make_dataloader(

@@ -349,8 +349,8 @@ def test_fast_collation_and_lean_loop_equal_the_plain_speechbrain_path():
     got = _two_rounds(new)
     _assert_same(got, expected)
     assert new_calls == old_calls
-    assert new._loader[0].collate_fn is _stacked_padded_batch
-    assert old._loader[0].collate_fn is sb.dataio.batch.PaddedBatch
+    assert new._loader[0].collate_fn.collate is _stacked_padded_batch
+    assert old._loader[0].collate_fn.collate is sb.dataio.batch.PaddedBatch
 
 
 def test_npy_codec_is_flowers_format():

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 
+from pathlib import Path
+
 import pytest
 from speechbrain.dataio.dataset import DynamicItemDataset
 
@@ -192,21 +194,23 @@ def test_carve_public_split_choice():
     assert mls_prepare.carve_public_split(one, share=0.5, seed=0)[2] == []  # a client remains
 
 
-def test_durations_from_segments_open_no_audio(pristine, tmp_path, monkeypatch):
-    """At full MLS size the durations come from segments.txt: no audio header is read."""
-    by_audio = prepare_mls(pristine, str(tmp_path / "audio"), durations="audio")
-
-    def no_audio(path):
-        raise AssertionError(f"audio header read: {path}")
-
-    monkeypatch.setattr(mls_prepare.sf, "info", no_audio)
-    by_segments = prepare_mls(pristine, str(tmp_path / "segments"))
+def test_durations_from_segments_headers_checked(corpus, tmp_path):
+    """Durations come from segments.txt (no decoding); every header is still read, so a file
+    that is not audio is left out and listed, with the reason, in segments mode too."""
+    by_audio = prepare_mls(corpus, str(tmp_path / "audio"), durations="audio")
+    broken = sorted(Path(corpus, "mls_english", "train", "audio").rglob("*.flac"))[0]
+    broken.write_text("not audio")
+    by_segments = prepare_mls(corpus, str(tmp_path / "segments"))
+    relative = os.path.relpath(broken, corpus)
+    assert by_segments["skipped"]["unreadable_audio"] == [relative]
+    assert "Format not recognised" in by_segments["skipped"]["unreadable_audio_reasons"][relative]
+    assert "privacy" in by_segments["skipped"]
     for split in ("train", "dev", "test"):
         a = {r["ID"]: float(r["duration"]) for r in _rows(by_audio["csv"][split])}
         s = {r["ID"]: float(r["duration"]) for r in _rows(by_segments["csv"][split])}
-        assert a.keys() == s.keys()
+        assert a.keys() - s.keys() == ({broken.stem} if split == "train" else set())
         # the generated segments.txt rounds to 10 ms
-        assert all(abs(a[k] - s[k]) <= 0.006 for k in a)
+        assert all(abs(a[k] - s[k]) <= 0.006 for k in s)
 
 
 def test_malformed_segments_line_names_file_and_line(corpus, tmp_path):
