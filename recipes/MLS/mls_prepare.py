@@ -42,7 +42,7 @@ import logging
 import math
 import os
 
-from speechbrain_fl.data.audio_check import read_headers
+from speechbrain_fl.data.audio_check import PRIVACY_NOTE, read_headers
 from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 from mls_report import write_speaker_overlap, write_train_statistics
@@ -230,7 +230,11 @@ def _write_reports(
             for s, rows in rows_by_split.items()
         },
         "skipped": {k: sorted(v) for k, v in skipped.items()}
-        | ({"unreadable_audio_reasons": dict(sorted(reasons.items()))} if reasons else {}),
+        | (
+            {"unreadable_audio_reasons": dict(sorted(reasons.items())), "privacy": PRIVACY_NOTE}
+            if reasons
+            else {}
+        ),
         "num_skipped": {k: len(v) for k, v in skipped.items()},
         "languages": languages,
         "missing_languages": missing,

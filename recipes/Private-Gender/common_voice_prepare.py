@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speechbrain_fl.data.audio_check import read_headers
+from speechbrain_fl.data.audio_check import PRIVACY_NOTE, read_headers
 from speechbrain_fl.utils.atomic import atomic_folder
 
 logger = logging.getLogger(__name__)
@@ -300,7 +300,11 @@ def prepare_common_voice(
         "speakers": speakers,
         "gender_map": gender_map,
         "sources": sources,
-        **({"unreadable_audio": dict(sorted(unreadable.items()))} if unreadable else {}),
+        **(
+            {"unreadable_audio": dict(sorted(unreadable.items())), "unreadable_note": PRIVACY_NOTE}
+            if unreadable
+            else {}
+        ),
     }
     _write_manifests(save_folder, manifests, {"options": options, "report": report})
     return {**report, "skipped": False}

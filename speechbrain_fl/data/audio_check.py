@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 __all__ = [
     "EMPTY_BATCH",
+    "PRIVACY_NOTE",
     "SkippingCollate",
     "Unreadable",
     "guarded_read",
@@ -43,6 +44,15 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: What a left-out utterance means for a private run's guarantee (results.json beside the list).
+PRIVACY_NOTE = (
+    "An unreadable utterance is left out of its owner's data, before training or when a batch "
+    "is built: it only shrinks that data. The unit of privacy is unchanged (a client's whole "
+    "partition in a federated run, a record in DP-SGD): the clip still bounds every update and "
+    "the accountant counts the same draws, so epsilon stands as reported. The list of "
+    "left-out files is an operator diagnostic released without noise, outside the guarantee."
+)
 
 
 @dataclass(frozen=True)

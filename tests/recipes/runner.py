@@ -192,3 +192,93 @@ def run_bad_input(row: BadInput, tmp: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+# ------------------------------------------------------------------------------ faults
+FAULTS_CSV = Path(__file__).with_name("faults.csv")
+FAULT_COLUMNS = ("recipe", "script", "hparams", "flags", "fault", "target", "expected")
+#: The faults a row may inject into a copy of the recipe's session cache before its run.
+FAULTS = ("unreadable_train_file",)
+#: ``expected``: ``finishes:<results file>:<dotted key>`` (the run exits 0 and the key's value,
+#: a list or mapping, names the file) or ``refused:<text>`` (one-line ``error:`` naming it).
+OUTCOMES = ("finishes", "refused")
+
+
+@dataclass(frozen=True)
+class FaultRow:
+    """One row of ``faults.csv``: a recipe run with a fault injected, and what must happen."""
+
+    recipe: str
+    script: str
+    hparams: str
+    flags: str
+    fault: str
+    target: str
+    expected: str
+
+    @property
+    def id(self) -> str:
+        """``<recipe>/<hparams stem>: <fault>``, the pytest id of the row."""
+        return f"{self.recipe}/{Path(self.hparams).stem}: {self.fault}"
+
+    @property
+    def outcome(self) -> tuple[str, list[str]]:
+        """``("finishes", [results file, dotted key])`` or ``("refused", [text])``."""
+        kind, _, rest = self.expected.partition(":")
+        return kind, rest.split(":") if kind == "finishes" else [rest]
+
+
+def load_faults(path: Path = FAULTS_CSV) -> list[FaultRow]:
+    """The rows of ``faults.csv``; ``ValueError`` naming the file and line when malformed."""
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        if tuple(reader.fieldnames or ()) != FAULT_COLUMNS:
+            raise ValueError(
+                f"{path}: header must be {','.join(FAULT_COLUMNS)}, got {reader.fieldnames}"
+            )
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            fault = FaultRow(**{c: row[c] or "" for c in FAULT_COLUMNS})
+            kind, parts = fault.outcome
+            if fault.fault not in FAULTS:
+                raise ValueError(f"{path}, line {line}: fault {fault.fault!r} not in {FAULTS}")
+            if kind not in OUTCOMES or (kind == "finishes" and len(parts) != 2):
+                raise ValueError(
+                    f"{path}, line {line}: expected {fault.expected!r} must be "
+                    "finishes:<results file>:<key> or refused:<text>"
+                )
+            if not fault.target:
+                raise ValueError(f"{path}, line {line}: target (a glob in the cache) is required")
+            rows.append(fault)
+    return rows
+
+
+def _listed(corpus: Path) -> set[str]:
+    """Files a corpus's ``*_list.txt`` files name (Speech Commands' validation and test lists):
+    not training files."""
+    names: set[str] = set()
+    for listing in corpus.glob("*_list.txt"):
+        names |= {line.strip() for line in listing.read_text().splitlines() if line.strip()}
+    return names
+
+
+def inject_fault(row: FaultRow, cache: Path) -> Path:
+    """Inject ``row.fault`` into the cache folder ``cache``; return the file it changed.
+
+    ``unreadable_train_file``: the first file (sorted) matching ``row.target`` (a glob relative
+    to ``cache``) that no ``*_list.txt`` of its corpus folder names is overwritten with text,
+    so that no audio library can open it.
+    """
+    corpus = cache / Path(row.target).parts[0]
+    skip = _listed(corpus)
+    for path in sorted(cache.glob(row.target)):
+        if path.is_file() and path.relative_to(corpus).as_posix() not in skip:
+            path.write_text("this is not audio\n")
+            return path
+    raise FileNotFoundError(f"{row.id}: no training file matches {row.target!r} in {cache}")
+
+
+def run_fault(row: FaultRow, output_folder: Path, cache: Path) -> subprocess.CompletedProcess:
+    """Run ``row``'s script with its flags (``{cache}`` filled) on ``cache``."""
+    recipe_row = RecipeRow(row.recipe, row.script, row.hparams, row.flags, "")
+    return run_script(recipe_row, output_folder, cache)
