@@ -31,9 +31,10 @@ round, so a cached Brain never carries local state into the next round.
 Steady-state costs cut here (measured per client message in ``benchmarks/fl_overhead.py``):
 
 - The training DataLoader is made once per ClientTask (``brain.make_dataloader``, exactly what
-  ``Brain.fit`` would make each round) and passed to ``brain.fit``. Its order is unchanged:
-  SpeechBrain's shuffling sampler is reseeded per epoch (``set_epoch``), other samplers draw
-  from the torch RNG, which each round reseeds.
+  ``Brain.fit`` would make each round) and passed to ``brain.fit``. Its order is fresh every
+  round and client: SpeechBrain's shuffling sampler (``seed + epoch``) gets a seed mixed from
+  its own, the round seed and the partition id (:func:`_round_sampler_seed`), then is set per
+  epoch (``set_epoch``); other samplers draw from the torch RNG, which each round reseeds.
 - The optimiser is made once per Brain and *reset* before every round instead of rebuilt:
   its per-parameter state (momenta, Adam moments, step counts) is cleared and its param
   groups' hyperparameters are put back to the values it was built with, so round r+1 starts
@@ -112,6 +113,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import speechbrain as sb
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -233,6 +235,32 @@ def _train_loader(task: ClientTask) -> Any:
         task._loader = (loader, task.brain.train_sampler)
     loader, task.brain.train_sampler = task._loader
     return loader
+
+
+#: The seed attribute of a sampler that shuffles with ``seed + epoch``: SpeechBrain's
+#: ``ReproducibleRandomSampler`` (``seed``) and ``DynamicBatchSampler`` (``_seed``).
+_SEED_ATTRIBUTES = ("seed", "_seed")
+
+
+def _round_sampler_seed(sampler: Any, *, round_seed: int, partition_id: int) -> None:
+    """Give a ``seed + epoch`` sampler this round's and this client's seed.
+
+    SpeechBrain's shuffling samplers draw epoch ``e``'s order from ``seed + e``, and a round
+    runs epochs ``1..E``: with one seed, a client would see the same orders every round and
+    clients with as many examples the same permutation. The sampler's seed for a round is
+    ``SeedSequence([s0, round_seed, partition_id])``'s first 32-bit word, ``s0`` the seed it
+    was built with: a new order every round and client, the same for the same run seed (the
+    server draws ``round_seed`` from it). A sampler without such a seed (torch's
+    ``RandomSampler``, drawing from the torch generator the round reseeds) is left as is.
+    """
+    if sampler is None or not hasattr(sampler, "set_epoch"):
+        return
+    name = next((a for a in _SEED_ATTRIBUTES if isinstance(getattr(sampler, a, None), int)), None)
+    if name is None:
+        return
+    base = sampler.__dict__.setdefault("_fl_base_seed", getattr(sampler, name))
+    entropy = [base % 2**32, round_seed % 2**32, partition_id]
+    setattr(sampler, name, int(np.random.SeedSequence(entropy).generate_state(1)[0]))
 
 
 def _skipping_collate(loader: Any) -> SkippingCollate | None:
@@ -662,6 +690,11 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             _skip_disabled_clipping(task.brain),
         ):
             loader = _train_loader(task)
+            _round_sampler_seed(
+                task.brain.train_sampler or getattr(loader, "sampler", None),
+                round_seed=int(config.get("round-seed", 0)),
+                partition_id=int(partition_id),
+            )
             collate = _skipping_collate(loader)
             if collate is not None:
                 collate.reset()

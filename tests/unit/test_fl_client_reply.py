@@ -58,6 +58,10 @@ def _reference(global_params, config, pid=1):
         client.train_set, stage=sb.Stage.TRAIN, **client.train_loader_kwargs
     )
     assert loader.collate_fn is PaddedBatch
+    # the round's order: the sampler's seed mixed with the round seed and the partition
+    sampler = brain.train_sampler
+    entropy = [sampler.seed, int(config["round-seed"]), pid]
+    sampler.seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
     with _record_stage_end(brain) as records:
         brain.fit(range(1, int(config["local-epochs"]) + 1), loader, progressbar=False)
     params = dict(brain.modules.named_parameters())
