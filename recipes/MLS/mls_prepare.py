@@ -41,11 +41,14 @@ import json
 import logging
 import math
 import os
+import sys
 
 from speechbrain_fl.data.audio_check import PRIVACY_NOTE, read_headers
-from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
-from mls_report import write_speaker_overlap, write_train_statistics
+from speechbrain_fl.utils.atomic import atomic_open
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipe's own modules
+from mls_report import write_speaker_overlap, write_train_statistics  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -161,28 +164,11 @@ def prepare_mls(
         with open(os.path.join(save_folder, OPTIONS_FILE), encoding="utf-8") as handle:
             return json.load(handle)["report"]
 
-    reasons: dict[str, str] = {}  # unreadable file (relative path) -> libsndfile's error
-    skipped = {
-        "unreadable_audio": [],
-        "transcript_without_audio": [],
-        "audio_without_transcript": [],
-    }
-    rows_by_split: dict[str, list[dict]] = {split: [] for split in splits}
-    carved: dict[str, list[str]] = {}
-    for language, lang_dir in sorted(language_dirs.items()):
-        rows = {
-            split: _prepare_split(
-                data_folder, lang_dir, language, split, skipped,
-                max_utts=max_utts_per_split, durations=durations, reasons=reasons,
-                progress=progress,
-            )  # fmt: skip
-            for split in splits
-            if not (split == "public" and language in carve)
-        }
-        if language in carve:
-            carved[language] = _carve(rows, language, share=public_speaker_share, seed=seed)
-        for split in splits:
-            rows_by_split[split].extend(rows[split])
+    rows_by_split, skipped, reasons, carved = _prepare_languages(
+        data_folder, language_dirs, splits, carve,
+        max_utts=max_utts_per_split, durations=durations, share=public_speaker_share,
+        seed=seed, progress=progress,
+    )  # fmt: skip
     for split, rows in rows_by_split.items():
         _write_csv(os.path.join(save_folder, f"{split}.csv"), rows)
         logger.info("%s.csv: %d utterances", split, len(rows))
@@ -198,6 +184,38 @@ def prepare_mls(
     )
     save_prepare_options(save_folder, options, report, name=OPTIONS_FILE)
     return report
+
+
+def _prepare_languages(data_folder, language_dirs, splits, carve, *, max_utts, durations, share,
+                       seed, progress):  # fmt: skip
+    """Rows of every split over the languages, public splits carved where ``carve`` says.
+
+    Returns ``(rows_by_split, skipped, reasons, carved)``: the manifest rows per split, the
+    left-out files per reason, libsndfile's error per unreadable file (relative path), and the
+    training speakers moved into ``public`` per language.
+    """
+    reasons: dict[str, str] = {}
+    skipped: dict[str, list] = {
+        "unreadable_audio": [],
+        "transcript_without_audio": [],
+        "audio_without_transcript": [],
+    }
+    rows_by_split: dict[str, list[dict]] = {split: [] for split in splits}
+    carved: dict[str, list[str]] = {}
+    for language, lang_dir in sorted(language_dirs.items()):
+        rows = {
+            split: _prepare_split(
+                data_folder, lang_dir, language, split, skipped,
+                max_utts=max_utts, durations=durations, reasons=reasons, progress=progress,
+            )  # fmt: skip
+            for split in splits
+            if not (split == "public" and language in carve)
+        }
+        if language in carve:
+            carved[language] = _carve(rows, language, share=share, seed=seed)
+        for split in splits:
+            rows_by_split[split].extend(rows[split])
+    return rows_by_split, skipped, reasons, carved
 
 
 def _carve(rows: dict, language: str, *, share: float, seed: int) -> list[str]:

@@ -262,6 +262,42 @@ def prepare_common_voice(
     sets, sources = _read_sets(
         data_folder, {"priv": priv_split, "aux": aux_split, "test": test_split}, disjoint_by
     )
+    manifests, counts, excluded, speakers, unreadable = _build_sets(
+        sets,
+        sources,
+        data_folder=data_folder,
+        classes=classes,
+        gender_map=gender_map,
+        unlabeled_values=unlabeled_values,
+        max_aux=max_aux,
+        seed=seed,
+    )
+    _check_sets(manifests, counts, classes=classes, sources=sources)
+    report = {
+        "counts": counts,
+        "excluded": excluded,
+        "speakers": speakers,
+        "gender_map": gender_map,
+        "sources": sources,
+        **(
+            {"unreadable_audio": dict(sorted(unreadable.items())), "unreadable_note": PRIVACY_NOTE}
+            if unreadable
+            else {}
+        ),
+    }
+    _write_manifests(save_folder, manifests, {"options": options, "report": report})
+    return {**report, "skipped": False}
+
+
+def _build_sets(
+    sets, sources, *, data_folder, classes, gender_map, unlabeled_values, max_aux, seed
+):
+    """Label, subsample (D_aux to ``max_aux``), read-check and write the rows of each set.
+
+    Returns ``(manifests, counts, excluded, speakers, unreadable)``: the manifest rows, the
+    clips per class, the excluded counts per reason, the speakers per set, and libsndfile's
+    error per clip that could not be read.
+    """
     manifests, counts, excluded, speakers = {}, {}, {}, {}
     unreadable: dict[str, str] = {}  # clip -> libsndfile's error
     for name in SET_NAMES:
@@ -273,7 +309,8 @@ def prepare_common_voice(
             unlabeled_values=unlabeled_values,
         )
         if name == "aux" and max_aux is not None and len(kept) > max_aux:
-            pick = np.random.default_rng([int(seed), 77]).choice(len(kept), max_aux, replace=False)
+            rng = np.random.default_rng([int(seed), 77])
+            pick = rng.choice(len(kept), max_aux, replace=False)
             kept = [kept[i] for i in sorted(pick)]
         kept, durations, bad = _readable(name, kept, data_folder=data_folder)
         excl.update({"unreadable_audio": len(bad)} if bad else {})
@@ -290,24 +327,8 @@ def prepare_common_voice(
             speakers[name],
             dict(excl),
         )
-        manifests[name] = _manifest_rows(
-            name, kept, data_folder=data_folder, durations=durations
-        )
-    _check_sets(manifests, counts, classes=classes, sources=sources)
-    report = {
-        "counts": counts,
-        "excluded": excluded,
-        "speakers": speakers,
-        "gender_map": gender_map,
-        "sources": sources,
-        **(
-            {"unreadable_audio": dict(sorted(unreadable.items())), "unreadable_note": PRIVACY_NOTE}
-            if unreadable
-            else {}
-        ),
-    }
-    _write_manifests(save_folder, manifests, {"options": options, "report": report})
-    return {**report, "skipped": False}
+        manifests[name] = _manifest_rows(name, kept, data_folder=data_folder, durations=durations)
+    return manifests, counts, excluded, speakers, unreadable
 
 
 def _read_sets(data_folder: Path, splits: dict[str, str], disjoint_by: str):
