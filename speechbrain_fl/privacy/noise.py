@@ -139,7 +139,9 @@ class GaussianNoise:
             or not isinstance(noise_cohort_size, int)
             or noise_cohort_size < 1
         ):
-            raise ValueError(f"noise_cohort_size must be an integer >= 1, got {noise_cohort_size!r}")
+            raise ValueError(
+                f"noise_cohort_size must be an integer >= 1, got {noise_cohort_size!r}"
+            )
         self.noise_cohort_size = noise_cohort_size
         if seed is None:
             self._seed = int.from_bytes(os.urandom(8), "little") >> 1
