@@ -334,7 +334,8 @@ def report_run(
         *change["ci95"],
         "significant" if change["significant"] else "not significant",
     )
-    cohort = hparams["sampling_rate"] * settings.num_clients
+    # the cohort the noise is scaled to: M of a simulated deployment, else n = qK
+    cohort = config.noise_cohort_size or hparams["sampling_rate"] * settings.num_clients
     ratio = noise_vs_update(
         result.reports,
         layout,

@@ -15,6 +15,12 @@ field names themselves. Both reject bad values with a message naming the key. De
   method with ``noise_multiplier: 0`` is a well-defined *non-private* run: updates are clipped
   to the method's budgets, no noise is added, no epsilon is reported (``None``, never
   ``Infinity``), and :meth:`from_hparams` logs a warning saying so.
+- ``noise_cohort_size`` (M) and ``accounting_population`` (N) simulate a large deployment, as
+  pfl-research's ``noise_cohort_size`` does (our keys): the n clients of this run are trained
+  with the noise of a cohort of M (std ``sigma C / M`` on their mean) and accounted at the
+  deployment's sampling rate ``q = M / N``. The epsilon is then that of the simulated deployment,
+  not of this run's clients, and every output that shows it says so
+  (:mod:`speechbrain_fl.fl.disclosure`).
 - ``ema_signal="noisy"`` (default) feeds the EMA budgets with the noisy aggregate
   (post-processing, inside the DP guarantee); ``"raw"`` uses the mean of the clients' reported
   pre-clip norms, as in the paper's experiments, and warns that it is outside the guarantee.
@@ -116,6 +122,17 @@ class FLConfig:
         sampler and, when inserted, adds a fixed random direction of norm ``C``.
     max_epsilon : float, optional
         The run stops before a round that would exceed it.
+    noise_cohort_size : int, optional
+        M, a simulated deployment's expected cohort (ours, after pfl-research's option of the
+        same name): the noise on the mean of the n clipped updates has std ``sigma C / M``
+        instead of ``sigma C / n`` (on their sum ``sigma C n / M``), the utility of a round of
+        M clients. ``None`` (default): the real mechanism. Private runs only; needs
+        ``accounting_population``.
+    accounting_population : int, optional
+        N >= M, the simulated deployment's population: the accountant uses ``q = M / N`` for
+        the same number of rounds (:attr:`accounting_sampling_rate`), so epsilon, the
+        ``max_epsilon`` stop and the privacy report are the deployment's, labelled as such;
+        they do not bound what this run's clients leak. Required with ``noise_cohort_size``.
     aggregation : str or callable, optional
         ``uniform``, ``weighted`` or a rule (see :mod:`speechbrain_fl.fl.aggregation`).
     eval_every : int
@@ -180,6 +197,8 @@ class FLConfig:
     round_accountant: str = "rdp"
     audit_canaries: int = 0
     max_epsilon: float | None = None
+    noise_cohort_size: int | None = None
+    accounting_population: int | None = None
     aggregation: Any = None
     eval_every: int = 1
     round_timeout: float = 600.0
@@ -201,6 +220,25 @@ class FLConfig:
     def private(self) -> bool:
         """Return whether the run adds noise and accounts for privacy."""
         return self.noise_multiplier > 0
+
+    @property
+    def simulated_deployment(self) -> bool:
+        """Return whether the noise and the accountant are those of a simulated deployment."""
+        return self.noise_cohort_size is not None
+
+    @property
+    def accounting_sampling_rate(self) -> float:
+        """The accountant's q: ``M / N`` of a simulated deployment, else ``sampling_rate``.
+
+        Example
+        -------
+        >>> FLConfig(output_folder="o", noise_multiplier=0.5, clip=1.0, noise_cohort_size=1000,
+        ...          accounting_population=100000).accounting_sampling_rate
+        0.01
+        """
+        if self.noise_cohort_size is None:
+            return self.sampling_rate
+        return self.noise_cohort_size / self.accounting_population
 
     @property
     def aggregation_rule_name(self) -> str:
@@ -295,6 +333,14 @@ class FLConfig:
                 "audit_canaries: %s is ignored: the audit checks a private run's epsilon and "
                 "this run (noise_multiplier: 0) has none",
                 values["audit_canaries"],
+            )
+            values["audit_canaries"] = 0
+        if values.get("noise_cohort_size") is not None and values.get("audit_canaries"):
+            logger.warning(
+                "audit_canaries: %s is ignored with noise_cohort_size: %s: the audit tests this "
+                "run's mechanism, the accountant gives the simulated deployment's epsilon",
+                values["audit_canaries"],
+                values["noise_cohort_size"],
             )
             values["audit_canaries"] = 0
         values.update(changes)

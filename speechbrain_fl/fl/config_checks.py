@@ -11,7 +11,10 @@ the key and the value: ``federated config: delta=1.5 must be in (0, 1)``. Decisi
   ``delta >= 1/K`` gets a warning: such a delta allows a mechanism that publishes one data
   owner's data outright, the usual advice is delta << 1/K;
 - ``max_epsilon`` > 0 when given (``-1`` used to run 0 rounds and exit 0);
-- ``max_update_norm`` only for non-private runs (the clip bounds a private run's updates).
+- ``max_update_norm`` only for non-private runs (the clip bounds a private run's updates);
+- ``noise_cohort_size`` (M >= 1) and ``accounting_population`` (N >= M) both or neither, only
+  in a private run, and not with ``audit_canaries`` (the audit tests this run's mechanism, the
+  accountant then describes another one).
 """
 
 from __future__ import annotations
@@ -161,10 +164,44 @@ def check_config(cfg: Any, *, hparams_keys: Mapping[str, str] | None = None) -> 
             "max_update_norm",
             "is for non-private runs: a private run's clip already bounds every update",
         )
+    _simulated_deployment(cfg, bad, integer)
     if cfg.node_partitions is not None:
         cfg.node_partitions = _node_partitions(cfg.node_partitions, bad)
-    if cfg.noise_multiplier > 0:
-        check_delta_population(cfg.delta, cfg.population_size)
+    if cfg.noise_multiplier > 0:  # the simulated deployment's N when one is simulated
+        check_delta_population(cfg.delta, cfg.accounting_population or cfg.population_size)
+
+
+def _simulated_deployment(cfg: Any, bad, integer) -> None:
+    """``noise_cohort_size`` M and ``accounting_population`` N: both or neither, 1 <= M <= N,
+    in a private run without canaries."""
+    integer("noise_cohort_size", 1, optional=True)
+    integer("accounting_population", 1, optional=True)
+    if (cfg.noise_cohort_size is None) != (cfg.accounting_population is None):
+        key = "accounting_population" if cfg.noise_cohort_size is not None else "noise_cohort_size"
+        raise bad(
+            key,
+            "must be set too: noise_cohort_size (the simulated cohort M) and "
+            "accounting_population (its population N) go together, or neither",
+        )
+    if cfg.noise_cohort_size is None:
+        return
+    if cfg.accounting_population < cfg.noise_cohort_size:
+        raise bad(
+            "accounting_population",
+            f"must be >= noise_cohort_size={cfg.noise_cohort_size} (q = M / N <= 1)",
+        )
+    if cfg.noise_multiplier <= 0 or cfg.clip is None:
+        raise bad(
+            "noise_cohort_size",
+            "simulates the noise of a private deployment: it needs a clipping method and "
+            "noise_multiplier > 0",
+        )
+    if cfg.audit_canaries:
+        raise bad(
+            "noise_cohort_size",
+            "cannot be combined with audit_canaries: the audit tests this run's mechanism, "
+            "while the accountant then gives the simulated deployment's epsilon",
+        )
 
 
 def _node_partitions(value: Any, bad) -> dict[int, int]:

@@ -7,6 +7,12 @@ observer of the models learns about it. :func:`privacy_disclosure` returns that 
 everything the run computed from raw client data outside the mechanism (telemetry, profiling,
 a raw EMA signal) and every test-only setting that voids it, for the recipe to copy into
 results.json and print under its results table (docs/design.md "Privacy invariants" 1 and 4).
+
+A simulated deployment (``noise_cohort_size`` M, ``accounting_population`` N) is labelled
+wherever its epsilon shows: results.json's ``privacy.simulated_deployment``
+(:func:`simulated_deployment`), the guarantee text (:data:`GUARANTEE_SIMULATED`), a caveat, the
+engine's privacy log lines (:func:`simulation_label`) and the first line printed under a results
+table (:func:`format_disclosure`).
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ from .config import FLConfig, ema_base_of
 __all__ = [
     "EPSILON_PER_COMPONENT_NOTE",
     "GUARANTEE",
+    "GUARANTEE_SIMULATED",
+    "SIMULATION_NOTE",
     "OUTSIDE_GUARANTEE",
     "format_audit",
     "format_disclosure",
     "privacy_disclosure",
+    "simulated_deployment",
+    "simulation_label",
 ]
 
 GUARANTEE = (
@@ -31,6 +41,19 @@ GUARANTEE = (
     "partition) is added to or removed from the population (add/remove adjacency) and its whole "
     "clipped update counts; the joint epsilon (accountant at q, sigma and the rounds run) is the "
     "guarantee"
+)
+GUARANTEE_SIMULATED = (
+    "the client-level (epsilon, delta)-DP of a SIMULATED deployment, not of this run's clients: "
+    "this run trained its cohort with the noise of a cohort of noise_cohort_size clients and "
+    "accounted at q = noise_cohort_size / accounting_population (the deployment's rate) for the "
+    "rounds run; the real mechanism of a deployment of that size would give this epsilon "
+    "(add/remove adjacency, one client's whole clipped update)"
+)
+SIMULATION_NOTE = (
+    "simulation of a large deployment: the noise std on the mean is sigma C / noise_cohort_size "
+    "(not sigma C / n of this run's cohort) and epsilon is accounted at q = noise_cohort_size / "
+    "population; it shows that deployment's utility at that epsilon and does not bound what "
+    "this run's clients leak"
 )
 EPSILON_PER_COMPONENT_NOTE = (
     "covers that component's sub-vector of the update only (what an observer of that part "
@@ -64,6 +87,49 @@ NOISY_EMA_NOTE = (
 )
 
 
+def simulated_deployment(config: FLConfig) -> dict[str, Any] | None:
+    """``{noise_cohort_size, population, sampling_rate, run_sampling_rate, note}`` of a
+    simulated deployment (results.json ``privacy.simulated_deployment``); None without one.
+
+    Example
+    -------
+    >>> cfg = FLConfig(output_folder="o", noise_multiplier=0.5, clip=1.0, sampling_rate=0.5,
+    ...                noise_cohort_size=1000, accounting_population=100000)
+    >>> sim = simulated_deployment(cfg)
+    >>> sim["noise_cohort_size"], sim["population"], sim["sampling_rate"], sim["run_sampling_rate"]
+    (1000, 100000, 0.01, 0.5)
+    """
+    if not config.simulated_deployment:
+        return None
+    return {
+        "noise_cohort_size": config.noise_cohort_size,
+        "population": config.accounting_population,
+        "sampling_rate": config.accounting_sampling_rate,
+        "run_sampling_rate": config.sampling_rate,
+        "note": SIMULATION_NOTE,
+    }
+
+
+def simulation_label(config: FLConfig) -> str:
+    """The suffix of a log line showing epsilon: empty, or what deployment it simulates.
+
+    Example
+    -------
+    >>> simulation_label(FLConfig(output_folder="o"))
+    ''
+    >>> print(simulation_label(FLConfig(output_folder="o", noise_multiplier=0.5, clip=1.0,
+    ...     noise_cohort_size=1000, accounting_population=100000))[:56])
+     [SIMULATED deployment: M=1000 clients a round of N=1000
+    """
+    if not config.simulated_deployment:
+        return ""
+    return (
+        f" [SIMULATED deployment: M={config.noise_cohort_size} clients a round of "
+        f"N={config.accounting_population}, q={config.accounting_sampling_rate:.4g}; not this "
+        "run's clients' epsilon]"
+    )
+
+
 def privacy_disclosure(
     config: FLConfig, *, profile_rounds: int = 0, alpha_from_profile: bool = False
 ) -> dict[str, Any]:
@@ -84,8 +150,10 @@ def privacy_disclosure(
         ``guarantee`` (``None`` for a non-private run), ``epsilon_covers_everything`` (False
         when anything below voids or bypasses the guarantee), ``caveats`` (list of str),
         ``ema_signal`` (``None`` or ``{"signal", "private", "note"}``),
-        ``epsilon_per_component_note``, ``outside_guarantee`` (file -> what in it) and, with
-        ``audit_canaries`` > 0, ``audit_note`` (what the canary audit shows and does not show).
+        ``epsilon_per_component_note``, ``outside_guarantee`` (file -> what in it), with
+        ``audit_canaries`` > 0 ``audit_note`` (what the canary audit shows and does not show)
+        and, for a simulated deployment, ``simulated_deployment``
+        (:func:`simulated_deployment`; the guarantee then names it, and a caveat too).
 
     Example
     -------
@@ -96,6 +164,13 @@ def privacy_disclosure(
     """
     private = config.private
     caveats: list[str] = []
+    simulated = simulated_deployment(config) if private else None
+    if simulated is not None:
+        caveats.append(
+            f"SIMULATED deployment (noise_cohort_size={config.noise_cohort_size}, "
+            f"accounting_population={config.accounting_population}): the epsilon is that "
+            "deployment's, not this run's clients'"
+        )
     if private:
         for key, what in (("sampler_seed", "cohorts"), ("noise_seed", "noise")):
             value = getattr(config, key)
@@ -121,8 +196,9 @@ def privacy_disclosure(
             caveats.append(PROFILE_NOTE)
     if alpha_from_profile and private:
         caveats.append(ALPHA_NOTE)
+    guarantee = GUARANTEE_SIMULATED if simulated is not None else GUARANTEE
     out = {
-        "guarantee": GUARANTEE if private else None,
+        "guarantee": guarantee if private else None,
         "epsilon_covers_everything": private and not caveats,
         "caveats": caveats,
         "ema_signal": ema,
@@ -131,6 +207,8 @@ def privacy_disclosure(
     }
     if private and config.audit_canaries:
         out["audit_note"] = AUDIT_NOTE
+    if simulated is not None:
+        out["simulated_deployment"] = simulated
     return out
 
 
@@ -177,7 +255,16 @@ def format_disclosure(disclosure: dict[str, Any]) -> str:
     """
     if not disclosure.get("guarantee"):
         return "Privacy: not a private run (no noise, no epsilon)."
-    lines = [f"Privacy: epsilon is {disclosure['guarantee']}."]
+    lines = []
+    simulated = disclosure.get("simulated_deployment")
+    if simulated:
+        lines.append(
+            f"SIMULATED DEPLOYMENT: the epsilon above is that of {simulated['noise_cohort_size']} "
+            f"clients a round out of {simulated['population']} (q = "
+            f"{simulated['sampling_rate']:.4g}), not of this run's clients "
+            f"(q = {simulated['run_sampling_rate']:.4g})."
+        )
+    lines.append(f"Privacy: epsilon is {disclosure['guarantee']}.")
     if disclosure["caveats"]:
         lines.append("  NOT covered by epsilon:")
         lines += [f"  - {c}" for c in disclosure["caveats"]]

@@ -4,7 +4,9 @@
 round with, from the :class:`~.config.FLConfig`: the Poisson sampler of rate q, the noise
 N(0, (sigma C / n)^2) and the accountant of a private run (``noise_multiplier > 0``), and the
 EMA budget state of an adaptive method (``pfl_dim_ema``, ``pfl_unif_ema``, or any method
-registered with an ``ema_base``).
+registered with an ``ema_base``). A simulated deployment (``noise_cohort_size`` M,
+``accounting_population`` N) gets the noise N(0, (sigma C / M)^2) on the mean and an accountant
+at q = M / N; its sampler stays this run's (rate q of the K partitions).
 """
 
 from __future__ import annotations
@@ -82,10 +84,24 @@ def privacy_mechanism(
     noise = accountant = None
     if config.private:
         noise = GaussianNoise(
-            noise_multiplier=config.noise_multiplier, clip=config.clip, seed=config.noise_seed
+            noise_multiplier=config.noise_multiplier,
+            clip=config.clip,
+            seed=config.noise_seed,
+            noise_cohort_size=config.noise_cohort_size,
         )
+        if config.simulated_deployment:
+            log(
+                WARNING,
+                "simulated deployment: noise of a cohort of noise_cohort_size=%d (std sigma C / "
+                "%d on the mean) and epsilon at q = %d / accounting_population=%d; the epsilon "
+                "is the simulated deployment's, not this run's clients'",
+                config.noise_cohort_size,
+                config.noise_cohort_size,
+                config.noise_cohort_size,
+                config.accounting_population,
+            )
         accountant = PrivacyAccountant(
-            sampling_rate=config.sampling_rate,
+            sampling_rate=config.accounting_sampling_rate,
             noise_multiplier=config.noise_multiplier,
             delta=config.delta,
             accountant=config.accountant,

@@ -27,6 +27,8 @@ PRIVACY_KEYS = (
     "ema_gamma",
     "ema_warmup_rounds",
     "ema_signal",
+    "noise_cohort_size",
+    "accounting_population",
 )
 
 

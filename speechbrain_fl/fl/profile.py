@@ -71,6 +71,8 @@ def profile_config(config: FLConfig, *, rounds: int, output_folder: str) -> FLCo
         aggregation="weighted",
         eval_every=0,
         max_epsilon=None,
+        noise_cohort_size=None,
+        accounting_population=None,
     )
 
 

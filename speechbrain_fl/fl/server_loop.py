@@ -28,6 +28,7 @@ from speechbrain_fl.privacy.audit import plot_audit_cosines
 from .budget_log import BudgetLog
 from .config import FLConfig
 from .config_checks import check_delta_population
+from .disclosure import simulated_deployment, simulation_label
 from .npy_codec import decode_record
 from .params import load_trainable, params_fingerprint, trainable_state
 from .server_task import ServerResult, ServerTask, default_layout, model_depth_names
@@ -207,14 +208,15 @@ class RoundLoop:
         log(
             INFO,
             "privacy: q=%.4g sigma=%.4g delta=%g -> epsilon (%s) after %d rounds: %.4f; the "
-            "per-round figures below are %s's",
-            cfg.sampling_rate,
+            "per-round figures below are %s's%s",
+            accountant.sampling_rate,
             cfg.noise_multiplier,
             cfg.delta,
             cfg.accountant,
             cfg.num_rounds,
             accountant.epsilon_after(cfg.num_rounds - start),
             cfg.round_accountant,
+            simulation_label(cfg),
         )
         if cfg.max_epsilon is None:
             return None
@@ -335,7 +337,7 @@ class RoundLoop:
             self.round_budgets(),
             noise_multiplier=cfg.noise_multiplier,
             clip=cfg.clip,
-            sampling_rate=cfg.sampling_rate,
+            sampling_rate=strategy.accountant.sampling_rate,
             rounds=strategy.accountant.rounds,
             delta=cfg.delta,
             accountant=cfg.accountant,
@@ -343,13 +345,17 @@ class RoundLoop:
         log(
             INFO,
             "privacy: epsilon (%s) %.4f after %d rounds at delta=%g: the run's guarantee "
-            "(results.json); Opacus RDP gives %.4f",
+            "(results.json); Opacus RDP gives %.4f%s",
             cfg.accountant,
             privacy["epsilon"],
             strategy.accountant.rounds,
             cfg.delta,
             privacy["epsilon_rdp"],
+            simulation_label(cfg),
         )
+        simulated = simulated_deployment(cfg)
+        if simulated is not None:  # the epsilon above is that deployment's: labelled
+            privacy["simulated_deployment"] = simulated
         if cfg.audit_canaries:
             privacy["audit"] = _audit(strategy, self.params, cfg.output_folder)
         return privacy

@@ -2,7 +2,9 @@
 
 The server releases ``mean_i clipped_i + N(0, (sigma * C / n)^2 I)`` with ``n`` the *expected*
 cohort size under Poisson sampling (rate q), so the noise does not depend on how many clients
-actually replied.
+actually replied. A simulated deployment (``noise_cohort_size=M``, pfl-research's idea) adds the
+noise of a cohort of M instead, ``N(0, (sigma * C / M)^2 I)`` on the mean of the n updates
+(``sigma * C * n / M`` on their sum), whatever n.
 
 Decisions
 ---------
@@ -107,6 +109,9 @@ class GaussianNoise:
         The total clip ``C`` (the joint sensitivity of one client's clipped update).
     seed : int, optional
         ``None`` (default) seeds from the OS; a fixed seed is for testing only.
+    noise_cohort_size : int, optional
+        M of a simulated deployment: the std on the mean is ``sigma C / M`` whatever the
+        cohort ``n`` given to :meth:`add`; ``None`` (default): ``sigma C / n``.
 
     Example
     -------
@@ -114,12 +119,30 @@ class GaussianNoise:
     >>> out = mech.add({"w": torch.zeros(3)}, expected_cohort_size=10)
     >>> out["w"].shape
     torch.Size([3])
+    >>> GaussianNoise(noise_multiplier=1.0, clip=1.0, noise_cohort_size=1000).std(10)
+    0.001
     """
 
-    def __init__(self, *, noise_multiplier: float, clip: float, seed: int | None = None):
+    def __init__(
+        self,
+        *,
+        noise_multiplier: float,
+        clip: float,
+        seed: int | None = None,
+        noise_cohort_size: int | None = None,
+    ):
         self.noise_multiplier = _check_sigma(noise_multiplier)
         noise_std(noise_multiplier=self.noise_multiplier, clip=clip, expected_cohort_size=1)
         self.clip = float(clip)
+        if noise_cohort_size is not None and (
+            isinstance(noise_cohort_size, bool)
+            or not isinstance(noise_cohort_size, int)
+            or noise_cohort_size < 1
+        ):
+            raise ValueError(
+                f"noise_cohort_size must be an integer >= 1, got {noise_cohort_size!r}"
+            )
+        self.noise_cohort_size = noise_cohort_size
         if seed is None:
             self._seed = int.from_bytes(os.urandom(8), "little") >> 1
         else:
@@ -214,11 +237,19 @@ class GaussianNoise:
         return normals
 
     def std(self, expected_cohort_size: float) -> float:
-        """Noise std on the mean for a cohort of ``expected_cohort_size``."""
-        return noise_std(
+        """Noise std on the mean: ``sigma C / n`` for a cohort of ``n = expected_cohort_size``,
+        ``sigma C / M`` with a ``noise_cohort_size`` M (``n`` is then checked, not used)."""
+        std = noise_std(
             noise_multiplier=self.noise_multiplier,
             clip=self.clip,
             expected_cohort_size=expected_cohort_size,
+        )
+        if self.noise_cohort_size is None:
+            return std
+        return noise_std(
+            noise_multiplier=self.noise_multiplier,
+            clip=self.clip,
+            expected_cohort_size=self.noise_cohort_size,
         )
 
     def add(
@@ -272,8 +303,11 @@ class GaussianNoise:
         return out
 
     def state_dict(self) -> dict:
-        """The public settings (sigma, C); never the seed or a generator state."""
-        return {"noise_multiplier": self.noise_multiplier, "clip": self.clip}
+        """The public settings (sigma, C, and M when set); never the seed or a generator state."""
+        state = {"noise_multiplier": self.noise_multiplier, "clip": self.clip}
+        if self.noise_cohort_size is not None:
+            state["noise_cohort_size"] = self.noise_cohort_size
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Check that a saved state has this mechanism's settings (it restores no randomness).
@@ -287,6 +321,11 @@ class GaussianNoise:
                     f"saved noise state has {key}={state[key]!r} but this mechanism uses "
                     f"{getattr(self, key)!r}"
                 )
+        if state.get("noise_cohort_size") != self.noise_cohort_size:
+            raise ValueError(
+                f"saved noise state has noise_cohort_size={state.get('noise_cohort_size')!r} "
+                f"but this mechanism uses {self.noise_cohort_size!r}"
+            )
 
 
 def _numpy_path(t: torch.Tensor) -> bool:

@@ -73,6 +73,21 @@ def test_privacy_section(method, recipe_run):
 
 
 @pytest.mark.slow
+def test_simulated_deployment_is_labelled(tmp_path, recipe_cache):
+    """noise_cohort_size / accounting_population: results.json and the printed table say the
+    epsilon is the simulated deployment's (q = M / N), not this run's clients'."""
+    out = tmp_path / "out"
+    proc = _run(out, recipe_cache, "--noise_cohort_size", "1000",
+                "--accounting_population", "100000", hparams="alpha_split")  # fmt: skip
+    privacy = json.loads((out / "results.json").read_text())["privacy"]
+    assert privacy["sampling_rate"] == 0.01 and privacy["epsilon_covers_everything"] is False
+    assert privacy["simulated_deployment"]["noise_cohort_size"] == 1000
+    assert privacy["simulated_deployment"]["population"] == 100000
+    assert "SIMULATED deployment" in privacy["guarantee"] and "audit" not in privacy
+    assert "SIMULATED DEPLOYMENT: the epsilon above is that of 1000 clients" in proc.stdout
+
+
+@pytest.mark.slow
 def test_recipe_frozen_encoder_from_recipe_dir(tmp_path, recipe_cache):
     """Run from recipes/MLS/ with the encoder frozen: no encoder group is trained or clipped."""
     out = tmp_path / "out"

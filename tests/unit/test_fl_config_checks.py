@@ -58,7 +58,24 @@ CASES = [
     ("max_num_examples", 0, {}, "max_num_examples=0 must be an integer >= 1"),
     ("max_update_norm", -1.0, {}, "max_update_norm=-1.0 must be > 0"),
     ("output_folder", "", {}, "output_folder='' must be a non-empty path"),
-]
+    ("noise_cohort_size", 0, {**PRIVATE, "accounting_population": 10},
+     "noise_cohort_size=0 must be an integer >= 1"),
+    ("noise_cohort_size", 2.5, {**PRIVATE, "accounting_population": 10},
+     "noise_cohort_size=2.5 must be an integer >= 1"),
+    ("noise_cohort_size", None, {**PRIVATE, "accounting_population": 10},
+     "noise_cohort_size=None must be set too"),
+    ("noise_cohort_size", 10, {"clip": 1.0, "accounting_population": 100},
+     "noise_cohort_size=10 simulates the noise of a private deployment: it needs a clipping "
+     "method and noise_multiplier > 0"),
+    ("noise_cohort_size", 10, {**PRIVATE, "accounting_population": 100, "audit_canaries": 8},
+     "noise_cohort_size=10 cannot be combined with audit_canaries"),
+    ("accounting_population", 0, {**PRIVATE, "noise_cohort_size": 1},
+     "accounting_population=0 must be an integer >= 1"),
+    ("accounting_population", None, {**PRIVATE, "noise_cohort_size": 10},
+     "accounting_population=None must be set too"),
+    ("accounting_population", 50, {**PRIVATE, "noise_cohort_size": 100},
+     "accounting_population=50 must be >= noise_cohort_size=100 \\(q = M / N <= 1\\)"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("key", "value", "extra", "message"), CASES, ids=[c[0] for c in CASES])
@@ -88,3 +105,20 @@ def test_delta_at_least_one_over_the_population_warns(caplog):
     with caplog.at_level(logging.WARNING):
         FLConfig(**BASE, **PRIVATE, delta=1e-5, population_size=20)
     assert "1/K" not in caplog.text
+
+
+def test_simulated_deployment_from_hparams(caplog):
+    """The YAML keys reach the config; a DP method file's canaries are dropped with a warning
+    (the audit tests this run's mechanism), a fedavg file with the keys is refused by name."""
+    hparams = {"output_folder": "o", "method": "flat", "clip": 1.0, "noise_multiplier": 1.0,
+               "noise_cohort_size": 1000, "accounting_population": 100000}  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        cfg = FLConfig.from_hparams({**hparams, "audit_canaries": 128})
+    assert (cfg.noise_cohort_size, cfg.accounting_population) == (1000, 100000)
+    assert cfg.accounting_sampling_rate == 0.01 and cfg.audit_canaries == 0
+    assert "audit_canaries: 128 is ignored with noise_cohort_size: 1000" in caplog.text
+    with pytest.raises(ValueError, match="noise_cohort_size=1000 simulates the noise of a priv"):
+        FLConfig.from_hparams({**hparams, "method": "fedavg", "noise_multiplier": 0.0})
+    plain = FLConfig.from_hparams({**hparams, "noise_cohort_size": None,
+                                   "accounting_population": None})  # fmt: skip
+    assert plain.accounting_sampling_rate == plain.sampling_rate and not plain.simulated_deployment

@@ -161,10 +161,25 @@ def _toy(tmp_path, **changes):
         ("method", "flat", "pfl_dim"),
         ("population_size", 4, 8),
         ("ema_warmup_rounds", 3, 5),
+        ("noise_cohort_size", 10, 20),
+        ("accounting_population", 1000, 2000),
+        ("noise_cohort_size", None, 10),
     ],
 )
 def test_resume_refuses_changed_privacy_settings(tmp_path, key, old, new):
-    base = {"method": "pfl_dim_ema"} if key == "ema_warmup_rounds" else {}
+    base = {
+        "ema_warmup_rounds": {"method": "pfl_dim_ema"},
+        "noise_cohort_size": {"accounting_population": 1000},
+        "accounting_population": {"noise_cohort_size": 10},
+    }.get(key, {})
+    if key == "noise_cohort_size" and old is None:  # switching the simulation on: N with M
+        base = {}
+        old_extra, new_extra = {"accounting_population": None}, {"accounting_population": 1000}
+        run_server(None, _toy(tmp_path, **{key: old}, **old_extra)())
+        with pytest.raises(ValueError) as err:
+            run_server(None, _toy(tmp_path, **{key: new}, **new_extra)())
+        assert key in str(err.value) and "None" in str(err.value)
+        return
     result = run_server(None, _toy(tmp_path, **base, **{key: old})())
     assert result.stopped_early and result.last_round == 0
     with pytest.raises(ValueError) as err:

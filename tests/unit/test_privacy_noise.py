@@ -22,6 +22,25 @@ def test_empirical_std_within_two_percent():
     assert torch.count_nonzero(agg["a"]) == 0, "aggregate must not be modified"
 
 
+def test_noise_cohort_size_sets_the_std_on_the_mean_to_sigma_c_over_m():
+    """A simulated deployment of M clients: std sigma C / M on the mean of the n updates
+    (sigma C n / M on their sum), whatever n; the state records M and a resume may not change it."""
+    sigma, clip, n, m = 0.7, 2.0, 4, 1000
+    mech = GaussianNoise(noise_multiplier=sigma, clip=clip, noise_cohort_size=m)
+    out = mech.add({"w": torch.zeros(1_000_000)}, expected_cohort_size=n)["w"].double()
+    assert mech.std(n) == sigma * clip / m
+    assert float(out.std()) == pytest.approx(sigma * clip / m, rel=0.02)
+    assert float((out * n).std()) == pytest.approx(sigma * clip * n / m, rel=0.02)  # on the sum
+    assert mech.state_dict() == {"noise_multiplier": sigma, "clip": clip, "noise_cohort_size": m}
+    plain = GaussianNoise(noise_multiplier=sigma, clip=clip)
+    assert "noise_cohort_size" not in plain.state_dict() and plain.std(n) == sigma * clip / n
+    with pytest.raises(ValueError, match="noise_cohort_size=1000 but this mechanism uses None"):
+        plain.load_state_dict(mech.state_dict())
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="noise_cohort_size must be an integer >= 1"):
+            GaussianNoise(noise_multiplier=sigma, clip=clip, noise_cohort_size=bad)
+
+
 def test_noise_std_formula_and_errors():
     assert noise_std(noise_multiplier=0.1, clip=1.0, expected_cohort_size=94) == 0.1 / 94
     with pytest.raises(ValueError, match="noise_multiplier"):
