@@ -278,7 +278,7 @@ class SpecServer:
 
 RESOLVED_FIELDS = ("num_rounds", "sampling_rate", "method", "clip", "noise_multiplier",
                    "local_epochs", "delta", "max_epsilon", "accountant", "population_size",
-                   "output_folder")  # fmt: skip
+                   "noise_cohort_size", "accounting_population", "output_folder")  # fmt: skip
 
 
 def resolved_settings(config: Any) -> str:
