@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from speechbrain_fl.privacy.methods import method_name
 from speechbrain_fl.recipe.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,16 +282,17 @@ def run_preset(args) -> dict:
         layout_path = work / f"layout_{preset}_freeze{freeze}.json"
         layout.to_json(layout_path)
         row["layout"] = compare_with_table_i(layout)
-        alpha = hparams["alpha"] if hparams["method"] == "alpha_split" else None
+        method = method_name(hparams["method"])
+        alpha = hparams["alpha"] if method == "alpha_split" else None
         row["budgets_cli"] = budgets_cli(
             layout_path,
-            method=hparams["method"],
+            method=method,
             clip=hparams["clip"],
             alpha=alpha,
             sigma=hparams["noise_multiplier"],
         )
         budgets = compute_budgets(
-            layout, method=hparams["method"], clip=hparams["clip"], alpha=alpha
+            layout, method=method, clip=hparams["clip"], alpha=alpha
         )
         counts: dict = {}
         for name, param in model.named_parameters():

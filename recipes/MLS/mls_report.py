@@ -26,6 +26,7 @@ import speechbrain as sb
 import torch
 
 from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.privacy.methods import method_name
 from speechbrain_fl.fl.profile import norm_profile, pool_norms, pool_retention
 from speechbrain_fl.metrics import (
     paired_bootstrap_details,
@@ -274,7 +275,7 @@ def results_summary(
 ):  # fmt: skip
     """The ``results.json`` mapping of a run (its schema is in recipes/MLS/README.md)."""
     return {
-        "method": hparams["method"],
+        "method": method_name(hparams["method"]),
         "model": str(hparams["model"]),
         "freeze_encoder": hparams["freeze_encoder"],
         "num_clients": settings.num_clients,
@@ -358,12 +359,12 @@ def report_run(
         hparams["output_folder"],
         noise_multiplier=config.noise_multiplier,
         clip=hparams["clip"] or 1.0,
-        alpha=hparams["alpha"] if hparams["method"] == "alpha_split" else None,
+        alpha=hparams["alpha"] if method_name(hparams["method"]) == "alpha_split" else None,
         expected_cohort_size=cohort,
         round_accountant=config.round_accountant,
     )
     hparams["train_logger"].log_stats(
-        stats_meta={"round": result.last_round, "method": hparams["method"]},
+        stats_meta={"round": result.last_round, "method": method_name(hparams["method"])},
         test_stats={"WER": test_report["WER"], "round0_WER": test_round0["WER"]},
     )
     print_summary(

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.privacy.methods import method_name, privacy_method, with_settings
 from speechbrain_fl.models.presets import CONNECTOR_TREATMENTS, CTC_TREATMENTS, PRESETS
 
 
@@ -57,7 +58,8 @@ def engine_hparams(hparams):
     C, 1.020x Flat-e's per-layer budget), and alpha = 0 is alpha-split's LLM pool alone with
     size-proportional budgets: PFL-Dim over the LLM + connector groups, which is what the engine
     runs (``alpha`` None). results.json keeps ``method: alpha_split``; its privacy section
-    records the engine's clip method.
+    records the engine's clip method. A method object becomes a
+    :class:`~speechbrain_fl.privacy.methods.PFLDim` with its clip and noise.
 
     Example
     -------
@@ -65,9 +67,15 @@ def engine_hparams(hparams):
     {'method': 'pfl_dim', 'freeze_encoder': True, 'alpha': None}
     >>> engine_hparams({"method": "alpha_split", "freeze_encoder": False, "alpha": 0.05})["method"]
     'alpha_split'
+    >>> from speechbrain_fl.privacy.methods import AlphaSplit
+    >>> engine_hparams({"method": AlphaSplit(clip=1.0, noise_multiplier=0.1, alpha=0.05),
+    ...                 "freeze_encoder": True, "alpha": 0.05})["method"]
+    PFLDim(clip=1.0, noise_multiplier=0.1)
     """
-    if hparams["method"] == "alpha_split" and hparams["freeze_encoder"]:
-        return {**hparams, "method": "pfl_dim", "alpha": None}
+    method = hparams["method"]
+    if method_name(method) == "alpha_split" and hparams["freeze_encoder"]:
+        pfl_dim = "pfl_dim" if isinstance(method, str) else privacy_method("pfl_dim", **vars(method))
+        return {**hparams, "method": pfl_dim, "alpha": None}
     return hparams
 
 
@@ -109,6 +117,6 @@ def check_hparams(hparams):
         raise ValueError("alpha: auto needs profile_rounds >= 1 to measure the norms")
     # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
     # by the profiling, so any valid alpha stands in for it here)
-    FLConfig.from_hparams(
-        engine_hparams({**hparams, **({"alpha": 0.5} if hparams["alpha"] == "auto" else {})})
-    )
+    if hparams["alpha"] == "auto":
+        hparams = {**hparams, "alpha": 0.5, "method": with_settings(hparams["method"], alpha=0.5)}
+    FLConfig.from_hparams(engine_hparams(hparams))

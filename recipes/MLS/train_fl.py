@@ -60,6 +60,7 @@ from speechbrain_fl.fl.server import ServerTask
 from speechbrain_fl.fl.task import import_factory
 from speechbrain_fl.models.checkpoint import save_federated_model
 from speechbrain_fl.privacy import layout_from_model
+from speechbrain_fl.privacy.methods import method_name, with_settings
 from speechbrain_fl.recipe import (
     FederatedRecipe,
     ModelCache,
@@ -340,7 +341,7 @@ def mls_task(hparams_path=None, overrides=None):
             settings=settings,
             hparams=hparams,
             folder=os.path.join(hparams["output_folder"], "final_model"),
-            info={"method": hparams["method"], "model": str(hparams["model"])},
+            info={"method": method_name(hparams["method"]), "model": str(hparams["model"])},
         )
     else:  # profile: no noise, no effective clip: the method's keys do not apply
         config = profile_config(
@@ -474,6 +475,8 @@ def main(run):
                     "set alpha explicitly or use --freeze_encoder False"
                 )
             hparams["alpha"] = run.overrides["alpha"] = profile["alpha"]
+            # the YAML's method object took alpha: auto; it gets the profiled alpha too
+            hparams["method"] = with_settings(hparams["method"], alpha=profile["alpha"])
             logger.info("alpha: auto -> %.4f (from the norm profile)", hparams["alpha"])
 
     start = time.time()

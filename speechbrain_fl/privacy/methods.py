@@ -14,6 +14,10 @@ the encoder share alpha of alpha-split, the EMA rate, exponent, warm-up and sign
 adaptive methods. Its :attr:`~PrivacyMethod.name` is the name the budget registry
 (:mod:`speechbrain_fl.privacy.budgets`) knows it by, the one results.json records as
 ``method``; ``str(method)`` is that name.
+
+Code that reads ``hparams["method"]`` takes either form through :func:`method_name` (the
+registered name of an object or a name) and :func:`with_settings` (a setting changed after the
+hparams were loaded, e.g. ``alpha: auto`` resolved by the norm profiling).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ __all__ = [
     "PFLUnifEMA",
     "PFLUniform",
     "PrivacyMethod",
+    "method_name",
     "privacy_method",
+    "with_settings",
 ]
 
 
@@ -63,6 +69,17 @@ class PrivacyMethod:
         {'method': 'alpha_split', 'clip': 1.0, 'noise_multiplier': 0.1, 'alpha': 0.05}
         """
         return {"method": self.name, **dataclasses.asdict(self)}
+
+    def replace(self, **settings: Any) -> PrivacyMethod:
+        """A copy with ``settings`` changed; settings this method does not hold are ignored.
+
+        Example
+        -------
+        >>> AlphaSplit(clip=1.0, alpha=0.05).replace(alpha=0.2, ema_beta=0.1)
+        AlphaSplit(clip=1.0, noise_multiplier=0.0, alpha=0.2)
+        """
+        own = {f.name for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v for k, v in settings.items() if k in own})
 
 
 @dataclass
@@ -166,3 +183,40 @@ def privacy_method(name: str, **settings: Any) -> PrivacyMethod:
     cls = _CLASSES[name]
     own = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in settings.items() if k in own})
+
+
+def method_name(method: str | PrivacyMethod) -> str:
+    """The registered name of ``hparams["method"]``: an object's :attr:`~PrivacyMethod.name`,
+    or the name itself (``--method flat`` on the command line replaces the object by a name).
+
+    Example
+    -------
+    >>> method_name(Flat(clip=1.0)), method_name("pfl_dim")
+    ('flat', 'pfl_dim')
+    """
+    if isinstance(method, PrivacyMethod):
+        return method.name
+    if isinstance(method, str):
+        return method
+    raise ValueError(
+        f"method: {method!r} must be a registered method name or an object of "
+        "speechbrain_fl.privacy.methods (method: !new:speechbrain_fl.privacy.methods.Flat)"
+    )
+
+
+def with_settings(method: str | PrivacyMethod, **settings: Any) -> str | PrivacyMethod:
+    """``hparams["method"]`` with ``settings`` changed: an object is rebuilt with those it
+    holds (:meth:`PrivacyMethod.replace`); a name is returned as is, its settings being the
+    hparams' own keys (which the caller changes alongside).
+
+    Example
+    -------
+    >>> with_settings(AlphaSplit(clip=1.0, alpha="auto"), alpha=0.3).alpha
+    0.3
+    >>> with_settings("alpha_split", alpha=0.3)
+    'alpha_split'
+    """
+    if isinstance(method, PrivacyMethod):
+        return method.replace(**settings)
+    method_name(method)  # a bad value is named here
+    return method

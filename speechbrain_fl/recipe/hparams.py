@@ -40,8 +40,10 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+import ruamel.yaml
 import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
+from ruamel.yaml.representer import RoundTripRepresenter
 
 from speechbrain_fl.utils.logging import quiet_recipe_logs
 
@@ -99,7 +101,17 @@ def resolve_hparams_path(path: str | os.PathLike, *, recipe_dir: str | os.PathLi
 class HyperText(str):
     """A layer's HyperPyYAML-tagged value (``!name:``, ``!new:``, ``!ref`` ...) as its source
     text. It replaces the base's entry of its key whole (a model preset swapping the
-    ``opt_class`` object), where a plain override would be merged into it."""
+    ``opt_class`` object, a method file building its ``method`` object), where a plain override
+    would be merged into it. Written out (SpeechBrain's saved ``hyperparams.yaml``, whose
+    overrides are the merged layers) it is that tagged YAML again, so the file stays loadable."""
+
+
+def _represent_hypertext(representer, value: HyperText):
+    """ruamel's node of a :class:`HyperText`: its text parsed as the value of a key."""
+    return ruamel.yaml.YAML().compose(f"value: {value}").value[0][1]
+
+
+RoundTripRepresenter.add_representer(HyperText, _represent_hypertext)
 
 
 _TAGS = ("!new:", "!name:", "!apply:", "!ref ", "!copy ", "!tuple ", "!include:")

@@ -94,12 +94,58 @@ def test_objects_are_built_from_the_hparams(tmp_path):
 def test_method_files_only_override_base_keys(path):
     if path.name == "base.yaml":
         return
-    values = yaml.safe_load(path.read_text())
+    values = _plain(path)
     assert set(values) <= set(top_level_keys(HPARAMS / "base.yaml"))
-    assert {"method", "noise_multiplier"} <= set(values)
+    assert {"method", "experiment_name", "noise_multiplier"} <= set(values)
+    assert values["experiment_name"] == path.stem  # the run's folder name, as before
     # C is resolved in base.yaml and the model preset only (fedavg.yaml's null turns it off), so
     # a method file cannot override the preset's C
-    assert "clip" not in values or (values["method"] == "fedavg" and values["clip"] is None)
+    assert "clip" not in values or (path.stem == "fedavg" and values["clip"] is None)
+
+
+METHOD_CLASSES = {
+    "fedavg": "FedAvg", "flat": "Flat", "pfl_uniform": "PFLUniform", "pfl_dim": "PFLDim",
+    "pfl_dim_ema": "PFLDimEMA", "pfl_unif_ema": "PFLUnifEMA", "alpha_split": "AlphaSplit",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(METHOD_CLASSES))
+def test_each_method_file_builds_its_method_object_from_the_privacy_keys(tmp_path, name):
+    """The method file's ``method`` is its class, holding the file's clip, noise, alpha and EMA
+    keys (a command-line override of a key reaches the object); the output folder is the
+    method's name as before; FLConfig reads the object."""
+    hp, _, _ = load_layered_hparams(HPARAMS / f"{name}.yaml", recipe_dir=HPARAMS.parent)
+    method = hp["method"]
+    assert type(method).__name__ == METHOD_CLASSES[name] and method.name == name
+    assert (method.clip, method.noise_multiplier) == (hp["clip"], hp["noise_multiplier"])
+    for key in ("alpha", "ema_beta", "ema_gamma", "ema_warmup_rounds", "ema_signal"):
+        assert getattr(method, key, hp[key]) == hp[key], key
+    assert hp["output_folder"] == f"results/MLS/tiny/{name}/freeze_encoder_False/1234"
+    cfg = FLConfig.from_hparams(engine_hparams(hp))
+    assert cfg.noise_multiplier == hp["noise_multiplier"]
+    assert cfg.clip is None if name == "fedavg" else cfg.method == name
+    overrides = {"noise_multiplier": 0.3, "alpha": 0.2, "ema_warmup_rounds": 1, "clip": 0.5}
+    if name == "fedavg":
+        overrides = {"noise_multiplier": 0.0}
+    hp, _, _ = load_layered_hparams(
+        HPARAMS / f"{name}.yaml", {**overrides, "output_folder": str(tmp_path)},
+        recipe_dir=HPARAMS.parent,
+    )  # fmt: skip
+    for key, value in overrides.items():
+        assert getattr(hp["method"], key, value) == value, key
+
+
+def test_a_method_name_on_the_command_line_replaces_the_object(tmp_path):
+    """``--method pfl_dim`` on alpha_split.yaml: a name string, its settings the privacy keys;
+    FLConfig runs it by name, and the folder follows ``--experiment_name``."""
+    hp, _, _ = load_layered_hparams(
+        HPARAMS / "alpha_split.yaml",
+        {"method": "pfl_dim", "experiment_name": "pfl_dim", "noise_multiplier": 0.2},
+        recipe_dir=HPARAMS.parent,
+    )
+    assert hp["method"] == "pfl_dim" and "/pfl_dim/" in hp["output_folder"]
+    cfg = FLConfig.from_hparams(engine_hparams(hp))
+    assert (cfg.method, cfg.clip, cfg.noise_multiplier, cfg.alpha) == ("pfl_dim", 0.25, 0.2, None)
 
 
 @pytest.mark.parametrize("path", sorted((HPARAMS / "models").glob("*.yaml")), ids=lambda p: p.name)

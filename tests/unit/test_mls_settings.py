@@ -9,14 +9,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes" / "MLS"))
 import mls_settings  # noqa: E402
 
+from speechbrain_fl.privacy.methods import PFLDim, method_name  # noqa: E402
 from speechbrain_fl.recipe.hparams import load_layered_hparams  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "MLS"
 
 
-def _hparams(method="flat", **overrides):
+def _hparams(method_file="flat", /, **overrides):
     hparams, _, _ = load_layered_hparams(
-        f"hparams/{method}.yaml", overrides or None, recipe_dir=RECIPE
+        f"hparams/{method_file}.yaml", overrides or None, recipe_dir=RECIPE
     )
     return hparams
 
@@ -61,9 +62,25 @@ def test_nothing_to_train_is_refused():
 
 def test_alpha_split_with_the_encoder_frozen_runs_the_papers_alpha_zero_row():
     frozen = mls_settings.engine_hparams(_hparams("alpha_split", freeze_encoder=True))
-    assert frozen["method"] == "pfl_dim" and frozen["alpha"] is None
+    # the YAML's AlphaSplit object becomes PFL-Dim with its clip and noise
+    assert frozen["method"] == PFLDim(clip=0.25, noise_multiplier=0.1)
+    assert frozen["alpha"] is None
     unfrozen = mls_settings.engine_hparams(_hparams("alpha_split"))
-    assert unfrozen["method"] == "alpha_split" and unfrozen["alpha"] == 0.05
+    assert method_name(unfrozen["method"]) == "alpha_split" and unfrozen["alpha"] == 0.05
+    # a name on the command line: the name is swapped
+    named = mls_settings.engine_hparams(_hparams("alpha_split", method="alpha_split",
+                                                 freeze_encoder=True))  # fmt: skip
+    assert named["method"] == "pfl_dim" and named["alpha"] is None
+
+
+def test_alpha_auto_is_checked_with_a_stand_in_alpha_for_the_object_and_the_name():
+    """alpha: auto reaches the AlphaSplit object by its !ref; the check stands in a valid
+    alpha for the object's as for the key, so it passes before the profiling resolves it."""
+    hparams = _hparams("alpha_split", alpha="auto", profile_rounds=1)
+    assert hparams["method"].alpha == "auto"
+    mls_settings.check_hparams(hparams)
+    mls_settings.check_hparams(_hparams("alpha_split", alpha="auto", profile_rounds=1,
+                                        method="alpha_split"))  # fmt: skip
 
 
 def test_frozen_alpha_split_budgets_are_eq13_at_alpha_zero_and_use_all_of_c():
@@ -80,7 +97,8 @@ def test_frozen_alpha_split_budgets_are_eq13_at_alpha_zero_and_use_all_of_c():
     layout = Layout([Group(f"llm.{i}", "llm", p) for i, p in enumerate(sizes)])
     hparams = mls_settings.engine_hparams(_hparams("alpha_split", freeze_encoder=True))
     clip = 0.25
-    budgets = compute_budgets(layout, method=hparams["method"], clip=clip, alpha=hparams["alpha"])
+    method = method_name(hparams["method"])
+    budgets = compute_budgets(layout, method=method, clip=clip, alpha=hparams["alpha"])
     for i, p in enumerate(sizes):
         assert budgets[f"llm.{i}"] == pytest.approx(clip * (p / sum(sizes)) ** 0.5)
     assert sum(b**2 for b in budgets.values()) ** 0.5 == pytest.approx(clip)
