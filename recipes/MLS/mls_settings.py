@@ -74,8 +74,9 @@ def engine_hparams(hparams):
     """
     method = hparams["method"]
     if method_name(method) == "alpha_split" and hparams["freeze_encoder"]:
-        pfl_dim = "pfl_dim" if isinstance(method, str) else privacy_method("pfl_dim", **vars(method))
-        return {**hparams, "method": pfl_dim, "alpha": None}
+        if not isinstance(method, str):  # the object's clip and noise, as PFL-Dim's
+            return {**hparams, "method": privacy_method("pfl_dim", **vars(method)), "alpha": None}
+        return {**hparams, "method": "pfl_dim", "alpha": None}
     return hparams
 
 

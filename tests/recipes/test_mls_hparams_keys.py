@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hyperpyyaml import load_hyperpyyaml, resolve_references
 
 from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.privacy.methods import AlphaSplit
 from speechbrain_fl.recipe.hparams import load_layered_hparams
 
 HPARAMS = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "hparams"
@@ -205,3 +207,19 @@ def test_readme_hyperparameter_table_matches_base_yaml():
         if yaml.safe_load(literal) != base[key]:
             wrong.append((key, literal, base[key]))
     assert wrong == [], f"README default != base.yaml value (key, README, base.yaml): {wrong}"
+
+
+@pytest.mark.parametrize("model", ["tiny", "voxtral"])
+def test_the_saved_hyperparams_yaml_builds_the_same_method(tmp_path, model):
+    """SpeechBrain saves ``hyperparams.yaml`` as ``resolve_references(base, overrides)``, the
+    overrides being the merged layers: the method file's object (and a preset's optimizer)
+    are written as tagged YAML, so the saved file loads and builds the same method."""
+    _, base, merged = load_layered_hparams(
+        HPARAMS / "alpha_split.yaml", {"model": model, "output_folder": str(tmp_path)},
+        recipe_dir=HPARAMS.parent,
+    )  # fmt: skip
+    with open(base, encoding="utf-8") as handle:
+        saved = resolve_references(handle, merged).getvalue()
+    hp = load_hyperpyyaml(saved)
+    assert hp["method"] == AlphaSplit(clip=PRESET_CLIP[model], noise_multiplier=0.1, alpha=0.05)
+    assert hp["opt_class"].func.__name__ == ("SGD" if model == "tiny" else "AdamW")
