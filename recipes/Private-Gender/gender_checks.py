@@ -150,6 +150,15 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
         c.number("clip", low=0)  # 0 clips every gradient to zero: no signal
         c.number("clip_median_factor", low=0, optional=True)
         c.one_of("accountant", ACCOUNTANTS)
+        c.one_of("privacy_unit", ("clip", "speaker"))
+        if hparams["privacy_unit"] == "speaker" and hparams["aw_dp"]:
+            if hparams.get("aw_mode") == "batch_adaptive":
+                c.fail(
+                    "privacy_unit",
+                    "speaker-level DP-SGD takes the fixed AW-DP weights only (aw_mode: fixed); "
+                    "the batch-adaptive form counts records of a class, and one speaker moves "
+                    "several counts",
+                )
         c.integer("dp_seed", minimum=0, optional=True)
         c.integer("audit_canaries", minimum=0)
         if hparams["audit_canaries"] == 1:

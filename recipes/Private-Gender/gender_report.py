@@ -90,6 +90,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "UNIT_OF_PRIVACY",
+    "UNIT_SPEAKER",
     "data_block",
     "dp_direct_privacy",
     "joint_release_privacy",
@@ -237,10 +238,28 @@ def speaker_level(*, epsilon: float | None, delta: float | None, max_clips: int 
 # Sections of the teacher's results.json
 
 
+UNIT_SPEAKER = (
+    "speaker: user-level (epsilon, delta)-DP with respect to all clips of one speaker of D_priv "
+    "(speakers Poisson-sampled, each speaker's mean gradient clipped; privacy_unit: speaker)"
+)
+
+
+def _speaker_unit(info, delta) -> dict:
+    """The speaker-level block of a speaker-level DP-SGD run: its own (epsilon, delta)."""
+    return {
+        "max_clips_per_speaker": None,
+        "epsilon": info["epsilon"],
+        "delta": delta,
+        "speakers": info["speakers"],
+        "expected_speakers_per_step": info["expected_speakers_per_step"],
+        "note": "user-level DP-SGD: the accountant's figure holds per speaker, every clip trains",
+    }
+
+
 def teacher_privacy(hparams, info) -> dict:
     """The teacher's (epsilon, delta) and mechanism, its audit and the unit of privacy."""
     dp = hparams["dp"]
-    return {
+    out = {
         "epsilon": info["epsilon"],
         "epsilon_rdp": info.get("epsilon_rdp"),
         "delta": hparams["delta"] if dp else None,
@@ -258,6 +277,9 @@ def teacher_privacy(hparams, info) -> dict:
             max_clips=hparams["max_clips_per_speaker"],
         ),
     }
+    if info.get("privacy_unit") == "speaker":
+        out.update(unit=UNIT_SPEAKER, speaker_level=_speaker_unit(info, hparams["delta"]))
+    return out
 
 
 def joint_release_privacy(hparams, teacher_info, direct_info):

@@ -366,6 +366,7 @@ def _train_on_priv(hparams, data, options, clip_rules, model, *, desc, tokens, a
         labels=priv["labels"],
         desc=desc,
         audit=audit,
+        speakers=priv["speakers"] if dp and hparams["privacy_unit"] == "speaker" else None,
         **{**options, "dp": with_clip(dp, clip_rules.get(desc))},
     )
 

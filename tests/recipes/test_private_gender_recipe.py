@@ -306,6 +306,27 @@ def test_batch_adaptive_aw_dp_records_its_sensitivity(tmp_path, cache):
     assert 0 < teacher["privacy"]["epsilon"] <= 1.0 + 1e-6
 
 
+def test_speaker_level_teacher_and_student(tmp_path, cache):
+    """privacy_unit speaker: every clip trains, epsilon per speaker, the student reads it."""
+    out = tmp_path / "out"
+    run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out),
+        "--cache_folder", str(cache), "--privacy_unit", "speaker", *TINY)  # fmt: skip
+    teacher = json.loads((out / "teacher" / "results.json").read_text())
+    privacy = teacher["privacy"]
+    assert privacy["unit"].startswith("speaker:")
+    assert privacy["speaker_level"]["epsilon"] == privacy["epsilon"] <= 1.0 + 1e-6
+    manifest = (out / "teacher" / "manifests" / "priv.csv").read_text().splitlines()
+    header = manifest[0].split(",")
+    spk = {row.split(",")[header.index("spk_id")] for row in manifest[1:]}
+    assert privacy["speaker_level"]["speakers"] == len(spk) > 1  # every D_priv speaker
+    assert privacy["audit"]["steps"] == privacy["steps"]
+    run("distill_student.py", "hparams/student.yaml", "--output_folder", str(out))
+    proc = run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(tmp_path / "b"),
+               "--privacy_unit", "speaker", "--aw_mode", "batch_adaptive", "--audit_canaries",
+               "0", check=False)  # fmt: skip
+    assert proc.returncode != 0 and "privacy_unit = 'speaker'" in proc.stderr + proc.stdout
+
+
 def test_student_refuses_logits_the_teacher_results_do_not_describe(default_runs, cache, tmp_path):
     """A teacher killed between its two writes (new non-private logits, old private results)."""
     import numpy as np
