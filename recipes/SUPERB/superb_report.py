@@ -1,7 +1,7 @@
 """The SUPERB recipe's report: test metric per exit with CIs, memory by exit, results.json.
 
 - :func:`evaluate_test`: per exit, accuracy (or WER for ASR) with a 95% bootstrap CI;
-- :func:`memory_by_exit`: peak training memory per trained exit;
+- :func:`memory_by_exit`: training memory per trained exit, by part, and its saving;
 - :func:`results_table`: the end-of-run table (:func:`speechbrain_fl.recipe.render_table`);
 - :func:`report_run`: evaluate the final model and write the run's outputs.
 
@@ -65,45 +65,82 @@ def evaluate_test(brain, test, settings, hparams):
 
 
 def memory_by_exit(settings, hparams):
-    """Peak training memory (MiB) per trained exit for this task's batch shape.
+    """Training memory (MiB) of a client at each trained exit, for this task's batch shape.
 
     The batch is ``batch_size`` clips of the 95th-percentile duration of the training
     manifests (:func:`~speechbrain_fl.models.exit_memory.manifest_seconds`), with the run's
-    LayerDrop and SpecAugment settings. Returns ``{"peak", "step", "model", "seconds"}``:
-    ``peak`` is CUDA ``max_memory_allocated`` or, on CPU, the peak RSS of a fresh process per
-    exit (interpreter and imports included); ``model`` the same less what the process held
-    before the model was built (weights, activations, gradients, optimiser state); ``step``
-    what the training step raised the peak (see ``speechbrain_fl/models/exit_memory.py``).
+    LayerDrop and SpecAugment settings. Returns ``{"parts", "rss", "seconds", "batch_size",
+    "method"}``: ``parts`` per exit ``{total, weights, gradients, optimizer, activations}``
+    and ``method`` from :func:`~speechbrain_fl.models.exit_memory.training_memory` (counted
+    from the tensors on CPU, ``max_memory_allocated`` on CUDA); ``rss`` per exit the peak of
+    :func:`~speechbrain_fl.models.exit_memory.peak_training_memory` (CPU: the peak RSS of a
+    fresh process, interpreter and imports included; what ``client_memory_budgets_mb`` is
+    compared with).
     """
     if not hparams["measure_memory"]:
-        return {"peak": {}, "step": {}, "model": {}, "seconds": None}
-    from speechbrain_fl.models.exit_memory import manifest_seconds, peak_training_memory
+        return {"parts": {}, "rss": {}, "seconds": None, "batch_size": None, "method": None}
+    from speechbrain_fl.models.exit_memory import (
+        manifest_seconds,
+        peak_training_memory,
+        training_memory,
+    )
 
     options = settings.model
     seconds = manifest_seconds(settings.clients, quantile=0.95)
-    out = {"peak": {}, "step": {}, "model": {}, "seconds": seconds}
+    shape = {
+        "batch_size": hparams["batch_size"],
+        "seconds": seconds,
+        "head": options["head"],
+        "num_outputs": options["num_outputs"],
+        "freeze_feature_encoder": options["freeze_feature_encoder"],
+        "device": settings.device,
+        "config_overrides": options.get("config_overrides"),
+    }
+    out = {"parts": {}, "rss": {}, "seconds": seconds, "batch_size": shape["batch_size"]}
     for e in settings.eval_exits:
-        m = peak_training_memory(
-            options["source"],
-            depth=e,
-            batch_size=hparams["batch_size"],
-            seconds=seconds,
-            head=options["head"],
-            num_outputs=options["num_outputs"],
-            freeze_feature_encoder=options["freeze_feature_encoder"],
-            device=settings.device,
-            config_overrides=options.get("config_overrides"),
-        )
-        for key in ("peak", "step", "model"):
-            out[key][str(e)] = m[f"{key}_mb"]
+        parts = training_memory(options["source"], depth=e, **shape)
+        out["method"] = parts.pop("method")
+        out["parts"][str(e)] = {k: round(v, 3) for k, v in parts.items()}
+        rss = peak_training_memory(options["source"], depth=e, **shape)
+        out["rss"][str(e)] = round(rss["peak_mb"], 1)
     return out
+
+
+def memory_saved(parts):
+    """Per exit, the training memory it saves against the deepest exit (%).
+
+    ``100 (1 - total_e / total_deep)``.
+
+    Example
+    -------
+    >>> memory_saved({"3": {"total": 60.0}, "6": {"total": 80.0}})
+    {'3': 25.0, '6': 0.0}
+    """
+    if not parts:
+        return {}
+    deep = parts[max(parts, key=int)]["total"]
+    return {e: round(100 * (1 - p["total"] / deep), 2) for e, p in parts.items()}
+
+
+def memory_method(method):
+    """The sentence results.json states the memory figures' method with."""
+    if method is None:
+        return None
+    how = {
+        "tensors": "counted from the tensors of one training step: total = weights used "
+        "to the exit + gradients + AdamW moments of what trains + the activations "
+        "autograd saves for backward (each storage once)",
+        "cuda_max_memory_allocated": "total = torch.cuda.max_memory_allocated over one "
+        "training step (whole model on the device); the parts counted from its tensors",
+    }[method]
+    return f"{method}: {how}; MiB; rss: peak RSS of a fresh process running the step"
 
 
 def results_table(results):
     """The end-of-run results table (text): the metric, its CI and memory per exit."""
     metric = "WER" if results["task"] == "asr" else "accuracy"
     asv = "asv" in results
-    header = ["exit", metric, "95% CI", "memory MB", "model MB", "step MB"] + (
+    header = ["exit", metric, "95% CI", "train MB", "saved %", "RSS MB"] + (
         ["EER", "minDCF"] if asv else []
     )
     rows = []
@@ -113,9 +150,9 @@ def results_table(results):
             e,
             f"{entry[metric]:.4f}",
             f"[{lo:.4f}, {hi:.4f}]",
-            memory_cell(results["memory_mb"].get(e)),
-            memory_cell(results.get("memory_model_mb", {}).get(e)),
-            memory_cell(results.get("memory_step_mb", {}).get(e)),
+            memory_cell(results["memory_mb"].get(e, {}).get("total")),
+            memory_cell(results.get("memory_saved_pct", {}).get(e)),
+            memory_cell(results.get("memory_rss_mb", {}).get(e)),
         ]
         if asv:
             row += [f"{results['asv'][e]['EER']:.4f}", f"{results['asv'][e]['minDCF']:.4f}"]
@@ -176,10 +213,12 @@ def report_run(settings, hparams, result, *, brain, test_set, timings, start):
         "checkpoint": str(hparams["model"]),
         "checkpoint_source": settings.model["source"],
         "test": test,
-        "memory_mb": memory["peak"],
-        "memory_step_mb": {k: round(v, 1) for k, v in memory["step"].items()},
-        "memory_model_mb": {k: round(v, 1) for k, v in memory["model"].items()},
+        "memory_mb": memory["parts"],
+        "memory_saved_pct": memory_saved(memory["parts"]),
+        "memory_method": memory_method(memory["method"]),
+        "memory_rss_mb": memory["rss"],
         "memory_input_seconds": memory["seconds"],
+        "memory_batch_size": memory["batch_size"],
         **extra,
         # audio files left out of the manifests: which, and libsndfile's reason
         **({"skipped": {k: settings.extra[k] for k in ("unreadable_audio",)}}

@@ -1,7 +1,27 @@
-"""Peak training memory of a multi-exit wav2vec 2.0 per exit, and depth choice under a budget.
+"""Training memory of a multi-exit wav2vec 2.0 per exit, and depth choice under a budget.
 
-:func:`peak_training_memory` measures one optimiser step (forward to the exit, loss, backward,
-AdamW step) for a batch shape:
+:func:`training_memory` is the figure a user reads per exit: the training peak of a client,
+split into what it is made of, for one optimiser step (forward to the exit, loss, backward,
+AdamW step) at a batch shape:
+
+- ``weights``: the parameters the forward to the exit uses (the layers past the exit and the
+  other exits' heads are not needed by a client stopping there), ``4 N_used`` bytes in fp32;
+- ``gradients``: one fp32 gradient per parameter that trains (frozen parts, e.g. a frozen CNN
+  feature encoder, have none), ``4 N_train``;
+- ``optimizer``: AdamW's two fp32 moments per trained parameter, ``8 N_train`` (the step
+  counters, one scalar per tensor, are left out);
+- ``activations``: the tensors autograd saves for backward during the forward to the exit
+  (counted with ``torch.autograd.graph.saved_tensors_hooks``: each saved tensor's storage
+  once, parameters excluded), their peak, reached when the forward ends;
+- ``total`` = the sum of the four. On CPU it is counted from the tensors, so it is
+  deterministic and independent of the process (method ``tensors``; an upper bound of the
+  step's high-water mark, since gradients grow while activations are freed in backward, and
+  a lower bound of what an allocator holds, which also keeps short-lived temporaries). On CUDA
+  ``total`` is ``torch.cuda.max_memory_allocated`` over the step with the whole model on the
+  device (method ``cuda_max_memory_allocated``); the four parts are counted as on CPU.
+
+:func:`peak_training_memory` measures the process instead (it is what a memory budget of
+the ``memory_budget`` depth policy is compared against), for the same step:
 
 - CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` (weights,
   activations, gradients, optimiser state), in this process;
@@ -11,11 +31,13 @@ AdamW step) for a batch shape:
   activations, gradients and optimiser state beyond what loading already touched; 0 when the
   step stays below the loading peak, so it is a lower bound of what the step allocates).
 
-``model_mb`` is the figure a user compares across depths: the high-water mark of the RSS from
+``model_mb`` is the high-water mark of the RSS from
 the moment everything is imported (reset with Linux's ``clear_refs``) minus the RSS then
 (``import_mb``: the interpreter, torch, transformers, ~700 MB on CPU), i.e. weights +
 activations + gradients + optimiser state. On CUDA it equals ``peak_mb``
-(imports allocate no device memory). LayerDrop is off in the measured step (``layerdrop: 0``;
+(imports allocate no device memory). On CPU these figures are dominated by the process
+(allocator caching, imports): they move little between exits. LayerDrop is off in the measured
+steps (``layerdrop: 0``;
 the config's default 0.1 would skip layers at random and understate a depth's peak).
 :func:`manifest_seconds` gives the input length to measure with from a task's manifests
 (e.g. the 95th percentile of the training clips' durations) instead of a fixed length.
@@ -36,7 +58,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["choose_depth", "manifest_seconds", "peak_training_memory"]
+__all__ = [
+    "choose_depth",
+    "count_step_memory",
+    "manifest_seconds",
+    "peak_training_memory",
+    "training_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +73,15 @@ def _step(options: dict) -> dict:
     """Build the model and run one training step; return memory figures (runs in the worker)."""
     import resource
 
-    from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit
+    # imported before the high-water mark is reset: the model-only figure leaves imports out
+    import speechbrain_fl.models.multi_exit_wav2vec2  # noqa: F401
 
     device = options["device"]
     cuda = device.startswith("cuda")
     # model-only figure: the RSS once everything is imported, and the high-water mark reset
     # to it (Linux clear_refs 5), so the later high-water mark is this model's and step's own
     imported = _reset_high_water_mark()
-    model = build_multi_exit(
-        options["source"],
-        num_outputs=options["num_outputs"],
-        cache_dir=options.get("cache_dir") or ".",
-        head=options["head"],
-        freeze_feature_encoder=options["freeze_feature_encoder"],
-        config_overrides={"layerdrop": 0.0, **dict(options.get("config_overrides") or {})},
-    ).to(device)
-    model.train()
-    samples = int(options["seconds"] * 16000)
-    wavs = torch.randn(options["batch_size"], samples, device=device)
-    lens = torch.ones(options["batch_size"], device=device)
+    model, wavs, lens = _model_and_batch(options)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     if cuda:
@@ -87,6 +105,164 @@ def _step(options: dict) -> dict:
     return {"peak_mb": peak / 1024, "step_mb": (peak - before) / 1024,
             "model_mb": model / 1024, "import_mb": (imported or float("nan")) / 1024,
             "kind": "cpu_rss"}  # fmt: skip
+
+
+def _model_and_batch(options: dict):
+    """The multi-exit model in train mode and a batch of ``batch_size`` clips of ``seconds``."""
+    from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit
+
+    device = options["device"]
+    model = build_multi_exit(
+        options["source"],
+        num_outputs=options["num_outputs"],
+        cache_dir=options.get("cache_dir") or ".",
+        head=options["head"],
+        freeze_feature_encoder=options["freeze_feature_encoder"],
+        config_overrides={"layerdrop": 0.0, **dict(options.get("config_overrides") or {})},
+    ).to(device)
+    model.train()
+    samples = int(options["seconds"] * 16000)
+    wavs = torch.randn(options["batch_size"], samples, device=device)
+    lens = torch.ones(options["batch_size"], device=device)
+    return model, wavs, lens
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def count_step_memory(model: torch.nn.Module, forward, *, optimizer=None) -> dict:
+    """Bytes of one training step of ``model``, counted from its tensors.
+
+    Runs ``out = forward()``, the loss ``mean(out^2)``, backward and ``optimizer.step()``
+    (a fresh ``AdamW`` over the parameters with ``requires_grad`` when None), and counts:
+
+    - ``weights = sum 4 |p|`` over the parameters of the modules the forward called (module
+      pre-hooks; a parameter shared by several modules once);
+    - ``gradients = sum |p.grad|`` bytes over the parameters backward gave a gradient;
+    - ``optimizer`` = the optimiser's state tensors shaped like their parameter (AdamW's
+      ``exp_avg`` and ``exp_avg_sq``: ``8 |p|`` per trained fp32 parameter);
+    - ``activations`` = the tensors autograd saved during the forward and the loss, each
+      storage once (keyed by its address) and parameters' storages excluded;
+    - ``total`` = the sum of the four.
+
+    Returns
+    -------
+    dict
+        ``{"total", "weights", "gradients", "optimizer", "activations"}`` in bytes.
+
+    Example
+    -------
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    >>> net[0].requires_grad_(False)  # doctest: +ELLIPSIS
+    Linear(...)
+    >>> m = count_step_memory(net, lambda: net(torch.ones(5, 4)))
+    >>> m["weights"], m["gradients"], m["optimizer"]  # 23 weights, 8 of them train
+    (92, 32, 64)
+    """
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    called: dict[int, torch.nn.Module] = {}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    def note_call(module, _args):  # returns None: the inputs go through unchanged
+        called[id(module)] = module
+
+    handles = [m.register_forward_pre_hook(note_call) for m in model.modules()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = forward().float().pow(2).mean()
+    finally:
+        for handle in handles:
+            handle.remove()
+    activations = sum(saved.values())
+    if optimizer is None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    loss.backward()
+    optimizer.step()
+    used = {id(p): p for mod in called.values() for p in mod.parameters(recurse=False)}
+    gradients = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    moments = sum(
+        _nbytes(value)
+        for p, state in optimizer.state.items()
+        for value in state.values()
+        if torch.is_tensor(value) and value.shape == p.shape
+    )
+    out = {
+        "weights": sum(_nbytes(p) for p in used.values()),
+        "gradients": gradients,
+        "optimizer": moments,
+        "activations": activations,
+    }
+    return {"total": sum(out.values()), **out}
+
+
+def training_memory(
+    source: str,
+    *,
+    depth: int,
+    batch_size: int,
+    seconds: float,
+    head: str = "utterance",
+    num_outputs: int = 12,
+    freeze_feature_encoder: bool = False,
+    device: str = "cpu",
+    cache_dir: str | None = None,
+    config_overrides: dict | None = None,
+) -> dict:
+    """Training memory (MiB) of a client at exit ``depth``, by part (see the module docstring).
+
+    One step of the multi-exit model built from ``source`` on ``batch_size`` clips of
+    ``seconds`` (random audio: the sizes do not depend on the values), in this process.
+    ``config_overrides`` are ``Wav2Vec2Config`` fields (``layerdrop`` is 0 unless given).
+
+    Returns
+    -------
+    dict
+        ``{"total", "weights", "gradients", "optimizer", "activations"}`` in MiB and
+        ``"method"``: ``tensors`` (CPU: total = the sum of the parts) or
+        ``cuda_max_memory_allocated`` (total = the device's peak over the step).
+
+    Example
+    -------
+    >>> import tempfile
+    >>> from speechbrain_fl.models.multi_exit_wav2vec2 import resolve_backbone
+    >>> src = resolve_backbone("tiny", cache_dir=tempfile.mkdtemp())
+    >>> m3, m12 = (training_memory(src, depth=d, batch_size=2, seconds=0.5) for d in (3, 12))
+    >>> m3["method"], 0 < m3["total"] < m12["total"]
+    ('tensors', True)
+    """
+    options = {
+        "source": str(source),
+        "batch_size": int(batch_size),
+        "seconds": float(seconds),
+        "head": head,
+        "num_outputs": int(num_outputs),
+        "freeze_feature_encoder": bool(freeze_feature_encoder),
+        "device": device,
+        "cache_dir": cache_dir,
+        "config_overrides": dict(config_overrides or {}),
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # SpecAugment's masks: the same batch for every exit
+        model, wavs, lens = _model_and_batch(options)
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        counted = count_step_memory(model, lambda: model(wavs, lens, depth=int(depth)))
+    out = {key: value / 2**20 for key, value in counted.items()}
+    out["method"] = "tensors"
+    if cuda:
+        torch.cuda.synchronize()
+        out["total"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out["method"] = "cuda_max_memory_allocated"
+    return out
 
 
 def _proc_status_kib(field: str) -> float | None:

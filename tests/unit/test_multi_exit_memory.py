@@ -72,3 +72,79 @@ def test_recipe_budget_policy_excludes_or_falls_back(tmp_path, caplog):
     assert s["depths"] == [3, 3, 6]
     with pytest.raises(ValueError, match="fits any exit"):
         apply_memory_budgets({**hparams, "client_memory_budgets_mb": [1]}, settings())
+
+
+# --- training memory counted from tensors -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory):
+    from speechbrain_fl.models.multi_exit_wav2vec2 import resolve_backbone
+
+    return resolve_backbone("tiny", cache_dir=tmp_path_factory.mktemp("tiny"))
+
+
+def _tiny_step(source, *, depth, seconds=0.5, freeze=False):
+    """The multi-exit tiny model, the bytes of one step at ``depth``, and the model."""
+    import torch
+
+    from speechbrain_fl.models.exit_memory import count_step_memory
+    from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit
+
+    torch.manual_seed(0)
+    model = build_multi_exit(
+        source, num_outputs=12, cache_dir=".", freeze_feature_encoder=freeze,
+        config_overrides={"layerdrop": 0.0},
+    )  # fmt: skip
+    model.train()
+    wavs, lens = torch.randn(2, int(seconds * 16000)), torch.ones(2)
+    return count_step_memory(model, lambda: model(wavs, lens, depth=depth)), model
+
+
+def test_activations_grow_with_depth_and_input_length(tiny_source):
+    acts = {d: _tiny_step(tiny_source, depth=d)[0]["activations"] for d in (3, 6, 12)}
+    assert 0 < acts[3] < acts[6] < acts[12]
+    longer = _tiny_step(tiny_source, depth=3, seconds=1.0)[0]["activations"]
+    assert longer > 1.8 * acts[3]  # about proportional to the samples
+
+
+def test_weights_gradients_optimizer_match_the_parameter_counts(tiny_source):
+    from speechbrain_fl.models.multi_exit_wav2vec2 import layer_of
+
+    for depth in (3, 12):
+        counted, model = _tiny_step(tiny_source, depth=depth)
+        trained = set(model.trained_parameter_names(depth))
+        used = 0
+        for name, param in model.named_parameters():
+            kind, index = layer_of(name)
+            if not ((kind == "layer" and index > depth) or (kind == "exit" and index != depth)):
+                used += param.numel()
+        n_train = sum(p.numel() for n, p in model.named_parameters() if n in trained)
+        assert counted["weights"] == 4 * used
+        assert counted["gradients"] == 4 * n_train
+        assert counted["optimizer"] == 8 * n_train  # AdamW: two fp32 moments
+        assert counted["total"] == sum(counted[k] for k in ("weights", "gradients", "optimizer", "activations"))
+
+
+def test_frozen_part_has_no_gradient_or_optimizer_bytes(tiny_source):
+    trained, _ = _tiny_step(tiny_source, depth=3)
+    frozen, model = _tiny_step(tiny_source, depth=3, freeze=True)
+    cnn = sum(p.numel() for p in model.backbone.feature_extractor.parameters())
+    assert cnn > 0 and frozen["weights"] == trained["weights"]  # still used, still held
+    assert trained["gradients"] - frozen["gradients"] == 4 * cnn
+    assert trained["optimizer"] - frozen["optimizer"] == 8 * cnn
+    assert frozen["activations"] < trained["activations"]  # the CNN saves nothing for backward
+
+
+def test_training_memory_reports_mib_by_part_and_shallow_exit_saves(tiny_source):
+    from speechbrain_fl.models.exit_memory import training_memory
+
+    m3, m12 = (
+        training_memory(tiny_source, depth=d, batch_size=2, seconds=0.5) for d in (3, 12)
+    )
+    assert m3["method"] == "tensors"
+    for m in (m3, m12):
+        parts = m["weights"] + m["gradients"] + m["optimizer"] + m["activations"]
+        assert m["total"] == pytest.approx(parts)
+    assert m3 == training_memory(tiny_source, depth=3, batch_size=2, seconds=0.5)  # deterministic
+    assert m3["total"] < m12["total"] and m3["weights"] < m12["weights"]

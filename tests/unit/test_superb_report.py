@@ -60,9 +60,9 @@ def _results(memory):
         "weighting": "depth_aware",
         "checkpoint": "tiny",
         "test": {"3": {"accuracy": 0.5, "ci95": [0.4, 0.6]}},
-        "memory_mb": memory.get("peak", {}),
-        "memory_model_mb": memory.get("model", {}),
-        "memory_step_mb": memory.get("step", {}),
+        "memory_mb": memory.get("parts", {}),
+        "memory_saved_pct": memory.get("saved", {}),
+        "memory_rss_mb": memory.get("rss", {}),
     }
 
 
@@ -71,10 +71,11 @@ def test_table_without_memory_says_not_measured():
     assert "None" not in table
     assert "memory: not measured" in table
     row = next(line for line in table.splitlines() if line.strip().startswith("3"))
-    assert row.count("-") >= 3  # peak, model and step cells
+    assert row.count("-") >= 3  # train, saved and RSS cells
 
 
 def test_table_with_memory_rounds_to_one_decimal():
-    table = results_table(_results({"peak": {"3": 826.04}, "model": {"3": 119.2}, "step": {}}))
-    assert "826.0" in table and "119.2" in table
+    parts = {"3": {"total": 119.24, "weights": 1, "gradients": 1, "optimizer": 2, "activations": 115.24}}
+    table = results_table(_results({"parts": parts, "saved": {"3": 43.27}, "rss": {"3": 826.04}}))
+    assert "119.2" in table and "43.3" in table and "826.0" in table
     assert "not measured" not in table and "None" not in table
