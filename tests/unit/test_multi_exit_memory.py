@@ -123,7 +123,8 @@ def test_weights_gradients_optimizer_match_the_parameter_counts(tiny_source):
         assert counted["weights"] == 4 * used
         assert counted["gradients"] == 4 * n_train
         assert counted["optimizer"] == 8 * n_train  # AdamW: two fp32 moments
-        assert counted["total"] == sum(counted[k] for k in ("weights", "gradients", "optimizer", "activations"))
+        parts = ("weights", "gradients", "optimizer", "activations")
+        assert counted["total"] == sum(counted[k] for k in parts)
 
 
 def test_frozen_part_has_no_gradient_or_optimizer_bytes(tiny_source):
