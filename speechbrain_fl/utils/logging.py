@@ -141,8 +141,8 @@ class FileOncePerProcess(logging.Filter):
     """Send the records starting with one of ``prefixes`` to the log files only, once each.
 
     The first record of each distinct message is handed to the ``logging.FileHandler``
-    instances on its logger's path (SpeechBrain's ``log.txt``), not to the console; a repeat goes nowhere.
-    Other records pass unchanged.
+    instances on its logger's path (SpeechBrain's ``log.txt``), not to the console; a repeat
+    goes nowhere. Other records pass unchanged.
 
     Arguments
     ---------
