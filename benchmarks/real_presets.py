@@ -291,9 +291,7 @@ def run_preset(args) -> dict:
             alpha=alpha,
             sigma=hparams["noise_multiplier"],
         )
-        budgets = compute_budgets(
-            layout, method=method, clip=hparams["clip"], alpha=alpha
-        )
+        budgets = compute_budgets(layout, method=method, clip=hparams["clip"], alpha=alpha)
         counts: dict = {}
         for name, param in model.named_parameters():
             c = counts.setdefault(model.component_of(name), {"total": 0, "trainable": 0})

@@ -205,8 +205,15 @@ def _prepare_languages(data_folder, language_dirs, splits, carve, *, max_utts, d
     for language, lang_dir in sorted(language_dirs.items()):
         rows = {
             split: _prepare_split(
-                data_folder, lang_dir, language, split, skipped,
-                max_utts=max_utts, durations=durations, reasons=reasons, progress=progress,
+                data_folder,
+                lang_dir,
+                language,
+                split,
+                skipped,
+                max_utts=max_utts,
+                durations=durations,
+                reasons=reasons,
+                progress=progress,
             )  # fmt: skip
             for split in splits
             if not (split == "public" and language in carve)

@@ -26,7 +26,6 @@ import speechbrain as sb
 import torch
 
 from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
-from speechbrain_fl.privacy.methods import method_name
 from speechbrain_fl.fl.profile import norm_profile, pool_norms, pool_retention
 from speechbrain_fl.metrics import (
     paired_bootstrap_details,
@@ -35,6 +34,7 @@ from speechbrain_fl.metrics import (
     write_utterance_details,
 )
 from speechbrain_fl.plots import write_run_plots
+from speechbrain_fl.privacy.methods import method_name
 from speechbrain_fl.recipe import print_summary, write_results
 from speechbrain_fl.run_outputs import format_results_table
 

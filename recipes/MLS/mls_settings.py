@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 
 from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.privacy.methods import method_name, privacy_method, with_settings
 from speechbrain_fl.models.presets import CONNECTOR_TREATMENTS, CTC_TREATMENTS, PRESETS
+from speechbrain_fl.privacy.methods import method_name, privacy_method, with_settings
 
 
 def model_options(hparams):

@@ -346,8 +346,13 @@ def mls_task(hparams_path=None, overrides=None):
     else:  # profile: no noise, no effective clip: the method's keys do not apply
         config = profile_config(
             FLConfig.from_hparams(
-                {**hparams, "method": "fedavg", "noise_multiplier": 0.0,
-                 "noise_cohort_size": None, "accounting_population": None}
+                {
+                    **hparams,
+                    "method": "fedavg",
+                    "noise_multiplier": 0.0,
+                    "noise_cohort_size": None,
+                    "accounting_population": None,
+                }
             ),
             rounds=hparams["profile_rounds"],
             output_folder=os.path.join(hparams["output_folder"], "profile"),

@@ -353,9 +353,7 @@ def _labelled(rows, *, source, classes, gender_map, unlabeled_values):
     the others (``unlabeled``, ``other_class``)."""
     kept, excl = [], Counter()
     for row in rows:
-        label = _label(
-            row, source=source, gender_map=gender_map, unlabeled_values=unlabeled_values
-        )
+        label = _label(row, source=source, gender_map=gender_map, unlabeled_values=unlabeled_values)
         if label is None:
             excl["unlabeled"] += 1
         elif label not in classes:

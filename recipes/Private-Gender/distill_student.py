@@ -56,7 +56,6 @@ from gender_report import (  # noqa: E402
 )
 from gender_training import make_model, predict_logits  # noqa: E402
 
-from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.distill.labels import IGNORE_LABEL, hide_labels  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
 from speechbrain_fl.distill.store import (  # noqa: E402
@@ -64,6 +63,7 @@ from speechbrain_fl.distill.store import (  # noqa: E402
     verify_teacher_outputs,
 )
 from speechbrain_fl.recipe import load_run_hparams  # noqa: E402
+from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.models.gender_classifier import hash_tokens
+from speechbrain_fl.utils.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 

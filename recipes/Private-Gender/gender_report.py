@@ -79,9 +79,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
-
 from gender_training import RAW_LOSS_KEY
+from matplotlib.figure import Figure
 
 from speechbrain_fl.plots import _save as save_figure
 from speechbrain_fl.utils.atomic import atomic_open
@@ -336,8 +335,11 @@ def data_block(hparams, data) -> dict:
         "counts": prep.get("counts"),
         "excluded": prep.get("excluded"),
         # clips left out at preparation (libsndfile could not open them), with the error
-        **({k: prep[k] for k in ("unreadable_audio", "unreadable_note") if k in prep}
-           if prep.get("unreadable_audio") else {}),  # fmt: skip
+        **(
+            {k: prep[k] for k in ("unreadable_audio", "unreadable_note") if k in prep}
+            if prep.get("unreadable_audio")
+            else {}
+        ),  # fmt: skip
         "speakers": prep.get("speakers"),
         "gender_map": prep.get("gender_map"),
         "sources": prep.get("sources"),
@@ -467,6 +469,7 @@ def audit_table(audit: dict) -> str:
 
 
 # Figures
+
 
 def plot_confusion(confusion, classes, path: str | os.PathLike, *, title: str) -> Path:
     """Confusion matrix: cell ``(i, j)`` = count of true ``i`` predicted ``j`` and its share

@@ -185,7 +185,6 @@ def dsaf_diagnostic(hparams, aux, num_classes, plots):
     return {"records": int(n), "set": "D_aux (public)", "at": "initialisation", **stats}
 
 
-
 # --debug (SpeechBrain's: 2 epochs of 2 batches): a small embedded corpus in its own cache
 # (<cache_folder>_debug) and outputs in <output_folder>_debug, never the real run's folders
 DEBUG_CAPS = {

@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterable, Sequence
 
 from speechbrain_fl.data.audio_check import read_headers
-from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
+from speechbrain_fl.utils.atomic import atomic_open
 
 OPTIONS_FILE = "prepare_options.json"
 UNREADABLE_FILE = "unreadable_audio.json"

@@ -485,7 +485,6 @@ def _pretrain_seed(folder, *, hparams, objective, csv_path, data_folder):
     from transformers import Wav2Vec2Model
 
     from speechbrain_fl.models.multi_exit_wav2vec2 import MultiExitWav2Vec2, resolve_backbone
-
     from speechbrain_fl.models.pretrain import train_steps
 
     source = resolve_backbone("tiny", cache_dir=hparams["cache_folder"], seed=hparams["seed"])

@@ -221,8 +221,11 @@ def report_run(settings, hparams, result, *, brain, test_set, timings, start):
         "memory_batch_size": memory["batch_size"],
         **extra,
         # audio files left out of the manifests: which, and libsndfile's reason
-        **({"skipped": {k: settings.extra[k] for k in ("unreadable_audio",)}}
-           if settings.extra.get("unreadable_audio") else {}),  # fmt: skip
+        **(
+            {"skipped": {k: settings.extra[k] for k in ("unreadable_audio",)}}
+            if settings.extra.get("unreadable_audio")
+            else {}
+        ),  # fmt: skip
         "depths": settings.depths,
         "depth_decisions": settings.depth_decisions,
         "num_clients": settings.num_clients,

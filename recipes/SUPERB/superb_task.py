@@ -489,9 +489,7 @@ def run_centralized(settings, hparams):
     brain.total_steps = epochs * -(-len(train) // batch_size)
     brain.history = history
     if not checkpointer.find_checkpoints():
-        history.rows.append(
-            {"round": 0, **evaluate_exits(brain, valid), "train_loss": ""}
-        )
+        history.rows.append({"round": 0, **evaluate_exits(brain, valid), "train_loss": ""})
     brain.fit(
         counter,
         train,

@@ -119,8 +119,8 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from speechbrain.dataio.batch import PaddedBatch
-from speechbrain.dataio.dataset import DynamicItemDataset
 from speechbrain.dataio.dataloader import LoopedLoader
+from speechbrain.dataio.dataset import DynamicItemDataset
 
 from speechbrain_fl.privacy import Layout, clip_update
 
@@ -558,6 +558,7 @@ def _local_fit(
     if not lean_step:
         fit_batch = brain.fit_batch
     else:
+
         def fit_batch(batch):
             return lean_fit_batch(brain, batch)[0]
 

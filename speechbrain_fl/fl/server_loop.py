@@ -31,9 +31,9 @@ from .config_checks import check_delta_population
 from .disclosure import simulated_deployment, simulation_label
 from .npy_codec import decode_record
 from .params import load_trainable, params_fingerprint, trainable_state
+from .round_report import AggregateFailed, RoundFailed, RoundReport
 from .server_task import ServerResult, ServerTask, default_layout, model_depth_names
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
-from .round_report import AggregateFailed, RoundFailed, RoundReport
 from .strategy import DPFedAvg
 from .telemetry import RoundsTelemetry, progress_line, train_log_rounds, truncate_train_log
 

@@ -66,8 +66,8 @@ from .canaries import FederatedAudit
 from .config import FLConfig
 from .disclosure import privacy_disclosure
 from .global_update import apply_aggregate
-from .node_order import connected_nodes, enrol_nodes, partition_id_of, query_partitions
 from .mechanism import privacy_mechanism
+from .node_order import connected_nodes, enrol_nodes, partition_id_of, query_partitions
 from .npy_codec import decode_record, encode_record
 from .privacy_settings import check_privacy_settings, privacy_settings
 from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
@@ -428,8 +428,7 @@ class DPFedAvg(FedAvg):
         new_params, bad = apply_aggregate(global_params, aggregate)
         if bad is not None:
             reason = (
-                f"the update made parameter {bad!r} non-finite; the global model was not "
-                "changed"
+                f"the update made parameter {bad!r} non-finite; the global model was not " "changed"
             )
             if self.config.private:
                 raise FloatingPointError(f"round {server_round}: {reason}")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.metrics.resampling import DEFAULT_NUM_RESAMPLES, check_counts
 from speechbrain_fl.metrics.wer import (
     PairedWERComparison,
@@ -29,6 +28,7 @@ from speechbrain_fl.metrics.wer import (
     corpus_wer,
     paired_bootstrap_wer,
 )
+from speechbrain_fl.utils.atomic import atomic_open
 
 logger = logging.getLogger(__name__)
 

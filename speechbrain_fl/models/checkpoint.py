@@ -31,8 +31,8 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from speechbrain_fl.utils.atomic import atomic_folder
 from speechbrain_fl.fl.params import load_trainable, params_fingerprint, trainable_state
+from speechbrain_fl.utils.atomic import atomic_folder
 
 from .presets import build_speech_llm
 from .speech_llm import SpeechLLM

@@ -125,7 +125,8 @@ def speaker_clipped_sum(
             raise ValueError(f"clip_weights must be {rows} values in (0, 1]")
         factor = factor * torch.zeros(k, dtype=w.dtype).index_add_(0, groups, w) / counts
     return [
-        (factor[:, None] * m).sum(0).reshape(g.shape[1:]) for m, g in zip(means, grad_samples)
+        (factor[:, None] * m).sum(0).reshape(g.shape[1:])
+        for m, g in zip(means, grad_samples, strict=False)
     ]
 
 
@@ -239,7 +240,9 @@ class SpeakerDPOptimizer:
 
         check_opacus_private_api()
         if not noise_multiplier >= 0 or not clip > 0:
-            raise ValueError(f"need noise_multiplier >= 0 and clip > 0, got {noise_multiplier}, {clip}")
+            raise ValueError(
+                f"need noise_multiplier >= 0 and clip > 0, got {noise_multiplier}, {clip}"
+            )
         self.optimizer = optimizer
         self.params = [p for p in params if p.requires_grad]
         self.sampler = sampler
@@ -304,7 +307,7 @@ class SpeakerDPOptimizer:
 
     def step(self) -> None:
         """Write ``G_t`` to ``p.grad``, step the optimizer, count the step."""
-        for p, g in zip(self.params, self.noisy_gradient()):
+        for p, g in zip(self.params, self.noisy_gradient(), strict=False):
             p.grad = g.to(p.dtype).view_as(p)
         self.optimizer.step()
         self.accountant.step(

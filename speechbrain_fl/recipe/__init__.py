@@ -43,7 +43,6 @@ from speechbrain_fl.recipe.report import (
     write_results,
     write_rows,
 )
-from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 from speechbrain_fl.recipe.run_options import (
     REFUSED_RUN_OPTIONS,
     SUPPORTED_RUN_OPTIONS,
@@ -52,6 +51,7 @@ from speechbrain_fl.recipe.run_options import (
 )
 from speechbrain_fl.recipe.seed_model import cache_tag, cached_seed_model, file_digest
 from speechbrain_fl.recipe.settings import RunSettings
+from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 
 __all__ = [
     "APP_ROOT",

@@ -39,10 +39,10 @@ from typing import Any
 
 from speechbrain_fl.recipe.hparams import load_run_hparams, resolve_hparams_path
 from speechbrain_fl.recipe.prepare import prepare_once
-from speechbrain_fl.utils.run_lock import RunLockedError
-from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 from speechbrain_fl.recipe.run_options import federated_run_options, split_overrides
 from speechbrain_fl.recipe.settings import RunSettings
+from speechbrain_fl.utils.run_lock import RunLockedError
+from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 
 __all__ = ["FederatedRecipe", "ModelCache", "RecipeRun"]
 

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.utils.atomic import atomic_open
 from speechbrain_fl.run_outputs import render_table
+from speechbrain_fl.utils.atomic import atomic_open
 
 __all__ = [
     "RESULTS_FILE",

@@ -174,9 +174,9 @@ def test_documented_recipe_commands_run_in_debug_size(where, tmp_path):
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
         )  # fmt: skip
         command = f"python {script} {' '.join(args)} --debug"
-        assert proc.returncode == 0, (
-            f"{where}: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
+        assert (
+            proc.returncode == 0
+        ), f"{where}: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
 def _console_examples():

@@ -70,6 +70,6 @@ def test_fault(row, tmp_path, recipe_run, recipe_cache):
     assert proc.returncode == 0, f"{row.id}: the run failed\n{output[-5000:]}"
     assert broken.name in output, f"{row.id}: no log line names {broken}"
     results = json.loads((tmp_path / "out" / parts[0]).read_text())
-    assert _names(lookup(results, parts[1]), broken.name), (
-        f"{row.id}: {parts[1]} does not name {broken.name}: {lookup(results, parts[1])}"
-    )
+    assert _names(
+        lookup(results, parts[1]), broken.name
+    ), f"{row.id}: {parts[1]} does not name {broken.name}: {lookup(results, parts[1])}"

@@ -324,9 +324,7 @@ def test_disclosure_labels_what_the_epsilon_does_not_cover(tmp_path):
     )
     assert out["caveats"] == [] and out["epsilon_covers_everything"] is True
     raw = privacy_disclosure(
-        FLConfig(
-            output_folder=str(tmp_path), **PRIVATE, method="pfl_dim_ema", ema_signal="raw"
-        ),
+        FLConfig(output_folder=str(tmp_path), **PRIVATE, method="pfl_dim_ema", ema_signal="raw"),
         profile_rounds=2,
         alpha_from_profile=True,
     )

@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import shutil
-
 from pathlib import Path
 
 import pytest

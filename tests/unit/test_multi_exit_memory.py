@@ -140,9 +140,7 @@ def test_frozen_part_has_no_gradient_or_optimizer_bytes(tiny_source):
 def test_training_memory_reports_mib_by_part_and_shallow_exit_saves(tiny_source):
     from speechbrain_fl.models.exit_memory import training_memory
 
-    m3, m12 = (
-        training_memory(tiny_source, depth=d, batch_size=2, seconds=0.5) for d in (3, 12)
-    )
+    m3, m12 = (training_memory(tiny_source, depth=d, batch_size=2, seconds=0.5) for d in (3, 12))
     assert m3["method"] == "tensors"
     for m in (m3, m12):
         parts = m["weights"] + m["gradients"] + m["optimizer"] + m["activations"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from speechbrain_fl.privacy import compute_epsilon
 from speechbrain_fl.cli import main
+from speechbrain_fl.privacy import compute_epsilon
 
 LAYOUT = Path(__file__).resolve().parents[2] / "docs" / "examples" / "whisper_tinyllama_layout.json"
 

@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "recipes" / "Private-Gender" / "studies"), str(ROOT / "recipes" / "Private-Gender")]
+sys.path[:0] = [
+    str(ROOT / "recipes" / "Private-Gender" / "studies"),
+    str(ROOT / "recipes" / "Private-Gender"),
+]
 
 import studies  # noqa: E402
 

@@ -40,7 +40,9 @@ def _flat(tensors):
     weighted=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_one_whole_speaker_moves_the_sum_by_at_most_c(clips, extra_clips, clip, scale, weighted, seed):
+def test_one_whole_speaker_moves_the_sum_by_at_most_c(
+    clips, extra_clips, clip, scale, weighted, seed
+):
     """Adding a speaker with any number of clips changes sum_s w_s clip(mean_s, C) by <= C."""
     gen = torch.Generator().manual_seed(seed)
     counts = [*clips, extra_clips]  # the last speaker is the one added / removed
@@ -210,8 +212,13 @@ def test_recipe_train_model_speaker_level(caplog):
     assert info["sampling_rate"] == pytest.approx(1 / 3) and info["steps"] == 9
     assert info["expected_speakers_per_step"] == pytest.approx(4.0)
     assert info["epsilon"] == pytest.approx(
-        compute_epsilon(sampling_rate=1 / 3, noise_multiplier=info["noise_multiplier"], rounds=9,
-                        delta=1e-3, accountant="pld")  # fmt: skip
+        compute_epsilon(
+            sampling_rate=1 / 3,
+            noise_multiplier=info["noise_multiplier"],
+            rounds=9,
+            delta=1e-3,
+            accountant="pld",
+        )  # fmt: skip
     )
     assert info["epsilon"] <= 2.0 and info["audit"]["steps"] == 9
 

@@ -46,7 +46,6 @@ Authors
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import subprocess
@@ -62,7 +61,7 @@ STUDY_DIR = Path(__file__).resolve().parent
 RECIPE_DIR = STUDY_DIR.parent
 sys.path.insert(0, str(STUDY_DIR))  # method_tables.py, seed_table.py, compare.py
 
-from method_tables import (  # noqa: E402 (re-exported: the tables of this study)
+from method_tables import (  # noqa: E402, F401 (re-exported: the tables of this study)
     _MISSING,
     BASELINE,
     HEADER,

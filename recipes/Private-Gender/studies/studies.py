@@ -61,8 +61,8 @@ import gender_repeats  # noqa: E402
 import train_teacher  # noqa: E402
 from gender_stats import paired, spread  # noqa: E402
 
-from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 from speechbrain_fl.recipe import update_readme_table  # noqa: E402
+from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, None)
 ABLATION = {

@@ -245,11 +245,7 @@ def _table1_lines(results, best_exit, shallow, *, metric, better):
         columns.append(
             (
                 f"heterogeneous FL (exits {shallow}+{best_exit}, layer-wise depth-aware)",
-                {
-                    e: results[hetero]
-                    for e in EXITS
-                    if str(e) in _runs(results[hetero])[0]["test"]
-                },
+                {e: results[hetero] for e in EXITS if str(e) in _runs(results[hetero])[0]["test"]},
             )
         )
     best = {}
