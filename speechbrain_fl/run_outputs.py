@@ -24,6 +24,7 @@ ROUND_COLUMNS = (
     "num_replied",
     "num_failed",
     "dropped_replies",
+    "unreadable_utterances",
     "epsilon",
     "joint_norm_mean",
     "clip_rate",

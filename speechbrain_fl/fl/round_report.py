@@ -15,7 +15,15 @@ from speechbrain_fl.privacy import Layout, component_budgets
 
 from .updates import ClientUpdate
 
-__all__ = ["AggregateFailed", "RoundFailed", "RoundReport", "client_statistics", "mean_or_none"]
+__all__ = [
+    "AggregateFailed",
+    "RoundFailed",
+    "RoundReport",
+    "UnreadableTally",
+    "client_statistics",
+    "mean_or_none",
+    "unreadable_counts",
+]
 
 
 class RoundFailed(RuntimeError):
@@ -55,6 +63,8 @@ class RoundReport:
     ignored: list[str] = field(default_factory=list)
     num_dropped: int = 0
     round_failed: str | None = None
+    unreadable_utterances: int = 0
+    none_readable: list[int] = field(default_factory=list)
 
 
 def mean_or_none(values: list[float]) -> float | None:
@@ -105,3 +115,67 @@ def client_statistics(
         report.component_budgets = dict(component_budgets(layout, budgets))
     elif budgets is not None:
         report.component_budgets = {"all": float(budgets)} if comps == ["all"] else {}
+
+
+def unreadable_counts(updates: list[ClientUpdate]) -> dict[str, int | list[int]]:
+    """The round's undecodable training utterances, from the replies' metrics.
+
+    ``unreadable_utterances`` is the sum over the counted replies of ``unreadable-utterances``
+    (utterances a client skipped because their audio failed to decode, :mod:`.client`);
+    ``none_readable`` the partitions (``partition-id``, else the node id) that reported
+    ``readable-utterances`` 0: nothing of theirs could be read, their update is zero.
+
+    Example
+    -------
+    >>> ups = [ClientUpdate(1, {}, {"unreadable-utterances": 2, "readable-utterances": 3}),
+    ...        ClientUpdate(2, {}, {"unreadable-utterances": 4, "readable-utterances": 0,
+    ...                             "partition-id": 7}), ClientUpdate(3, {}, {})]
+    >>> unreadable_counts(ups)
+    {'unreadable_utterances': 6, 'none_readable': [7]}
+    """
+    total, none = 0, []
+    for update in updates:
+        total += int(update.metrics.get("unreadable-utterances", 0))
+        if update.metrics.get("readable-utterances", 1) == 0:
+            none.append(int(update.metrics.get("partition-id", update.node_id)))
+    return {"unreadable_utterances": total, "none_readable": sorted(none)}
+
+
+@dataclass
+class UnreadableTally:
+    """A run's undecodable training utterances, summed over its released rounds.
+
+    ``utterances`` adds every round's :attr:`RoundReport.unreadable_utterances` (an utterance
+    skipped in several rounds counts once per round); ``clients_with_none_readable`` lists the
+    partitions that had no readable utterance in some round. Kept in the server state so that
+    a resumed run reports the whole run (results.json ``data.unreadable_in_training``).
+
+    Example
+    -------
+    >>> tally = UnreadableTally()
+    >>> tally.add(RoundReport(1, 2, 2, 2, 0, unreadable_utterances=3, none_readable=[1]))
+    >>> tally.as_dict()
+    {'utterances': 3, 'rounds': [1], 'clients_with_none_readable': [1]}
+    """
+
+    utterances: int = 0
+    rounds: list[int] = field(default_factory=list)
+    clients_with_none_readable: list[int] = field(default_factory=list)
+
+    def add(self, report: RoundReport | None) -> None:
+        """Count ``report``'s round (nothing for ``None`` or a round without any)."""
+        if report is None or not (report.unreadable_utterances or report.none_readable):
+            return
+        self.utterances += int(report.unreadable_utterances)
+        self.rounds.append(int(report.round))
+        self.clients_with_none_readable = sorted(
+            set(self.clients_with_none_readable) | set(report.none_readable)
+        )
+
+    def as_dict(self) -> dict[str, int | list[int]]:
+        """``{"utterances", "rounds", "clients_with_none_readable"}`` (plain values)."""
+        return {
+            "utterances": self.utterances,
+            "rounds": list(self.rounds),
+            "clients_with_none_readable": list(self.clients_with_none_readable),
+        }

@@ -31,7 +31,7 @@ from .config_checks import check_delta_population
 from .disclosure import simulated_deployment, simulation_label
 from .npy_codec import decode_record
 from .params import load_trainable, params_fingerprint, trainable_state
-from .round_report import AggregateFailed, RoundFailed, RoundReport
+from .round_report import AggregateFailed, RoundFailed, RoundReport, UnreadableTally
 from .server_task import ServerResult, ServerTask, default_layout, model_depth_names
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
 from .strategy import DPFedAvg
@@ -67,6 +67,7 @@ class RoundLoop:
         # grow with the rounds); only a clipping run has budgets
         self.budget_log = BudgetLog(self.out) if self.cfg.clip is not None else None
         self.reports: list[Any] = []
+        self.unreadable = UnreadableTally()  # over the whole run: kept in the state
         self.round_seconds: list[float] = []
         if self.cfg.private and self.cfg.max_retries > 0:
             log(
@@ -115,6 +116,7 @@ class RoundLoop:
                 "metric_names": self.metric_names,
                 "initial_fingerprint": self.initial_fingerprint,
                 "outputs": outputs,
+                "unreadable": self.unreadable.as_dict(),
             },
             self.out / STATE_FILE,
         )
@@ -185,6 +187,7 @@ class RoundLoop:
         self.strategy.load_state_dict(state["strategy"], source=str(source))
         restore_rng_states(state["rng"])
         self.metric_names = state["metric_names"]
+        self.unreadable = UnreadableTally(**state.get("unreadable", {}))
         self.telemetry = RoundsTelemetry(self.out, self.layout, self.metric_names)
         # rows and lines of rounds after the committed one (written by an older version) go
         self.telemetry.truncate(start)
@@ -274,6 +277,7 @@ class RoundLoop:
         self.params = decode_record(arrays)  # arrays.to_torch_state_dict(), the header cached
         report, (epsilon, accountant) = self.strategy.last_report, self.running()
         self.reports.append(report)
+        self.unreadable.add(report)
         # account first, then release: the accountant step, the new model and the round's
         # pending outputs are committed before anything derived from them is written
         self.save(
@@ -287,6 +291,7 @@ class RoundLoop:
             load_trainable(self.task.brain.modules, self.params)
             metrics = _evaluate_isolated(self.task)
         self.write_outputs(server_round, report, epsilon, metrics, accountant)
+        _log_unreadable(report)
         self.log_progress(server_round, report, epsilon, metrics, accountant=accountant, **progress)
 
     def run(self) -> ServerResult:
@@ -321,6 +326,7 @@ class RoundLoop:
             reports=self.reports,
             privacy=self.finish(),
             config=self.cfg,
+            unreadable_in_training=self.unreadable.as_dict(),
         )
 
     def round_budgets(self) -> list[dict[str, float]]:
@@ -480,6 +486,22 @@ def _restore_outputs(task, state, telemetry, log_path, write_outputs) -> None:
     accountant = outputs.get("epsilon_accountant", task.config.accountant)
     write_outputs(done, report, outputs["epsilon"], metrics, accountant if report else None)
     log(INFO, "round %d: its outputs were committed but not written before the kill; written", done)
+
+
+def _log_unreadable(report: RoundReport | None) -> None:
+    """One warning for a round whose replies skipped undecodable utterances, naming the
+    partitions left with none readable (their updates were zero)."""
+    if report is None or not (report.unreadable_utterances or report.none_readable):
+        return
+    log(
+        WARNING,
+        "round %d: %d training utterances failed to decode and were skipped by the clients%s",
+        report.round,
+        report.unreadable_utterances,
+        f"; no readable utterance at partitions {report.none_readable} (zero updates)"
+        if report.none_readable
+        else "",
+    )
 
 
 def _report_dict(report: RoundReport) -> dict[str, Any]:

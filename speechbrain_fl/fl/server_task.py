@@ -110,6 +110,10 @@ class ServerResult:
     config : FLConfig, optional
         The configuration the run ran with (the task's, built once by the recipe's factory):
         a report reads it from here instead of building its own.
+    unreadable_in_training : dict, optional
+        The training utterances whose audio failed to decode, over the whole run (resumed
+        runs included): :meth:`speechbrain_fl.fl.round_report.UnreadableTally.as_dict`
+        (results.json ``data.unreadable_in_training``).
     """
 
     params: dict[str, torch.Tensor]
@@ -121,6 +125,7 @@ class ServerResult:
     reports: list[Any] = field(default_factory=list)
     privacy: dict[str, Any] | None = None
     config: FLConfig | None = None
+    unreadable_in_training: dict[str, Any] = field(default_factory=dict)
 
 
 def default_layout(brain: sb.Brain) -> Layout:

@@ -77,6 +77,7 @@ from .round_report import (
     RoundReport,
     client_statistics,
     mean_or_none,
+    unreadable_counts,
 )
 
 # RoundReport, its failures and partition_id_of are the strategy's vocabulary: importable here
@@ -497,6 +498,7 @@ class DPFedAvg(FedAvg):
             connected=self.population,
             ignored=ignored,
             num_dropped=dropped,
+            **unreadable_counts(updates),
         )
         return updates, report
 

@@ -1,15 +1,18 @@
 """Per-round telemetry: ``rounds.csv``, ``group_norms.csv`` and the progress line.
 
-Columns follow docs/api.md "Run outputs": ``rounds.csv`` has ``round, cohort_size, num_replied,
-num_failed, dropped_replies, epsilon, joint_norm_mean, clip_rate, mean_clip_ratio, noise_std, train_loss``, the
-evaluation metric columns, then ``norm_<L>, clip_rate_<L>, budget_<L>`` per component label L;
-``group_norms.csv`` has one row per (round, group). Round 0 is the starting model (evaluation
-only). Empty cells where a value does not apply. ``num_failed`` counts the sampled nodes whose
-reply did not count (dropped or missing), ``dropped_replies`` the replies that arrived and were
-dropped by a check (:mod:`.reply_checks`, one log line each). ``epsilon`` is the running
-figure after the round from FLConfig's ``round_accountant`` (Opacus RDP by default, an upper
-bound of the same mechanism's); the run's guarantee, from its ``accountant`` (PLD by default),
-is results.json's ``privacy.epsilon`` and is at most the last row's figure for RDP over PLD.
+Columns follow docs/api.md "Run outputs": ``rounds.csv`` has ``round, cohort_size,
+num_replied, num_failed, dropped_replies, unreadable_utterances, epsilon, joint_norm_mean,
+clip_rate, mean_clip_ratio, noise_std, train_loss``, the evaluation metric columns, then
+``norm_<L>, clip_rate_<L>, budget_<L>`` per component label L; ``group_norms.csv`` has one row
+per (round, group). Round 0 is the starting model (evaluation only). Empty cells where a value
+does not apply. ``num_failed`` counts the sampled nodes whose reply did not count (dropped or
+missing), ``dropped_replies`` the replies that arrived and were dropped by a check
+(:mod:`.reply_checks`, one log line each), ``unreadable_utterances`` the training utterances
+the counted replies skipped because their audio failed to decode
+(:func:`.round_report.unreadable_counts`). ``epsilon`` is the running figure after the round
+from FLConfig's ``round_accountant`` (Opacus RDP by default, an upper bound of the same
+mechanism's); the run's guarantee, from its ``accountant`` (PLD by default), is results.json's
+``privacy.epsilon`` and is at most the last row's figure for RDP over PLD.
 
 Norms, clip rates and the train loss are means of the *pre-clip* values the clients report (the
 paper's Fig. 3 and 5 quantities), and the cohort columns reveal who took part: diagnostics for
@@ -173,6 +176,7 @@ class RoundsTelemetry:
                 num_replied=report.num_replied,
                 num_failed=report.num_failed,
                 dropped_replies=report.num_dropped,
+                unreadable_utterances=report.unreadable_utterances,
                 joint_norm_mean=_cell(report.joint_norm_mean),
                 clip_rate=_cell(report.clip_rate),
                 mean_clip_ratio=_cell(report.mean_clip_ratio),
