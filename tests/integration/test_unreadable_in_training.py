@@ -64,7 +64,8 @@ def _brain() -> _Brain:
 
 
 def _dataset(paths: list[str]):
-    dataset = sb.dataio.dataset.DynamicItemDataset({f"u{i}": {"wav": p} for i, p in enumerate(paths)})
+    rows = {f"u{i}": {"wav": p} for i, p in enumerate(paths)}
+    dataset = sb.dataio.dataset.DynamicItemDataset(rows)
 
     @sb.utils.data_pipeline.takes("wav")
     @sb.utils.data_pipeline.provides("sig")
@@ -78,7 +79,9 @@ def _dataset(paths: list[str]):
 
 def _client(context, *, files):
     paths = files[int(context.node_config["partition-id"])]
-    return ClientTask(brain=_brain(), train_set=_dataset(paths), train_loader_kwargs={"batch_size": 2})
+    return ClientTask(
+        brain=_brain(), train_set=_dataset(paths), train_loader_kwargs={"batch_size": 2}
+    )
 
 
 def _server(context, *, out):
