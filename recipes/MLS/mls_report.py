@@ -288,6 +288,8 @@ def results_summary(
             "embedded_corpus": hparams["data_folder"] is None,
             "skipped": info["skipped"],
             "num_skipped": info["num_skipped"],
+            # utterances whose audio failed to decode in training (counts, no file names)
+            "unreadable_in_training": result.unreadable_in_training,
             "languages": info.get("languages"),
             "missing_languages": info.get("missing_languages", []),
         },

@@ -28,6 +28,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES_CSV = Path(__file__).with_name("recipes.csv")
 COLUMNS = ("recipe", "script", "hparams", "flags", "checks", "depends", "marks")
@@ -198,10 +200,11 @@ def run_bad_input(row: BadInput, tmp: Path) -> subprocess.CompletedProcess:
 FAULTS_CSV = Path(__file__).with_name("faults.csv")
 FAULT_COLUMNS = ("recipe", "script", "hparams", "flags", "fault", "target", "expected")
 #: The faults a row may inject into a copy of the recipe's session cache before its run.
-FAULTS = ("unreadable_train_file",)
+FAULTS = ("unreadable_train_file", "undecodable_train_file")
 #: ``expected``: ``finishes:<results file>:<dotted key>`` (the run exits 0 and the key's value,
-#: a list or mapping, names the file) or ``refused:<text>`` (one-line ``error:`` naming it).
-OUTCOMES = ("finishes", "refused")
+#: a list or mapping, names the file), ``counted:<results file>:<dotted key>`` (the run exits
+#: 0 and the key's value is a count >= 1) or ``refused:<text>`` (one-line ``error:`` naming it).
+OUTCOMES = ("finishes", "counted", "refused")
 
 
 @dataclass(frozen=True)
@@ -223,9 +226,9 @@ class FaultRow:
 
     @property
     def outcome(self) -> tuple[str, list[str]]:
-        """``("finishes", [results file, dotted key])`` or ``("refused", [text])``."""
+        """``("finishes" | "counted", [results file, dotted key])`` or ``("refused", [text])``."""
         kind, _, rest = self.expected.partition(":")
-        return kind, rest.split(":") if kind == "finishes" else [rest]
+        return kind, rest.split(":") if kind in ("finishes", "counted") else [rest]
 
 
 def load_faults(path: Path = FAULTS_CSV) -> list[FaultRow]:
@@ -242,10 +245,11 @@ def load_faults(path: Path = FAULTS_CSV) -> list[FaultRow]:
             kind, parts = fault.outcome
             if fault.fault not in FAULTS:
                 raise ValueError(f"{path}, line {line}: fault {fault.fault!r} not in {FAULTS}")
-            if kind not in OUTCOMES or (kind == "finishes" and len(parts) != 2):
+            if kind not in OUTCOMES or (kind != "refused" and len(parts) != 2):
                 raise ValueError(
                     f"{path}, line {line}: expected {fault.expected!r} must be "
-                    "finishes:<results file>:<key> or refused:<text>"
+                    "finishes:<results file>:<key>, counted:<results file>:<key> or "
+                    "refused:<text>"
                 )
             if not fault.target:
                 raise ValueError(f"{path}, line {line}: target (a glob in the cache) is required")
@@ -265,15 +269,23 @@ def _listed(corpus: Path) -> set[str]:
 def inject_fault(row: FaultRow, cache: Path) -> Path:
     """Inject ``row.fault`` into the cache folder ``cache``; return the file it changed.
 
-    ``unreadable_train_file``: the first file (sorted) matching ``row.target`` (a glob relative
-    to ``cache``) that no ``*_list.txt`` of its corpus folder names is overwritten with text,
-    so that no audio library can open it.
+    The file is the first (sorted) matching ``row.target`` (a glob relative to ``cache``) that
+    no ``*_list.txt`` of its corpus folder names. ``unreadable_train_file`` overwrites it with
+    text, so that no audio library can open it; ``undecodable_train_file`` keeps its first 200
+    bytes (the header, which still reads) and overwrites the rest with noise, so that it fails
+    only when its frames are decoded, in training.
     """
     corpus = cache / Path(row.target).parts[0]
     skip = _listed(corpus)
     for path in sorted(cache.glob(row.target)):
         if path.is_file() and path.relative_to(corpus).as_posix() not in skip:
-            path.write_text("this is not audio\n")
+            if row.fault == "undecodable_train_file":
+                data = bytearray(path.read_bytes())
+                noise = np.random.default_rng(0).integers(0, 256, len(data) - 200, np.uint8)
+                data[200:] = noise.tobytes()
+                path.write_bytes(bytes(data))
+            else:
+                path.write_text("this is not audio\n")
             return path
     raise FileNotFoundError(f"{row.id}: no training file matches {row.target!r} in {cache}")
 

@@ -3,11 +3,14 @@
 Each row (``recipe,script,hparams,flags,fault,target,expected``) takes the session cache of
 the ``recipes.csv`` row with the same script and hparams (its generated corpus and seed model,
 made by that row's run), copies it, injects the fault into the copy (``runner.inject_fault``:
-``unreadable_train_file`` overwrites the first training file matching ``target`` with text), and
+``unreadable_train_file`` overwrites the first training file matching ``target`` with text,
+``undecodable_train_file`` its frames after the header with noise), and
 runs the script with the row's flags on the copy, in a fresh output folder. ``expected``:
 
 - ``finishes:<results file>:<dotted key>``: the run exits 0, its log names the file, and the
   value at the key of the results file (a list or mapping) names it;
+- ``counted:<results file>:<dotted key>``: the run exits 0, its log names the file, and the
+  value at the key is a count of at least 1 (the server holds counts, never the file's name);
 - ``refused:<text>``: the run stops before any training with one ``<script>: error: ...`` line
   containing ``text`` and the file's name.
 
@@ -70,6 +73,10 @@ def test_fault(row, tmp_path, recipe_run, recipe_cache):
     assert proc.returncode == 0, f"{row.id}: the run failed\n{output[-5000:]}"
     assert broken.name in output, f"{row.id}: no log line names {broken}"
     results = json.loads((tmp_path / "out" / parts[0]).read_text())
+    if kind == "counted":
+        count = lookup(results, parts[1])
+        assert isinstance(count, int) and count >= 1, f"{row.id}: {parts[1]} is {count!r}"
+        return
     assert _names(
         lookup(results, parts[1]), broken.name
     ), f"{row.id}: {parts[1]} does not name {broken.name}: {lookup(results, parts[1])}"
