@@ -88,8 +88,10 @@ class AdmittingGrid:
     ``get_node_ids`` sends every node not seen before the setup message and returns only the
     nodes whose setup succeeded; a refused node (base model mismatch, a build error) is logged
     once with its reason and never returned, so it is never sampled. A node that did not
-    answer is asked again after :data:`RETRY_AFTER` seconds. Everything else is the wrapped
-    Grid's.
+    answer is asked again after :data:`RETRY_AFTER` seconds. A node that disconnects, or
+    answers that it lost its setup (:meth:`send_and_receive`), is set up again when it is next
+    connected: a SuperNode restarted with its key keeps its node ID but not the setup held in
+    its run state. Everything else is the wrapped Grid's.
     """
 
     def __init__(self, grid: Grid, content: RecordDict, *, timeout: float = SETUP_TIMEOUT):
@@ -103,9 +105,30 @@ class AdmittingGrid:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
 
+    def send_and_receive(self, messages, *, timeout: float | None = None):
+        """The wrapped Grid's replies; a node that answers :class:`NodeNotSetUp` (restarted
+        between two of the server's looks at the connected nodes) is no longer admitted, so
+        that the next :meth:`get_node_ids` sets it up again. Its reply is returned as it
+        came: the round counts it as failed."""
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error() and NodeNotSetUp.__name__ in str(reply.error.reason):
+                if node in self.admitted:
+                    log(WARNING, "node %d: lost its setup (restarted); set up again", node)
+                self.admitted.discard(node)
+                self._asked.pop(node, None)
+        return replies
+
     def get_node_ids(self):
         """The connected nodes whose setup succeeded (new ones are set up first)."""
         nodes = list(self._grid.get_node_ids())
+        gone = self.admitted.difference(nodes)
+        if gone:  # a node that returns may be a restarted SuperNode: set up again
+            log(INFO, "nodes %s disconnected; each is set up again if it returns", sorted(gone))
+            self.admitted -= gone
+            for node in gone:
+                self._asked.pop(node, None)
         now = time.monotonic()
         new = [
             n

@@ -12,7 +12,9 @@ releases every Poisson draw). Each killed node is started again with its own key
 SuperLink's record of its last heartbeat has expired: before that the SuperLink still holds the
 node online and refuses to activate it again (HTTP 412, the SuperNode exits). A fresh key is no
 way round: it is another node ID, which the run's ``node_partitions`` binding does not know, so
-its replies would be refused. The restarted nodes train in round 2.
+its replies would be refused. They are started after round 1's release, when the ServerApp has
+seen them gone (the SuperLink no longer lists them): it sets them up again (a restarted
+SuperNode has lost the setup held in its run state) and they train in round 2.
 
 Second test: 2 SuperNodes; the ServerApp's process is killed (SIGKILL) after round 1's commit,
 while round 2 runs, and the same ``flwr run`` is submitted again: it resumes from
@@ -229,6 +231,9 @@ def test_a_third_of_the_nodes_die_mid_round_and_return(tmp_path, churn):
     killed = time.time()
     for pid in VICTIMS:
         churn.kill(pid)
+    # back after round 1's release: the ServerApp has seen them gone and sets them up again
+    wait_for(lambda: server_round(out) >= 1 or box, timeout=240, what="round 1",
+             log=tmp_path / "superlink.log")  # fmt: skip
     for pid in VICTIMS:
         churn.restart(pid)
     restarted = time.time()

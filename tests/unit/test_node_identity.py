@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig, apps
 from speechbrain_fl.fl.fingerprint import (
@@ -210,6 +210,32 @@ def test_admitting_grid_hides_a_refused_node(server_identity):
     assert grid.get_node_ids() == [1]  # asked once: no second setup
     assert grid._grid.sent == [1, 2]
     assert grid.refused == {2: "BaseModelMismatch: another base"}
+
+
+def test_admitting_grid_sets_up_a_node_again_when_it_returns(server_identity):
+    fake = _FakeGrid()
+    grid = apps.AdmittingGrid(fake, RecordDict())
+    assert grid.get_node_ids() == [1]
+    fake.get_node_ids = lambda: [2]  # node 1 is gone (its SuperNode was killed)
+    assert grid.get_node_ids() == []
+    fake.get_node_ids = lambda: [1, 2]  # and back, restarted with its key: set up again
+    assert grid.get_node_ids() == [1]
+    assert fake.sent == [1, 2, 1]
+
+
+def test_admitting_grid_sets_up_a_node_that_lost_its_setup(server_identity):
+    fake = _FakeGrid()
+    grid = apps.AdmittingGrid(fake, RecordDict())
+    assert grid.get_node_ids() == [1]
+    train = Message(RecordDict(), dst_node_id=1, message_type="train")
+    lost = Message(Error(0, "<class 'speechbrain_fl.fl.apps.NodeNotSetUp'>:<'node 1'>"),
+                   reply_to=train)  # fmt: skip
+    real = fake.send_and_receive
+    fake.send_and_receive = lambda messages, timeout=None: [lost]
+    assert grid.send_and_receive([train]) == [lost]  # the round sees the failed reply
+    fake.send_and_receive = real
+    assert grid.get_node_ids() == [1]
+    assert fake.sent == [1, 2, 1]
 
 
 def test_node_config_and_localized_settings(tmp_path):
