@@ -215,7 +215,6 @@ VICTIMS = (0, 3, 6)  # a third of 8 nodes
 
 
 @pytest.mark.slow
-@pytest.mark.heavy
 @pytest.mark.parametrize("churn", [8], indirect=True)
 def test_a_third_of_the_nodes_die_mid_round_and_return(tmp_path, churn):
     started = time.time()
@@ -267,7 +266,6 @@ def _gone(proc: psutil.Process) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.heavy
 @pytest.mark.parametrize("churn", [2], indirect=True)
 def test_the_serverapp_killed_mid_run_resumes(tmp_path, churn):
     bound = churn.start_all()
