@@ -86,7 +86,10 @@ class ChurnFederation(Federation):
         procs = {
             pid: subprocess.Popen(
                 [*cmd, str(self.pki / f"node{pid}.pub"), "secure", "--format", "json"],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=self.env,
             )  # fmt: skip
             for pid in range(self.count)
         }
