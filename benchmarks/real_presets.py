@@ -328,7 +328,7 @@ def run_preset(args) -> dict:
                     reply = train_round(task, content)
             except (RuntimeError, MemoryError) as err:  # out of memory at this batch size
                 row["steps"].append({"batch_size": bs, "error": f"{type(err).__name__}: {err}"})
-                del task, content
+                task = content = None
                 gc.collect()
                 continue
             metrics = reply["metrics"]
