@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..privacy.clipping import packed_buffer
+from ..privacy.packing import packed_buffer
 from .layerwise import RULES as LAYERWISE_RULES
 from .updates import ClientUpdate
 

@@ -12,7 +12,7 @@ cohort, and takes one reply per sampled node only (see
 aggregate, so nothing non-finite can reach the global model through them.
 
 The decoded tensors of a reply with one dtype are views of one buffer
-(:func:`speechbrain_fl.privacy.clipping.pack_update`'s layout), which the server's re-clipping
+(:func:`speechbrain_fl.privacy.packing.pack_update`'s layout), which the server's re-clipping
 measures and scales with one operation each. They are float32 or wider: a float16 reply is
 widened on decoding (exactly), so the re-clip's arithmetic is never narrower than float32 and
 the aggregate (float64) reads the clipped values exactly.

@@ -2,7 +2,7 @@
 
 :func:`speechbrain_fl.privacy.clip_update` measures separate tensors with one
 ``torch._foreach_norm`` over the small ones and the large ones' tails, one row norm per large
-tensor and the float64 sums batched (:func:`speechbrain_fl.privacy.clipping._tensor_norms`),
+tensor and the float64 sums batched (:func:`speechbrain_fl.privacy.update_norms._tensor_norms`),
 and scales with one Scalar (or one multiply over a packed buffer) where every clipped tensor
 takes the same factor. Each test below compares it with the arithmetic it replaces, written out
 per tensor (:func:`_reference_clip`: ``float(linalg.vector_norm(t))`` up to 2^15 elements, else
@@ -23,6 +23,8 @@ import torch
 
 from speechbrain_fl.privacy import Group, Layout, clip_update
 from speechbrain_fl.privacy import clipping as C
+from speechbrain_fl.privacy import packing as P
+from speechbrain_fl.privacy import update_norms as N
 
 SIZES = (1, 3, 64, 255, 4096, 4097, 8192, 32768, 32769, 34816, 65536, 70001)
 COMPONENTS = ("encoder", "connector", "llm")
@@ -31,18 +33,18 @@ COMPONENTS = ("encoder", "connector", "llm")
 def _reference_norm(t: torch.Tensor) -> float:
     """The per-tensor norm: float32 (or the tensor's dtype) norm, rows above 2^15 elements."""
     t = t.detach()
-    if t.numel() <= C.FOREACH_MAX_NUMEL:
+    if t.numel() <= N.FOREACH_MAX_NUMEL:
         norm = float(torch.linalg.vector_norm(t))
     else:
         flat = t.reshape(-1)
-        body = flat.numel() - flat.numel() % C.CHUNK
-        rows = torch.linalg.vector_norm(flat[:body].view(-1, C.CHUNK), dim=1)
+        body = flat.numel() - flat.numel() % N.CHUNK
+        rows = torch.linalg.vector_norm(flat[:body].view(-1, N.CHUNK), dim=1)
         sq = float(rows.to(torch.float64).square().sum())
         if body < flat.numel():
             sq += float(torch.linalg.vector_norm(flat[body:]).to(torch.float64)) ** 2
         norm = math.sqrt(sq)
     if not 0.0 < norm < math.inf:
-        norm = C._robust_norm64([t])
+        norm = N._robust_norm64([t])
     return norm
 
 
@@ -59,11 +61,11 @@ def _reference_clip(update, budgets, layout):
     wide = {k: t.float() if t.dtype in C.NARROW_DTYPES else t for k, t in update.items()}
     keys = [k for group in members for k in group]
     tensors = [wide[k] for k in keys]
-    buffer = C.packed_buffer(tensors) if len(tensors) > 1 else None
-    rows = C._row_length([t.numel() for t in tensors]) if buffer is not None else 0
+    buffer = P.packed_buffer(tensors) if len(tensors) > 1 else None
+    rows = N._row_length([t.numel() for t in tensors]) if buffer is not None else 0
     if rows:  # a packed update: the buffer's row norms (that path is unchanged)
         norms = dict(
-            zip(keys, C._buffer_norms(buffer, [t.numel() for t in tensors], rows), strict=True)
+            zip(keys, N._buffer_norms(buffer, [t.numel() for t in tensors], rows), strict=True)
         )
     else:
         norms = {k: _reference_norm(wide[k]) for k in keys}
@@ -122,7 +124,7 @@ def _case(rng: random.Random):
     if not zero and rng.random() < 0.2:
         update["p0"] = torch.zeros_like(update["p0"])
     if rng.random() < 0.4:
-        update = C.pack_update(update)
+        update = P.pack_update(update)
     layout = None
     if rng.random() < 0.5:
         groups, keys, i = [], list(update), 0
@@ -156,8 +158,8 @@ def _case(rng: random.Random):
 def _copy(update):
     """A copy with the same structure (packed stays packed)."""
     tensors = list(update.values())
-    if len(tensors) > 1 and C.packed_buffer(tensors) is not None:
-        return C.pack_update(update)
+    if len(tensors) > 1 and P.packed_buffer(tensors) is not None:
+        return P.pack_update(update)
     return {k: v.clone() for k, v in update.items()}
 
 
@@ -195,12 +197,12 @@ def test_tensor_norms_bit_for_bit_on_mixed_sizes():
         for dtype in (torch.float32, torch.float64):
             tensors = [torch.randn(n, generator=gen, dtype=dtype) for n in sizes]
             tensors[-1] = torch.zeros_like(tensors[-1])
-            got = C._tensor_norms(tensors, [t.numel() for t in tensors])
+            got = N._tensor_norms(tensors, [t.numel() for t in tensors])
             want = [_reference_norm(t) if t.any() else 0.0 for t in tensors]
             assert got == want
     wide = torch.randn(300, 400, generator=gen)  # a transposed (non-contiguous) large tensor
     tensors = [wide.t(), torch.randn(10, generator=gen)]
-    assert C._tensor_norms(tensors, [120000, 10]) == [_reference_norm(t) for t in tensors]
+    assert N._tensor_norms(tensors, [120000, 10]) == [_reference_norm(t) for t in tensors]
 
 
 def test_fl_overhead_update_clipped_as_before():
