@@ -15,6 +15,7 @@ from .accounting import (
     extrapolate_privacy,
     noise_multiplier_for_epsilon,
 )
+from .alpha_choice import select_alpha
 from .audit import CanarySet, one_run_lower_bound, one_shot_epsilon
 from .budgets import (
     METHODS,
@@ -27,7 +28,6 @@ from .budgets import (
     compute_budgets,
     get_budget_method,
     register_budget_method,
-    select_alpha,
 )
 from .clipping import ClipStats, clip_update
 from .layout import Group, Layout, layout_from_model

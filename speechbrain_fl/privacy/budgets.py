@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .ema_budgets import SIGNALS, EMABudgetState
 from .layout import Layout, check_names
 
 __all__ = [
@@ -46,19 +47,16 @@ __all__ = [
     "budget_methods",
     "Pool",
     "EMABudgetState",
+    "SIGNALS",
     "ALPHA_SPLIT_POOLS",
     "alpha_split_pools",
     "compute_budgets",
     "component_budgets",
-    "select_alpha",
 ]
 
 logger = logging.getLogger(__name__)
 
 ALLOCATORS = ("dim", "uniform", "ema")
-#: What the EMA budgets are adapted from; the same words as the YAML key ``ema_signal`` and
-#: ``FLConfig.ema_signal`` (``speechbrain_fl/fl/config.py``).
-SIGNALS = ("noisy", "raw")
 
 
 def check_clip(clip) -> float:
@@ -77,16 +75,6 @@ def check_alpha(alpha) -> float:
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must lie strictly between 0 and 1, got {alpha!r}")
     return float(alpha)
-
-
-def _base_weights(layout: Layout, base: str) -> dict[str, float]:
-    """Normalised base weights: ``p_l / sum p`` (dim) or ``1 / H`` (uniform)."""
-    if base == "dim":
-        total = layout.total_numel
-        return {g.name: g.numel / total for g in layout}
-    if base == "uniform":
-        return {g.name: 1.0 / len(layout) for g in layout}
-    raise ValueError(f"unknown base allocation {base!r}; expected 'dim' or 'uniform'")
 
 
 @dataclass(frozen=True)
@@ -162,141 +150,6 @@ def alpha_split_pools(alpha: float, *, allocator: str = "dim") -> list[Pool]:
         Pool(first, first_components, alpha, allocator),
         Pool(second, second_components, 1.0 - alpha, allocator),
     ]
-
-
-class EMABudgetState:
-    """EMA statistics of per-group update norms for the adaptive allocators (Eq. 10-11).
-
-    ``nu_l <- (1 - beta) * nu_l + beta * observed_l`` once per round;
-    ``w_l ∝ nu_l^gamma * w_l^base`` normalised to sum 1; ``C_l = C * sqrt(w_l)``. The weights
-    stay at ``w^base`` until ``warmup_rounds`` observations have been recorded.
-
-    Arguments
-    ---------
-    layout : Layout
-        The groups.
-    base : str
-        ``"dim"`` (PFL-Dim+EMA) or ``"uniform"`` (PFL-Unif+EMA) base weights.
-    beta : float
-        EMA rate in (0, 1]; higher adapts faster (paper: 0.2).
-    gamma : float
-        Exponent on the smoothed norms, >= 0 (paper: 0.75).
-    warmup_rounds : int
-        Rounds with weights frozen at ``w^base`` (paper: 3).
-    floor : float
-        Fraction in [0, 1) of ``w^base`` mixed into the adapted weights,
-        ``w = (1 - floor) w^adapt + floor w^base``; 0 (the paper) lets a group whose signal is
-        zero get a zero budget, which with the noisy-aggregate signal can keep it at zero.
-    signal : str
-        What ``observed`` will be: ``"noisy"`` (default: per-group norms of the released noisy
-        aggregate, e.g. :func:`~speechbrain_fl.privacy.noisy_norm_signal`; post-processing, no
-        extra privacy cost) or ``"raw"`` (the paper's mean raw client norms; *outside* the DP
-        guarantee, warns).
-
-    Example
-    -------
-    >>> from speechbrain_fl.privacy.layout import Group
-    >>> lay = Layout([Group("a", "encoder", 1), Group("b", "llm", 3)])
-    >>> st = EMABudgetState(lay, base="dim", warmup_rounds=0)
-    >>> st.update({"a": 1.0, "b": 1.0})
-    >>> {k: round(v, 4) for k, v in st.weights().items()}
-    {'a': 0.25, 'b': 0.75}
-    """
-
-    def __init__(
-        self,
-        layout: Layout,
-        *,
-        base: str = "dim",
-        beta: float = 0.2,
-        gamma: float = 0.75,
-        warmup_rounds: int = 3,
-        floor: float = 0.0,
-        signal: str = "noisy",
-    ):
-        if not 0.0 < beta <= 1.0:
-            raise ValueError(f"beta must lie in (0, 1], got {beta!r}")
-        if not (math.isfinite(gamma) and gamma >= 0.0):
-            raise ValueError(f"gamma must be a finite number >= 0, got {gamma!r}")
-        if (
-            isinstance(warmup_rounds, bool)
-            or not isinstance(warmup_rounds, int)
-            or warmup_rounds < 0
-        ):
-            raise ValueError(f"warmup_rounds must be an integer >= 0, got {warmup_rounds!r}")
-        if not 0.0 <= floor < 1.0:
-            raise ValueError(f"floor must lie in [0, 1), got {floor!r}")
-        if signal not in SIGNALS:
-            raise ValueError(f"unknown signal {signal!r}; expected one of {SIGNALS}")
-        if signal == "raw":
-            msg = (
-                "EMA budgets adapted from raw client norms (the paper's variant) use private "
-                "statistics that are NOT covered by the DP guarantee; use the noisy-aggregate "
-                "signal for a budget adaptation that is pure post-processing"
-            )
-            logger.warning(msg)
-            warnings.warn(msg, UserWarning, stacklevel=2)
-        self.layout = layout
-        self.base = base
-        self.base_weights = _base_weights(layout, base)
-        self.beta, self.gamma = float(beta), float(gamma)
-        self.warmup_rounds, self.floor, self.signal = warmup_rounds, float(floor), signal
-        self.nu = {name: 0.0 for name in layout.names}
-        self.round = 0
-
-    def update(self, observed: Mapping[str, float]) -> None:
-        """Fold one round's per-group norms into the EMA (Eq. 10).
-
-        Arguments
-        ---------
-        observed : mapping of str to float
-            Finite, non-negative norm per group name (all groups of the layout).
-        """
-        check_names(observed.keys(), self.layout.names, what="EMA observation")
-        for name, value in observed.items():
-            value = float(value)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"EMA observation for group {name!r} must be finite and >= 0, got {value!r}"
-                )
-        b = self.beta
-        self.nu = {k: (1.0 - b) * v + b * float(observed[k]) for k, v in self.nu.items()}
-        self.round += 1
-
-    def weights(self) -> dict[str, float]:
-        """Current allocation weights ``w_l`` (sum to 1; Eq. 11)."""
-        if self.round < self.warmup_rounds:
-            return dict(self.base_weights)
-        raw = {k: (self.nu[k] ** self.gamma) * self.base_weights[k] for k in self.nu}
-        total = math.fsum(raw.values())
-        if total <= 0.0 or not math.isfinite(total):
-            return dict(self.base_weights)
-        f = self.floor
-        return {k: (1.0 - f) * v / total + f * self.base_weights[k] for k, v in raw.items()}
-
-    def state_dict(self) -> dict:
-        """Plain-Python state for checkpointing."""
-        return {
-            "round": self.round,
-            "nu": dict(self.nu),
-            "base": self.base,
-            "beta": self.beta,
-            "gamma": self.gamma,
-            "warmup_rounds": self.warmup_rounds,
-            "floor": self.floor,
-            "signal": self.signal,
-        }
-
-    def load_state_dict(self, state: Mapping) -> None:
-        """Restore :meth:`state_dict` output; the group names must match the layout."""
-        check_names(state["nu"].keys(), self.layout.names, what="EMA state")
-        self.base = state["base"]
-        self.base_weights = _base_weights(self.layout, self.base)
-        self.beta, self.gamma = float(state["beta"]), float(state["gamma"])
-        self.warmup_rounds, self.floor = int(state["warmup_rounds"]), float(state["floor"])
-        self.signal = state["signal"]
-        self.nu = {k: float(state["nu"][k]) for k in self.layout.names}
-        self.round = int(state["round"])
 
 
 def _pool_weights(layout: Layout, pool: Pool, names: list[str], ema_state) -> dict[str, float]:
@@ -575,68 +428,3 @@ def component_budgets(layout: Layout, budgets: float | Mapping[str, float]) -> d
         label: math.sqrt(math.fsum(budgets[g.name] ** 2 for g in groups))
         for label, groups in layout.by_component().items()
     }
-
-
-def select_alpha(
-    component_norms: Mapping[str, float],
-    *,
-    clip: float,
-    kappa: float = 2.0,
-    encoder_components: Sequence[str] = ALPHA_SPLIT_POOLS[0][1],
-) -> float:
-    """Choose alpha so the encoder pool budget is ``kappa`` times the observed encoder norm.
-
-    Solves ``C * sqrt(alpha) = kappa * ||Delta theta_E||`` (paper Section IV-A3: the encoder
-    clip is ~2x the observed encoder delta-norm), ``||Delta theta_E||`` being the L2 norm over
-    ``encoder_components`` (squares of the given component norms summed). With the dim inner
-    allocator and equal-size encoder groups this is the same as the paper's per-layer criterion
-    ``C_l^enc ~= kappa * (per-layer norm)``: with the paper's per-layer norm 0.013 over 64
-    groups it gives alpha = (2 * 0.013 * 8)^2 ~= 0.043, close to the chosen 0.05.
-
-    Privacy cost: the norms are a statistic of the training data. They must come from a
-    *public or proxy* corpus (or a model/data that is not the private training set); then alpha
-    is data-independent and the (epsilon, delta) of the run is unchanged. If they come from a
-    non-DP warm-up on the private clients, that warm-up leaks information that the run's
-    accountant does NOT cover; it would have to be privatised and accounted separately.
-
-    Arguments
-    ---------
-    component_norms : mapping of str to float
-        Mean observed update norm per component label (on public/proxy data).
-    clip : float
-        Total budget ``C``.
-    kappa : float
-        Target ratio of encoder pool budget to observed encoder norm (default 2).
-    encoder_components : sequence of str
-        Labels forming the encoder pool (default: the first pool of :data:`ALPHA_SPLIT_POOLS`).
-
-    Returns
-    -------
-    float
-        ``alpha = (kappa * ||Delta theta_E|| / C)^2``, strictly inside (0, 1).
-
-    Example
-    -------
-    >>> round(select_alpha({"encoder": 0.104, "llm": 3.0}, clip=1.0), 4)
-    0.0433
-    """
-    clip = check_clip(clip)
-    if not (math.isfinite(kappa) and kappa > 0):
-        raise ValueError(f"kappa must be a finite positive number, got {kappa!r}")
-    missing = [c for c in encoder_components if c not in component_norms]
-    if missing:
-        raise ValueError(f"component_norms lacks encoder component(s) {missing}")
-    for c in encoder_components:
-        v = component_norms[c]
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"observed norm of component {c!r} must be finite and >= 0, got {v!r}")
-    enc = math.sqrt(math.fsum(component_norms[c] ** 2 for c in encoder_components))
-    if enc == 0.0:
-        raise ValueError("the observed encoder norm is zero; alpha cannot be chosen from it")
-    alpha = (kappa * enc / clip) ** 2
-    if alpha >= 1.0:
-        raise ValueError(
-            f"kappa * encoder norm ({kappa} * {enc:.4g}) reaches the total clip {clip}: "
-            f"alpha would be {alpha:.4g} >= 1; use a larger clip or a smaller kappa"
-        )
-    return alpha
