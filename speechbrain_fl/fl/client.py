@@ -132,6 +132,7 @@ from .lean_step import is_speechbrains_method, lean_fit_batch, lean_fit_batch_ap
 from .npy_codec import decode_record, encode_record
 from .params import ParameterIndex, load_trainable
 from .records import metric_record, reply_record
+from .secure_aggregation import secure_aggregation_mod
 
 __all__ = ["ClientTask", "make_client_app", "pad_right_stacked", "train_round"]
 
@@ -789,7 +790,8 @@ def make_client_app(
     >>> from speechbrain_fl.fl.toy import toy_client
     >>> app = make_client_app(toy_client)
     """
-    app = ClientApp()
+    # SecAgg+ rounds (the server's ``secure_aggregation``) go through Flower's mod; others not
+    app = ClientApp(mods=[secure_aggregation_mod])
     shared_key = getattr(build_client, "cache_key", None)
     own_cache: OrderedDict[Any, ClientTask] = OrderedDict()
     evictions = [0]

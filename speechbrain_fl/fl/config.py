@@ -171,6 +171,16 @@ class FLConfig:
         partition). Only these nodes are sampled, and a node must answer the partition it is
         bound to (docs/fl_engine.md "Identity in deployment"). ``None``: partitions are
         self-declared; a partition id claimed by a second node is still refused.
+    secure_aggregation : str, optional
+        ``secaggplus``: every round's training goes through Flower's SecAgg+, the server learns
+        only the sum of the clipped, integer-encoded updates and adds the noise after
+        unmasking (:mod:`speechbrain_fl.fl.secure_aggregation`); ``None`` (default): the
+        central trust model, the server sees and re-clips every update. The options that
+        need one client's update are refused (:mod:`.secagg_config`).
+    secagg_num_shares : int or float
+        SecAgg+'s shares per client (a float: a share of the cohort; default 1.0, all).
+    secagg_reconstruction_threshold : int or float
+        Shares needed to reconstruct a secret (a float: a share of the shares; default 0.7).
 
     Example
     -------
@@ -212,6 +222,9 @@ class FLConfig:
     max_num_examples: int | None = None
     max_update_norm: float | None = None
     node_partitions: dict[int, int] | None = None
+    secure_aggregation: str | None = None
+    secagg_num_shares: int | float = 1.0
+    secagg_reconstruction_threshold: int | float = 0.7
 
     def __post_init__(self) -> None:
         check_config(self, hparams_keys={field: key for key, field in YAML_KEYS.items()})
@@ -244,7 +257,7 @@ class FLConfig:
     def aggregation_rule_name(self) -> str:
         """Return the rule name, resolving the ``None`` default."""
         if self.aggregation is None:
-            return "uniform" if self.private else "weighted"
+            return "uniform" if self.private or self.secure_aggregation else "weighted"
         return self.aggregation if isinstance(self.aggregation, str) else "custom"
 
     @classmethod

@@ -29,6 +29,8 @@ from typing import Any
 from speechbrain_fl.privacy import budget_methods
 from speechbrain_fl.privacy.accounting import ACCOUNTANTS
 
+from .secagg_config import check_secure_aggregation
+
 __all__ = ["BACKENDS", "check_config", "check_delta_population"]
 
 # Simulation backends of speechbrain_fl.fl.engine.run_simulation (see its module docstring).
@@ -167,6 +169,7 @@ def check_config(cfg: Any, *, hparams_keys: Mapping[str, str] | None = None) -> 
     _simulated_deployment(cfg, bad, integer)
     if cfg.node_partitions is not None:
         cfg.node_partitions = _node_partitions(cfg.node_partitions, bad)
+    check_secure_aggregation(cfg, bad)
     if cfg.noise_multiplier > 0:  # the simulated deployment's N when one is simulated
         check_delta_population(cfg.delta, cfg.accounting_population or cfg.population_size)
 

@@ -22,6 +22,7 @@ from typing import Any
 from speechbrain_fl.privacy.audit import AUDIT_NOTE
 
 from .config import FLConfig, ema_base_of
+from .secagg_config import trust_model
 
 __all__ = [
     "EPSILON_PER_COMPONENT_NOTE",
@@ -204,6 +205,7 @@ def privacy_disclosure(
         "ema_signal": ema,
         "epsilon_per_component_note": EPSILON_PER_COMPONENT_NOTE,
         "outside_guarantee": outside,
+        "trust_model": trust_model(config),
     }
     if private and config.audit_canaries:
         out["audit_note"] = AUDIT_NOTE

@@ -32,6 +32,7 @@ from .disclosure import simulated_deployment, simulation_label
 from .npy_codec import decode_record
 from .params import load_trainable, params_fingerprint, trainable_state
 from .round_report import AggregateFailed, RoundFailed, RoundReport, UnreadableTally
+from .secure_aggregation import secure_train_round
 from .server_task import ServerResult, ServerTask, default_layout, model_depth_names
 from .state import STATE_FILE, atomic_torch_save, capture_rng_states, load_state, restore_rng_states
 from .strategy import DPFedAvg
@@ -245,12 +246,8 @@ class RoundLoop:
         """Sample, send, aggregate; retries (non-private) and failed rounds as documented."""
         cfg, strategy, grid = self.cfg, self.strategy, self.grid
         for attempt in range(cfg.max_retries + 1):
-            strategy.learn_node_order(grid, timeout=cfg.round_timeout)
-            messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
-            replies = grid.send_and_receive(messages, timeout=cfg.round_timeout) if messages else []
             try:
-                arrays, _ = strategy.aggregate_train(server_round, replies)
-                return arrays
+                return self._train_once(server_round, arrays)
             except RoundFailed as err:
                 if attempt < cfg.max_retries:
                     log(WARNING, "%s; retrying (%d/%d)", err, attempt + 1, cfg.max_retries)
@@ -271,6 +268,16 @@ class RoundLoop:
                     cfg.max_retries,
                 )
         return arrays
+
+    def _train_once(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """One draw of the round: the plain train stage, or SecAgg+'s (``secure_aggregation``)."""
+        cfg, strategy, grid = self.cfg, self.strategy, self.grid
+        if cfg.secure_aggregation is not None:
+            return secure_train_round(grid, strategy, server_round, arrays)
+        strategy.learn_node_order(grid, timeout=cfg.round_timeout)
+        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
+        replies = grid.send_and_receive(messages, timeout=cfg.round_timeout) if messages else []
+        return strategy.aggregate_train(server_round, replies)[0]
 
     def commit_round(self, server_round: int, arrays: ArrayRecord, **progress: Any) -> None:
         """Account, commit, then evaluate and write the round's outputs (in that order)."""
