@@ -1,0 +1,47 @@
+"""``secure_aggregation`` refuses what needs one client's update, and names the trust model."""
+
+from __future__ import annotations
+
+import pytest
+
+from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.disclosure import privacy_disclosure
+
+BASE = {"output_folder": "o", "method": "flat", "clip": 1.0, "noise_multiplier": 1.0,
+        "secure_aggregation": "secaggplus"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"secure_aggregation": "secagg"}, "secure_aggregation"),
+        ({"clip": None, "noise_multiplier": 0.0}, "secure_aggregation"),
+        ({"aggregation": "weighted", "noise_multiplier": 0.0}, "aggregation"),
+        ({"max_update_norm": 3.0, "noise_multiplier": 0.0}, "max_update_norm"),
+        ({"method": "pfl_dim_ema", "ema_signal": "raw"}, "ema_signal"),
+        ({"record_norms": True}, "record_norms"),
+        ({"secagg_num_shares": 1.5}, "secagg_num_shares"),
+        ({"secagg_reconstruction_threshold": 0}, "secagg_reconstruction_threshold"),
+    ],
+)
+def test_options_needing_individual_updates_are_refused(change, key):
+    with pytest.raises(ValueError, match=f"federated config: {key}="):
+        FLConfig(**{**BASE, **change})
+
+
+def test_secure_runs_aggregate_uniformly_and_say_their_trust_model():
+    cfg = FLConfig(**{**BASE, "noise_multiplier": 0.0})
+    assert cfg.aggregation_rule_name == "uniform"  # a weight per reply would be revealed
+    model = privacy_disclosure(FLConfig(**BASE))["trust_model"]
+    assert model["name"] == "secure_aggregation" and model["protocol"] == "secaggplus"
+    assert "only the sum" in model["server_sees"]
+    assert "after unmasking" in model["noise_added_by"]
+    central = privacy_disclosure(FLConfig(**{**BASE, "secure_aggregation": None}))
+    assert central["trust_model"]["name"] == "central"
+    assert "again by the server" in central["trust_model"]["clip_enforced_by"]
+
+
+def test_hparams_key_turns_it_on():
+    cfg = FLConfig.from_hparams({**BASE, "number_of_rounds": 2, "secagg_num_shares": 5,
+                                 "secagg_reconstruction_threshold": 3})  # fmt: skip
+    assert (cfg.secure_aggregation, cfg.secagg_num_shares) == ("secaggplus", 5)
