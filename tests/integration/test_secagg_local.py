@@ -1,0 +1,131 @@
+"""SecAgg+ runs on the local backend: the server holds only masked vectors and the sum.
+
+The toy task's clients train for one round with and without ``secure_aggregation``, from the
+same seeds (non-private, clipped, uniform mean: the aggregates are comparable without noise);
+every message the ServerApp receives is recorded. ``seed``, ``noise_seed`` and ``sampler_seed``
+are fixed for the test only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+from flwr.common import bytes_to_ndarray
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+from speechbrain_fl.fl.client import make_client_app
+from speechbrain_fl.fl.local_grid import LocalGrid
+from speechbrain_fl.fl.server import run_server
+from speechbrain_fl.fl.toy import toy_client, toy_server, toy_settings
+from speechbrain_fl.privacy import compute_epsilon
+
+from .test_fl_local_backend import failing_client
+
+CLIP = 0.05  # below the toy updates' norms: every client is clipped
+SETTINGS = {"num_partitions": 4, "number_of_rounds": 1, "seed": 0, "eval_every": 0,
+            "method": "flat", "clip": CLIP, "noise_multiplier": 0.0, "aggregation": "uniform",
+            "min_clients": 1}  # fmt: skip
+
+
+class RecordingGrid:
+    """A Grid that keeps every reply the ServerApp gets (what the server holds)."""
+
+    def __init__(self, grid):
+        self._grid, self.replies = grid, []
+
+    def __getattr__(self, name):
+        return getattr(self._grid, name)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self.replies.extend(replies)
+        return replies
+
+
+def _run(tmp_path, name, *, client=toy_client, **extra):
+    settings = toy_settings(None, {**SETTINGS, **extra, "output_folder": str(tmp_path / name)})
+    grid = RecordingGrid(LocalGrid(make_client_app(functools.partial(client, settings=settings)),
+                                   num_nodes=settings["num_partitions"]))  # fmt: skip
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    with grid.identity():
+        result = run_server(grid, toy_server(context, settings))
+    return result, grid
+
+
+def _plain_updates(grid):
+    """Each client's clipped update in a run without secure aggregation, by node."""
+    out = {}
+    for reply in grid.replies:
+        if "arrays" in reply.content.array_records:
+            arrays = reply.content["arrays"].to_torch_state_dict()
+            out[int(reply.content["metrics"]["partition-id"])] = arrays
+    return out
+
+
+def _masked_vectors(grid):
+    out = []
+    for reply in grid.replies:
+        record = reply.content.config_records.get(RECORD_KEY_CONFIGS)
+        if record is not None and Key.MASKED_PARAMETERS in record:
+            out.append([bytes_to_ndarray(b) for b in record[Key.MASKED_PARAMETERS]])
+    return out
+
+
+def test_server_holds_only_masked_vectors_and_unmasks_the_sum(tmp_path):
+    plain, plain_grid = _run(tmp_path, "plain")
+    secure, secure_grid = _run(tmp_path, "secure", secure_aggregation="secaggplus")
+    # nothing the ServerApp received carries a tensor: no ArrayRecord holds data
+    for reply in secure_grid.replies:
+        assert not reply.has_error()
+        assert all(len(record) == 0 for record in reply.content.array_records.values())
+        for metrics in reply.content.config_records.values():
+            assert "group-norms" not in metrics and "train-loss" not in metrics
+    masked = _masked_vectors(secure_grid)
+    assert len(masked) == SETTINGS["num_partitions"]
+    # each masked vector is uniform in Z_2^32, not the client's encoded update
+    updates = _plain_updates(plain_grid)
+    for vector in masked:
+        values = np.concatenate([a.ravel() for a in vector[1:]]).astype(np.int64)
+        for update in updates.values():
+            plain_code = np.concatenate(
+                [((u.double().numpy().ravel() + CLIP) * 2**24 / (2 * CLIP)) for u in update.values()]
+            )
+            assert np.mean(np.abs(values - plain_code) < 2**20) < 0.5
+    # the unmasked mean is the plaintext mean, within the encoding's rounding bound
+    step = 2 * CLIP / 2**24
+    total = sum(v.numel() for v in plain.params.values())
+    for name, value in plain.params.items():
+        assert torch.allclose(secure.params[name], value, atol=2 * math.sqrt(total) * step), name
+    changed = any(not torch.equal(secure.params[n], v) for n, v in plain.params.items())
+    assert changed  # the rounding shows: the secure path really ran
+    assert secure.reports[-1].num_replied == SETTINGS["num_partitions"]
+
+
+def test_a_dropped_client_within_the_threshold_does_not_fail_the_round(tmp_path):
+    plain, _ = _run(tmp_path, "plain", client=failing_client)
+    secure, grid = _run(tmp_path, "secure", client=failing_client, secure_aggregation="secaggplus")
+    report = secure.reports[-1]
+    assert report.round_failed is None and secure.last_round == 1
+    assert (report.num_replied, report.num_failed) == (3, 1)  # threshold 3 of 4 shares
+    step = 2 * CLIP / 2**24
+    total = sum(v.numel() for v in plain.params.values())
+    for name, value in plain.params.items():  # the mean of the three survivors
+        assert torch.allclose(secure.params[name], value, atol=2 * math.sqrt(total) * step), name
+    assert any(reply.has_error() for reply in grid.replies)  # the dropped client's stage 2
+
+
+@pytest.mark.parametrize("method", ["pfl_dim", "pfl_dim_ema"])
+def test_private_secure_run_keeps_the_accountant(tmp_path, method):
+    result, _ = _run(tmp_path, method, secure_aggregation="secaggplus", method=method,
+                     noise_multiplier=0.8, sampling_rate=0.75, number_of_rounds=3,
+                     noise_seed=1, sampler_seed=2, aggregation=None, ema_warmup_rounds=1)  # fmt: skip
+    expected = compute_epsilon(sampling_rate=0.75, noise_multiplier=0.8, rounds=3, delta=1e-5)
+    assert math.isclose(result.epsilon, expected, rel_tol=1e-9)
+    assert result.last_round == 3
+    assert all(r.noise_std and r.noise_std > 0 for r in result.reports)
+    assert all(r.component_budgets for r in result.reports)  # the privacy report's sigma_eff
