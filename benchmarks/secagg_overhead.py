@@ -5,7 +5,9 @@ inputs (``num_features + 1`` trainable parameters), K clients of 32 examples, ev
 sampled every round (q = 1), flat clipping C = 0.05 and noise multiplier 1, on the local
 backend (one process). Each configuration runs the same rounds from the same seeds; the
 benchmark prints the median wall time of the rounds after the first (the first builds the
-clients) and the bytes the ServerApp sent and received per round: the payload of the
+clients) and the bytes the ServerApp sent and received per round, and the CPU seconds of the whole run (this
+process: server and clients; robust to other processes sharing the machine, unlike the wall
+times): the payload of the
 messages' records (tensor bytes, config values, 8 bytes per metric), without the transport's
 framing. ``noise_seed`` and ``sampler_seed`` are fixed: a benchmark, not a private run.
 
@@ -77,14 +79,15 @@ def run(*, clients: int, features: int, rounds: int, secure: bool) -> dict[str, 
         app = make_client_app(functools.partial(toy_client, settings=settings))
         grid = CountingGrid(LocalGrid(app, num_nodes=clients))
         context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with grid.identity():
             result = run_server(grid, toy_server(context, settings))
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {
         "steady_round_s": statistics.median(result.round_seconds[1:]),
         "first_round_s": result.round_seconds[0],
         "run_s": wall,
+        "run_cpu_s": cpu,
         "sent_per_round": grid.sent / rounds,
         "received_per_round": grid.received / rounds,
     }
@@ -102,10 +105,12 @@ def main() -> None:
             clients=args.clients, features=args.features, rounds=args.rounds, secure=secure
         )
     print(f"K={args.clients} clients, {args.features + 1} parameters, {args.rounds} rounds")
-    print(f"{'':>10} {'steady round s':>15} {'sent B/round':>14} {'received B/round':>17}")
+    print(f"{'':>10} {'steady round s':>15} {'run CPU s':>10} {'sent B/round':>14} "
+          f"{'received B/round':>17}")
     for secure, row in rows.items():
         print(
             f"{'secaggplus' if secure else 'central':>10} {row['steady_round_s']:>15.3f} "
+            f"{row['run_cpu_s']:>10.2f} "
             f"{row['sent_per_round']:>14.0f} {row['received_per_round']:>17.0f}"
         )
     plain, secure = rows[False], rows[True]

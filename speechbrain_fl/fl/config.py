@@ -181,6 +181,9 @@ class FLConfig:
         SecAgg+'s shares per client (a float: a share of the cohort; default 1.0, all).
     secagg_reconstruction_threshold : int or float
         Shares needed to reconstruct a secret (a float: a share of the shares; default 0.7).
+    secagg_clipping_range : float, optional
+        Secure aggregation without a clip: the box [-c, c] each coordinate is cut to before
+        the integer encoding (with a clip the box comes from the clip budgets).
 
     Example
     -------
@@ -225,6 +228,7 @@ class FLConfig:
     secure_aggregation: str | None = None
     secagg_num_shares: int | float = 1.0
     secagg_reconstruction_threshold: int | float = 0.7
+    secagg_clipping_range: float | None = None
 
     def __post_init__(self) -> None:
         check_config(self, hparams_keys={field: key for key, field in YAML_KEYS.items()})

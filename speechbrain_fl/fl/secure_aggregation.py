@@ -69,7 +69,9 @@ from speechbrain_fl.privacy.secure_encoding import (
 
 from .global_update import apply_aggregate
 from .npy_codec import decode_record, encode_record
-from .secagg_config import REVEALED_METRICS
+from .layerwise import DEPTH_METRIC
+from .secagg_config import REVEALED_METRICS, secure_weighting
+from .secure_layerwise import layerwise_average, layerwise_vector, weight_scale
 from .round_report import RoundFailed, RoundReport, client_statistics, unreadable_counts
 from .updates import ClientUpdate
 
@@ -104,15 +106,26 @@ def _as_fitres(call_next: Callable) -> Callable:
         reply = call_next(msg, ctxt)
         if reply.has_error():
             raise RuntimeError(f"training failed: {reply.error.reason}")
-        names = list(msg.content["arrays"].keys())
+        config = msg.content["config"]
+        shapes = {n: tuple(a.shape) for n, a in msg.content["arrays"].items()}
         delta = decode_record(reply.content["arrays"])
-        if set(delta) != set(names):
-            raise ValueError(
-                "secure aggregation sums whole updates: the reply must carry every global "
-                f"tensor (missing {sorted(set(names) - set(delta))[:5]})"
-            )
-        arrays = [delta[n].detach().to(torch.float64).numpy() for n in names]
         metrics = reply.content["metrics"]
+        if "secagg-weighting" in config:  # a layer-wise rule: weighted sums and weights
+            arrays = layerwise_vector(
+                delta,
+                shapes=shapes,
+                metrics=metrics,
+                weighting=str(config["secagg-weighting"]),
+                scale=float(config["secagg-weight-scale"]),
+                box=float(config["secagg-box"]),
+            )
+        elif set(delta) != set(shapes):
+            raise ValueError(
+                "secure aggregation with the uniform rule sums whole updates: the reply must "
+                f"carry every global tensor (missing {sorted(set(shapes) - set(delta))[:5]})"
+            )
+        else:
+            arrays = [delta[n].detach().to(torch.float64).numpy() for n in shapes]
         revealed = {k: metrics[k] for k in REVEALED_METRICS if k in metrics}
         fitres = FitRes(
             status=Status(Code.OK, ""),
@@ -203,18 +216,32 @@ def run_secaggplus(
     return cohort.mean, cohort.revealed
 
 
-def _shrunk_contents(messages, strategy, target_range: int) -> tuple[dict, float | None]:
-    """Each sampled node's train content with the shrunk budgets, and the encoding's box."""
-    budgets = strategy.budgets()
-    shrunk, box = shrunk_budgets(budgets, layout=strategy.layout, target_range=target_range)
+def _round_contents(messages, strategy, target_range: int) -> tuple[dict, float, str | None]:
+    """Each sampled node's train content for SecAgg+, the encoding's box and the weighting.
+
+    With a clip the budgets are replaced by the shrunk ones and the box is their largest;
+    without one the box is ``secagg_clipping_range``. A layer-wise rule adds its weighting,
+    the server's bound on a client's weight and the box (:mod:`.secure_layerwise`).
+    """
+    cfg, budgets = strategy.config, strategy.budgets()
+    extra: dict[str, Any] = {}
+    if budgets is not None:
+        shrunk, box = shrunk_budgets(budgets, layout=strategy.layout, target_range=target_range)
+        extra["clip-budgets"] = json.dumps(shrunk)
+    else:
+        box = float(cfg.secagg_clipping_range)
+    weighting = secure_weighting(cfg.aggregation)
+    if weighting is not None:
+        extra.update({"secagg-weighting": weighting, "secagg-box": box,
+                      "secagg-weight-scale": weight_scale(strategy, weighting)})  # fmt: skip
     contents = {}
     for message in messages:
         content = RecordDict(dict(message.content.items()))
         config = ConfigRecord(dict(content[strategy.configrecord_key]))
-        config["clip-budgets"] = json.dumps(shrunk)
+        config.update(extra)
         content[strategy.configrecord_key] = config
         contents[message.metadata.dst_node_id] = content
-    return contents, box
+    return contents, box, weighting
 
 
 def secure_train_round(grid: Any, strategy: Any, server_round: int, arrays: ArrayRecord):
@@ -239,14 +266,15 @@ def secure_train_round(grid: Any, strategy: Any, server_round: int, arrays: Arra
     config = strategy.config
     strategy.learn_node_order(grid, timeout=config.round_timeout)
     messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid))
-    mean, revealed = None, {}
+    mean, revealed, encoding = None, {}, None
     if len(messages) >= 2:
         target_range = quantization_range(len(messages))
-        contents, box = _shrunk_contents(messages, strategy, target_range)
+        contents, box, weighting = _round_contents(messages, strategy, target_range)
         workflow = _workflow(config, box=box, target_range=target_range)
         mean, revealed = run_secaggplus(
             grid, contents, server_round=server_round, workflow=workflow
         )
+        encoding = (box, weighting)
     elif messages:
         log(
             WARNING,
@@ -254,7 +282,7 @@ def secure_train_round(grid: Any, strategy: Any, server_round: int, arrays: Arra
             "and the round is released with the noise alone",
             server_round,
         )
-    return release_sum(strategy, server_round, mean=mean, revealed=revealed)
+    return release_sum(strategy, server_round, mean=mean, revealed=revealed, encoding=encoding)
 
 
 def _report(strategy: Any, server_round: int, revealed: Mapping[int, Mapping]) -> RoundReport:
@@ -285,12 +313,16 @@ def release_sum(
     *,
     mean: list[np.ndarray] | None,
     revealed: Mapping[int, Mapping[str, Any]],
+    encoding: tuple[float, str | None] | None = None,
 ) -> ArrayRecord:
     """Steps 2 and 4-7 of :mod:`.strategy` on the unmasked sum (no per-reply step exists).
 
     ``mean`` is SecAgg+'s mean over the m survivors, in the order of the global tensors; the
     sum is m times it. A private run divides the sum by n = qK and adds the noise; a
-    non-private one takes the mean.
+    non-private one takes the mean, or with a layer-wise rule (``encoding``: the box and the
+    weighting) the per-tensor weighted mean of :func:`.secure_layerwise.layerwise_average`.
+    The run's rule then gets that one aggregate as a single update (a rule that wraps it, such
+    as server momentum, applies as in a plain run).
     """
     cfg = strategy.config
     global_params = decode_record(strategy.current_arrays)
@@ -309,7 +341,10 @@ def release_sum(
         log(WARNING, "%s; released anyway (noise and an accountant step)", summary)
     client_statistics([], budgets, report, layout=strategy.layout)  # the round's budgets
     updates = []
-    if m:
+    if m and encoding is not None and encoding[1] is not None:
+        delta = layerwise_average(mean, names=list(global_params), survivors=m, box=encoding[0])
+        updates = [ClientUpdate(-1, delta, {"num-examples": 1.0, DEPTH_METRIC: 1})]
+    elif m:
         scale = float(m) if cfg.private else 1.0  # the rule divides by n (private) or by 1
         delta = {
             name: torch.from_numpy(np.asarray(value, dtype=np.float64) * scale)

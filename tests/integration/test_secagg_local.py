@@ -129,3 +129,41 @@ def test_private_secure_run_keeps_the_accountant(tmp_path, method):
     assert result.last_round == 3
     assert all(r.noise_std and r.noise_std > 0 for r in result.reports)
     assert all(r.component_budgets for r in result.reports)  # the privacy report's sigma_eff
+
+
+def partial_client(context, settings):
+    """Partition 0 returns only the weight (a shallow client); the others the whole model."""
+    task = toy_client(context, settings)
+    pid = int(context.node_config["partition-id"])
+    names = ["model.weight"] if pid == 0 else ["model.weight", "model.bias"]
+    task.partial = lambda brain: (names, {"exit-depth": 1 if pid == 0 else 2})
+    # unequal partitions, so the samples weighting differs from the uniform one
+    keep = 8 * (pid + 1)
+    task.train_set.x, task.train_set.y = task.train_set.x[:keep], task.train_set.y[:keep]
+    return task
+
+
+@pytest.mark.parametrize("rule", ["layerwise_samples", "layerwise_uniform", "momentum"])
+def test_layerwise_rule_under_secaggplus_equals_the_plaintext_rule(tmp_path, rule):
+    """Masked per-tensor sums and weights give the layer-wise rule; server momentum applies."""
+    extra = {"method": "fedavg", "clip": None, "number_of_rounds": 2,
+             "aggregation": "layerwise_samples" if rule == "momentum" else rule}  # fmt: skip
+    if rule == "momentum":
+        from speechbrain_fl.fl.layerwise import ServerMomentum, layerwise_rule
+
+        plain_rule = ServerMomentum(layerwise_rule("samples"), momentum=0.5)
+        secure_rule = ServerMomentum(layerwise_rule("samples"), momentum=0.5)
+    else:
+        plain_rule = secure_rule = extra["aggregation"]
+    plain, _ = _run(tmp_path, "plain", client=partial_client, **{**extra, "aggregation": plain_rule})
+    secure, grid = _run(tmp_path, "secure", client=partial_client, secure_aggregation="secaggplus",
+                        secagg_clipping_range=8.0, **{**extra, "aggregation": secure_rule})  # fmt: skip
+    assert secure.last_round == 2 and secure.reports[-1].num_replied == 4
+    for reply in grid.replies:  # no tensor, no depth and no example count in the clear
+        assert all(len(record) == 0 for record in reply.content.array_records.values())
+        for record in reply.content.config_records.values():
+            assert "exit-depth" not in record and "num-examples" not in record
+    step, total = 16.0 / 2**24, 2 * sum(v.numel() for v in plain.params.values())
+    for name, value in plain.params.items():
+        assert torch.allclose(secure.params[name], value, atol=8 * math.sqrt(total) * step), name
+    assert any(not torch.equal(secure.params[n], v) for n, v in plain.params.items())

@@ -63,6 +63,8 @@ CASES = [
      "secagg_num_shares=0.0 must be an integer >= 2"),
     ("secagg_reconstruction_threshold", 1, {**PRIVATE, "secure_aggregation": "secaggplus"},
      "secagg_reconstruction_threshold=1 must be an integer >= 2"),
+    ("secagg_clipping_range", -1.0, {"secure_aggregation": "secaggplus"},
+     "secagg_clipping_range=-1.0 must be a number > 0"),
     ("noise_cohort_size", 0, {**PRIVATE, "accounting_population": 10},
      "noise_cohort_size=0 must be an integer >= 1"),
     ("noise_cohort_size", 2.5, {**PRIVATE, "accounting_population": 10},

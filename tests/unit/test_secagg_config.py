@@ -15,11 +15,13 @@ BASE = {"output_folder": "o", "method": "flat", "clip": 1.0, "noise_multiplier":
     ("change", "key"),
     [
         ({"secure_aggregation": "secagg"}, "secure_aggregation"),
-        ({"clip": None, "noise_multiplier": 0.0}, "secure_aggregation"),
+        ({"clip": None, "noise_multiplier": 0.0}, "secagg_clipping_range"),
+        ({"secagg_clipping_range": 2.0}, "secagg_clipping_range"),
+        ({"secure_aggregation": None, "secagg_clipping_range": 2.0}, "secagg_clipping_range"),
         ({"aggregation": "weighted", "noise_multiplier": 0.0}, "aggregation"),
+        ({"aggregation": "fedavg_full", "noise_multiplier": 0.0}, "aggregation"),
         ({"max_update_norm": 3.0, "noise_multiplier": 0.0}, "max_update_norm"),
         ({"method": "pfl_dim_ema", "ema_signal": "raw"}, "ema_signal"),
-        ({"record_norms": True}, "record_norms"),
         ({"secagg_num_shares": 1.5}, "secagg_num_shares"),
         ({"secagg_reconstruction_threshold": 0}, "secagg_reconstruction_threshold"),
     ],
@@ -39,6 +41,18 @@ def test_secure_runs_aggregate_uniformly_and_say_their_trust_model():
     central = privacy_disclosure(FLConfig(**{**BASE, "secure_aggregation": None}))
     assert central["trust_model"]["name"] == "central"
     assert "again by the server" in central["trust_model"]["clip_enforced_by"]
+
+
+def test_layerwise_rules_and_unclipped_runs_with_a_box_are_accepted():
+    from speechbrain_fl.fl.layerwise import ServerMomentum, layerwise_rule
+
+    for rule in ("layerwise", "layerwise_samples", ServerMomentum(layerwise_rule("uniform"),
+                                                                   momentum=0.5)):
+        cfg = FLConfig(output_folder="o", secure_aggregation="secaggplus", aggregation=rule,
+                       secagg_clipping_range=4.0)  # fmt: skip
+        assert cfg.clip is None and cfg.secagg_clipping_range == 4.0
+    model = privacy_disclosure(cfg)["trust_model"]
+    assert "cut to [-4.0, 4.0]" in model["clip_enforced_by"]
 
 
 def test_hparams_key_turns_it_on():
