@@ -278,9 +278,9 @@ def secure_train_round(grid: Any, strategy: Any, server_round: int, arrays: Arra
     elif messages:
         log(
             WARNING,
-            "round %d: a cohort of one cannot be summed securely; its update is not requested "
-            "and the round is released with the noise alone",
+            "round %d: a cohort of one cannot be summed securely; its update is not requested%s",
             server_round,
+            " and the round is released with the noise alone" if config.private else "",
         )
     return release_sum(strategy, server_round, mean=mean, revealed=revealed, encoding=encoding)
 
