@@ -29,6 +29,7 @@ PRIVACY_KEYS = (
     "ema_signal",
     "noise_cohort_size",
     "accounting_population",
+    "secure_aggregation",  # the trust model the run's disclosure names for all its rounds
 )
 
 

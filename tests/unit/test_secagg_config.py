@@ -59,3 +59,15 @@ def test_hparams_key_turns_it_on():
     cfg = FLConfig.from_hparams({**BASE, "number_of_rounds": 2, "secagg_num_shares": 5,
                                  "secagg_reconstruction_threshold": 3})  # fmt: skip
     assert (cfg.secure_aggregation, cfg.secagg_num_shares) == ("secaggplus", 5)
+
+
+def test_a_resume_may_not_change_the_trust_model():
+    from speechbrain_fl.fl.privacy_settings import check_privacy_settings, privacy_settings
+    from speechbrain_fl.privacy import Group, Layout
+
+    layout = Layout([Group("w", "all", 3)])
+    secure = privacy_settings(FLConfig(**BASE), population_size=4, layout=layout)
+    central = privacy_settings(FLConfig(**{**BASE, "secure_aggregation": None}),
+                               population_size=4, layout=layout)  # fmt: skip
+    with pytest.raises(ValueError, match="change secure_aggregation from 'secaggplus' to None"):
+        check_privacy_settings(central, secure, source="state")
