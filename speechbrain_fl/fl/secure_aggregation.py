@@ -5,8 +5,10 @@ clipped updates. One round (:func:`secure_train_round`):
 
 1. the strategy Poisson-samples the cohort and builds its train messages as in every run
    (:meth:`.strategy.DPFedAvg.configure_train`); the round's clip budgets C_l in them are
-   replaced by the shrunk budgets C_l' of :func:`speechbrain_fl.privacy.secure_encoding.shrunk_budgets`,
-   so that the rounding of the encoding cannot push a client past C_l;
+   replaced by the shrunk budgets C_l' of
+   :func:`speechbrain_fl.privacy.secure_encoding.shrunk_budgets`, so that the rounding of
+   the encoding cannot push a client past C_l (without a clip: the box
+   ``secagg_clipping_range``); a layer-wise rule adds its weighting (:mod:`.secure_layerwise`);
 2. Flower's ``SecAggPlusWorkflow`` runs its four stages (setup, share keys, collect masked
    vectors, unmask) over the Grid; in the third the clients train, clip to C_l' (every clip
    method: the client code is unchanged), and Flower's ``secaggplus_mod`` encodes the update
@@ -75,7 +77,13 @@ from .secure_layerwise import layerwise_average, layerwise_vector, weight_scale
 from .round_report import RoundFailed, RoundReport, client_statistics, unreadable_counts
 from .updates import ClientUpdate
 
-__all__ = ["REVEALED_METRICS", "release_sum", "run_secaggplus", "secure_aggregation_mod", "secure_train_round"]
+__all__ = [
+    "REVEALED_METRICS",
+    "release_sum",
+    "run_secaggplus",
+    "secure_aggregation_mod",
+    "secure_train_round",
+]
 
 
 

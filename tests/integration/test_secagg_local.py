@@ -92,9 +92,8 @@ def test_server_holds_only_masked_vectors_and_unmasks_the_sum(tmp_path):
     for vector in masked:
         values = np.concatenate([a.ravel() for a in vector[1:]]).astype(np.int64)
         for update in updates.values():
-            plain_code = np.concatenate(
-                [((u.double().numpy().ravel() + CLIP) * 2**24 / (2 * CLIP)) for u in update.values()]
-            )
+            flat = np.concatenate([u.double().numpy().ravel() for u in update.values()])
+            plain_code = (flat + CLIP) * 2**24 / (2 * CLIP)
             assert np.mean(np.abs(values - plain_code) < 2**20) < 0.5
     # the unmasked mean is the plaintext mean, within the encoding's rounding bound
     step = 2 * CLIP / 2**24
@@ -122,8 +121,8 @@ def test_a_dropped_client_within_the_threshold_does_not_fail_the_round(tmp_path)
 @pytest.mark.parametrize("method", ["pfl_dim", "pfl_dim_ema"])
 def test_private_secure_run_keeps_the_accountant(tmp_path, method):
     result, _ = _run(tmp_path, method, secure_aggregation="secaggplus", method=method,
-                     noise_multiplier=0.8, sampling_rate=0.75, number_of_rounds=3,
-                     noise_seed=1, sampler_seed=2, aggregation=None, ema_warmup_rounds=1)  # fmt: skip
+                     noise_multiplier=0.8, sampling_rate=0.75, number_of_rounds=3, noise_seed=1,
+                     sampler_seed=2, aggregation=None, ema_warmup_rounds=1)  # fmt: skip
     expected = compute_epsilon(sampling_rate=0.75, noise_multiplier=0.8, rounds=3, delta=1e-5)
     assert math.isclose(result.epsilon, expected, rel_tol=1e-9)
     assert result.last_round == 3
@@ -155,9 +154,11 @@ def test_layerwise_rule_under_secaggplus_equals_the_plaintext_rule(tmp_path, rul
         secure_rule = ServerMomentum(layerwise_rule("samples"), momentum=0.5)
     else:
         plain_rule = secure_rule = extra["aggregation"]
-    plain, _ = _run(tmp_path, "plain", client=partial_client, **{**extra, "aggregation": plain_rule})
-    secure, grid = _run(tmp_path, "secure", client=partial_client, secure_aggregation="secaggplus",
-                        secagg_clipping_range=8.0, **{**extra, "aggregation": secure_rule})  # fmt: skip
+    plain, _ = _run(tmp_path, "plain", client=partial_client,
+                    **{**extra, "aggregation": plain_rule})  # fmt: skip
+    secure, grid = _run(tmp_path, "secure", client=partial_client,
+                        secure_aggregation="secaggplus", secagg_clipping_range=8.0,
+                        **{**extra, "aggregation": secure_rule})  # fmt: skip
     assert secure.last_round == 2 and secure.reports[-1].num_replied == 4
     for reply in grid.replies:  # no tensor, no depth and no example count in the clear
         assert all(len(record) == 0 for record in reply.content.array_records.values())
