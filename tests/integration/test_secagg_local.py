@@ -168,3 +168,23 @@ def test_layerwise_rule_under_secaggplus_equals_the_plaintext_rule(tmp_path, rul
     for name, value in plain.params.items():
         assert torch.allclose(secure.params[name], value, atol=8 * math.sqrt(total) * step), name
     assert any(not torch.equal(secure.params[n], v) for n, v in plain.params.items())
+
+
+def mostly_failing_client(context, settings):
+    """Partitions 1 and 2 of 3 raise while training: one survivor, below the threshold of 2."""
+    task = toy_client(context, settings)
+    if int(context.node_config["partition-id"]) in (1, 2):
+        task.train_set.y = torch.full_like(task.train_set.y, float("nan"))
+    return task
+
+
+def test_a_round_below_the_threshold_is_released_with_the_noise_alone(tmp_path):
+    """Too few survivors to unmask: no update is learnt, the draw is still released."""
+    result, _ = _run(tmp_path, "halted", client=mostly_failing_client, num_partitions=3,
+                     secure_aggregation="secaggplus", noise_multiplier=1.0, aggregation=None,
+                     noise_seed=1, sampler_seed=2)  # fmt: skip
+    report = result.reports[-1]
+    assert (report.num_replied, report.num_failed) == (0, 3)
+    assert report.noise_std and report.noise_std > 0  # the noise of n = qK = 3 clients
+    expected = compute_epsilon(sampling_rate=1.0, noise_multiplier=1.0, rounds=1, delta=1e-5)
+    assert math.isclose(result.epsilon, expected, rel_tol=1e-9)  # one accountant step
