@@ -30,8 +30,10 @@ stage. The cryptography, the quantisation and the unmasking are Flower's, unchan
 
 What the server receives from a client: its two public keys, its encrypted key shares (for
 other clients), its masked vector, its shares for unmasking, and in plaintext only the
-metrics of :data:`REVEALED_METRICS` (its partition id, for the identity checks, and the count of
-audio files it could not decode). Its pre-clip norms, clip indicators and train loss are not
+metrics of :data:`REVEALED_METRICS` (its partition id, and the count of audio files it could
+not decode). A partition id that differs from the one the node answered to the server's query
+is logged; the reply cannot be dropped (it is already in the sum), the node is refused from the
+next round on. Its pre-clip norms, clip indicators and train loss are not
 sent: the round's norm and clip-rate columns are empty and its ``train_loss`` is ``None``.
 
 A cohort of fewer than two clients cannot be summed securely (the sum would be the update):
@@ -302,6 +304,12 @@ def _report(strategy: Any, server_round: int, revealed: Mapping[int, Mapping]) -
     ]
     for reason in failures:
         log(WARNING, "round %d: dropped %s", server_round, reason)
+    for node, metrics in revealed.items():
+        claimed, known = metrics.get("partition-id"), strategy.node_order.get(node)
+        if claimed is not None and known is not None and int(claimed) != known:
+            reason = f"partition-id={claimed:g} differs from the partition-id={known} it answered"
+            log(WARNING, "round %d: node %d: %s; refused from now on", server_round, node, reason)
+            strategy.refused_nodes[node] = reason
     counted = [ClientUpdate(node, {}, dict(metrics)) for node, metrics in revealed.items()]
     return RoundReport(
         round=server_round,
