@@ -105,8 +105,10 @@ def main() -> None:
             clients=args.clients, features=args.features, rounds=args.rounds, secure=secure
         )
     print(f"K={args.clients} clients, {args.features + 1} parameters, {args.rounds} rounds")
-    print(f"{'':>10} {'steady round s':>15} {'run CPU s':>10} {'sent B/round':>14} "
-          f"{'received B/round':>17}")
+    print(
+        f"{'':>10} {'steady round s':>15} {'run CPU s':>10} {'sent B/round':>14} "
+        f"{'received B/round':>17}"
+    )
     for secure, row in rows.items():
         print(
             f"{'secaggplus' if secure else 'central':>10} {row['steady_round_s']:>15.3f} "

@@ -52,8 +52,15 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.client.mod import secaggplus_mod
-from flwr.common import Code, FitIns, FitRes, Parameters, Status
-from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common import (
+    Code,
+    FitIns,
+    FitRes,
+    Parameters,
+    Status,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
 from flwr.common.logger import log
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat as compat
@@ -72,11 +79,11 @@ from speechbrain_fl.privacy.secure_encoding import (
 )
 
 from .global_update import apply_aggregate
-from .npy_codec import decode_record, encode_record
 from .layerwise import DEPTH_METRIC
+from .npy_codec import decode_record, encode_record
+from .round_report import RoundFailed, RoundReport, client_statistics, unreadable_counts
 from .secagg_config import REVEALED_METRICS, secure_weighting
 from .secure_layerwise import layerwise_average, layerwise_vector, weight_scale
-from .round_report import RoundFailed, RoundReport, client_statistics, unreadable_counts
 from .updates import ClientUpdate
 
 __all__ = [
@@ -86,7 +93,6 @@ __all__ = [
     "secure_aggregation_mod",
     "secure_train_round",
 ]
-
 
 
 # ---------------------------------------------------------------------------- client side
@@ -379,4 +385,3 @@ def release_sum(
     strategy.current_arrays = None
     log(INFO, "round %d: securely summed %d of %d updates", server_round, m, len(strategy.cohort))
     return encode_record(new_params)
-

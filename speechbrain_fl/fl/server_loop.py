@@ -244,7 +244,7 @@ class RoundLoop:
 
     def train_round(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """Sample, send, aggregate; retries (non-private) and failed rounds as documented."""
-        cfg, strategy, grid = self.cfg, self.strategy, self.grid
+        cfg, strategy = self.cfg, self.strategy
         for attempt in range(cfg.max_retries + 1):
             try:
                 return self._train_once(server_round, arrays)

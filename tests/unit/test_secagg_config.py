@@ -46,8 +46,11 @@ def test_secure_runs_aggregate_uniformly_and_say_their_trust_model():
 def test_layerwise_rules_and_unclipped_runs_with_a_box_are_accepted():
     from speechbrain_fl.fl.layerwise import ServerMomentum, layerwise_rule
 
-    for rule in ("layerwise", "layerwise_samples", ServerMomentum(layerwise_rule("uniform"),
-                                                                   momentum=0.5)):
+    for rule in (
+        "layerwise",
+        "layerwise_samples",
+        ServerMomentum(layerwise_rule("uniform"), momentum=0.5),
+    ):
         cfg = FLConfig(output_folder="o", secure_aggregation="secaggplus", aggregation=rule,
                        secagg_clipping_range=4.0)  # fmt: skip
         assert cfg.clip is None and cfg.secagg_clipping_range == 4.0
