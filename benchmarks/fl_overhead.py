@@ -33,8 +33,8 @@ round (which builds the clients) and the time from the last round to the end of
 Like with like: the engine's Brain runs with ``max_grad_norm: inf`` (:data:`RUN_OPTS`),
 SpeechBrain's switch for no per-step gradient clipping, so its arithmetic equals the plain
 loop's and pfl's, which do not clip per step; the engine then skips SpeechBrain's per-step
-``clip_grad_norm_`` (``speechbrain_fl/fl/client.py``; SpeechBrain's default bound 5, never
-reached here, would cost ~2 ms a client round). The engine's data path stays
+``clip_grad_norm_`` (``speechbrain_fl/fl/client_optimizer.py``; SpeechBrain's default bound 5,
+never reached here, would cost ~2 ms a client round). The engine's data path stays
 SpeechBrain's (a DataLoader with ``PaddedBatch`` collation where the plain loop and pfl slice two
 tensors), counted in the engine's figures and in ``brain``'s; ``--breakdown`` measures it.
 
@@ -438,11 +438,11 @@ TIMED = [
         "torch.utils.data.dataloader",
         "_BaseDataLoaderIter.__next__",
     ),
-    ("        of which the collation", "speechbrain_fl.fl.client", "_stacked_padded_batch"),
+    ("        of which the collation", "speechbrain_fl.fl.client_data", "_stacked_padded_batch"),
     ("        of which PaddedBatch (fallback)", "speechbrain.dataio.batch", "PaddedBatch.__init__"),
     (
         "      fit_batch: lean step (forward, backward, step)",
-        "speechbrain_fl.fl.client",
+        "speechbrain_fl.fl.local_fit",
         "lean_fit_batch",
     ),
     ("      fit_batch: lean step (forward, backward, step)", "speechbrain.core", "Brain.fit_batch"),
@@ -464,8 +464,8 @@ TIMED = [
     ("    clip the update (DP)", "speechbrain_fl.fl.client", "clip_update"),
     ("    encode the reply (npy_codec.encode_record)", "speechbrain_fl.fl.client", "encode_record"),
     ("server: aggregate_train", "speechbrain_fl.fl.strategy", "DPFedAvg.aggregate_train"),
-    ("  decode + check a reply", "speechbrain_fl.fl.strategy", "parse_train_reply"),
-    ("  re-clip (DP)", "speechbrain_fl.fl.strategy", "clip_update"),
+    ("  decode + check a reply", "speechbrain_fl.fl.reply_collection", "parse_train_reply"),
+    ("  re-clip (DP)", "speechbrain_fl.fl.reply_collection", "clip_update"),
     ("  noise (DP)", "speechbrain_fl.privacy.noise", "GaussianNoise.add"),
     ("server: configure_train", "speechbrain_fl.fl.strategy", "DPFedAvg.configure_train"),
     ("  start the noise's draws (DP)", "speechbrain_fl.privacy.noise", "GaussianNoise.prepare"),

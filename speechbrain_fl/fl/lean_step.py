@@ -35,13 +35,13 @@ hook is registered: :func:`_optimizer_step`), ``zero_grad(set_to_none=True)`` (t
 :func:`_zero_grad_to_none`), ``optimizer_step += 1``, then
 ``on_fit_batch_end(batch, outputs, loss, True)``. The step returns ``loss.detach().cpu()`` as
 SpeechBrain's does, and the loss as a Python float (``loss.item()``, read once: it decides the
-check and :func:`speechbrain_fl.fl.client.lean_fit`'s running average, SpeechBrain's
+check and :func:`speechbrain_fl.fl.local_fit.lean_fit`'s running average, SpeechBrain's
 ``update_average`` arithmetic on ``float(loss)``).
 
 One difference, for a non-finite gradient under ``max_grad_norm == inf``: SpeechBrain's
 ``clip_grad_norm_`` multiplies every gradient by ``inf / inf = nan``, this leaves the finite
-ones as they are (as :func:`speechbrain_fl.fl.client._unclipped_optimizers_step`); the update is
-non-finite either way and the server drops a non-finite reply.
+ones as they are (as :func:`speechbrain_fl.fl.client_optimizer._unclipped_optimizers_step`);
+the update is non-finite either way and the server drops a non-finite reply.
 """
 
 from __future__ import annotations

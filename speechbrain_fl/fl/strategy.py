@@ -42,6 +42,11 @@ is refused (:meth:`DPFedAvg.load_state_dict`).
 Clients receive their budgets in the round's ConfigRecord as JSON (``clip-budgets``: a float
 for ``flat`` or ``{group: C_l}``), not the method and EMA state: clients then need no privacy
 state, cannot drift from the server's budgets, and a resumed server sends the same numbers.
+
+Where the parts of :class:`DPFedAvg` live: this module holds the class, its cohort drawing and
+``configure_train``, and steps 4-7 of ``aggregate_train``; steps 1-3 (the replies) are
+:class:`.reply_collection.ReplyCollectionMixin`'s; the budgets, epsilon, EMA update, audit
+report and resume state are :class:`.strategy_privacy.PrivacyStateMixin`'s.
 """
 
 from __future__ import annotations
@@ -49,8 +54,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from logging import INFO, WARNING
-from typing import Any
+from logging import INFO
 
 import numpy as np
 import torch
@@ -59,32 +63,25 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from speechbrain_fl.privacy import Layout, clip_update, compute_budgets, noisy_norm_signal
+from speechbrain_fl.privacy import Layout
 
 from .aggregation import ClientUpdate, get_rule
 from .canaries import FederatedAudit
 from .config import FLConfig
-from .disclosure import privacy_disclosure
 from .global_update import apply_aggregate
 from .mechanism import privacy_mechanism
 from .node_order import connected_nodes, enrol_nodes, partition_id_of, query_partitions
 from .npy_codec import decode_record, encode_record
-from .privacy_settings import check_privacy_settings, privacy_settings
-from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
-from .round_report import (
-    AggregateFailed,
-    RoundFailed,
-    RoundReport,
-    client_statistics,
-    mean_or_none,
-    unreadable_counts,
-)
+from .replies import BufferPool
+from .reply_collection import ReplyCollectionMixin
+from .round_report import AggregateFailed, RoundFailed, RoundReport, client_statistics
+from .strategy_privacy import PrivacyStateMixin
 
 # RoundReport, its failures and partition_id_of are the strategy's vocabulary: importable here
 __all__ = ["AggregateFailed", "DPFedAvg", "RoundFailed", "RoundReport", "partition_id_of"]
 
 
-class DPFedAvg(FedAvg):
+class DPFedAvg(PrivacyStateMixin, ReplyCollectionMixin, FedAvg):
     """FedAvg with Poisson sampling, per-group clipping, central Gaussian noise and accounting.
 
     Arguments
@@ -179,123 +176,7 @@ class DPFedAvg(FedAvg):
             else None
         )
 
-    # ------------------------------------------------------------------ budgets, state
-    def budgets(self) -> float | dict[str, float] | None:
-        """Return this round's clip budgets (``None`` when clipping is off)."""
-        if self.config.clip is None:
-            return None
-        return compute_budgets(
-            self.layout,
-            method=self.config.method,
-            clip=self.config.clip,
-            alpha=self.config.alpha,
-            ema_state=self.ema,
-        )
-
-    def epsilon(self) -> float | None:
-        """Return epsilon spent so far from the run's accountant (``None``: not private).
-
-        This is the guarantee's figure (``config.accountant``, PLD by default): results.json
-        and the final :class:`~.server.ServerResult` report it.
-        """
-        return None if self.accountant is None else float(self.accountant.epsilon())
-
-    def round_epsilon(self) -> tuple[float, str] | None:
-        """Return ``(epsilon so far, accountant)`` of the running per-round figure.
-
-        From ``config.round_accountant`` (default ``"rdp"``: a cached per-step RDP times the
-        rounds and one conversion, instead of the PLD's ``T``-fold self-composition every
-        round); ``None`` for a non-private run. Same mechanism and rounds as :meth:`epsilon`,
-        another (upper) bound: the figure always travels with its accountant's name.
-        """
-        if self.accountant is None:
-            return None
-        name = self.config.round_accountant
-        key = (self.accountant.rounds, name)
-        if self._round_figure is None or self._round_figure[0] != key:
-            # once per round: the strategy's metrics and the server's row ask for the same one
-            self._round_figure = (key, float(self.accountant.epsilon(accountant=name)))
-        return self._round_figure[1], name
-
-    def expected_cohort_size(self) -> float:
-        """Return n = qK with the declared population K (``None`` K: not a private run)."""
-        if self.population_size is None:
-            raise ValueError("no declared population: set population_size")
-        return self.sampler.expected_cohort_size(self.population_size)
-
-    def disclosure(self, *, profile_rounds: int = 0, alpha_from_profile: bool = False) -> dict:
-        """What the run's epsilon covers and what it does not (for results.json ``privacy``).
-
-        See :func:`speechbrain_fl.fl.disclosure.privacy_disclosure`.
-        """
-        return privacy_disclosure(
-            self.config, profile_rounds=profile_rounds, alpha_from_profile=alpha_from_profile
-        )
-
-    def privacy_settings(self) -> dict[str, Any]:
-        """The settings a resumed run must keep: C, delta, q, sigma, method, layout, K."""
-        return privacy_settings(
-            self.config, population_size=self.population_size, layout=self.layout
-        )
-
-    def state_dict(self) -> dict[str, Any]:
-        """Return what a resumed run needs: accountant, EMA budgets, settings, training seeds.
-
-        Never the sampler's or the noise's seed or generator state (nothing from which past
-        cohorts or noise could be derived).
-        """
-        return {
-            "privacy": self.privacy_settings(),
-            "seed_rng": self.seed_rng.bit_generator.state,
-            "noise": None if self.noise is None else self.noise.state_dict(),
-            "accountant": None if self.accountant is None else self.accountant.state_dict(),
-            "ema": None if self.ema is None else self.ema.state_dict(),
-        }
-
-    def check_privacy_settings(self, saved: dict[str, Any] | None, *, source: str) -> None:
-        """Raise ``ValueError`` naming the first privacy setting that differs from ``saved``."""
-        check_privacy_settings(self.privacy_settings(), saved, source=source)
-
-    def load_state_dict(self, state: dict[str, Any], *, source: str = "saved server state") -> None:
-        """Restore what :meth:`state_dict` saved, refusing changed privacy settings.
-
-        Arguments
-        ---------
-        state : dict
-            The saved state.
-        source : str
-            The state file, named in errors.
-        """
-        self.check_privacy_settings(state.get("privacy"), source=source)
-        self.seed_rng.bit_generator.state = state["seed_rng"]
-        for name in ("noise", "accountant", "ema"):
-            obj = getattr(self, name)
-            if (obj is None) != (state[name] is None):
-                raise ValueError(
-                    f"{source} has {name}={state[name] is not None}, "
-                    f"but the config gives {obj is not None}: config changed?"
-                )
-            if obj is not None:
-                obj.load_state_dict(state[name])
-
-    def check_population(self, connected: int) -> None:
-        """Warn (once per count) when the connected nodes differ from the declared K."""
-        if self.population_size is None or connected == self.population_size:
-            return
-        if self._population_warned != connected:
-            self._population_warned = connected
-            log(
-                WARNING,
-                "population_size=%d is declared but %d nodes connected: the noise and the "
-                "accountant use the declared K (n = qK = %.4g); %s",
-                self.population_size,
-                connected,
-                self.expected_cohort_size(),
-                "missing nodes count as non-replies"
-                if connected < self.population_size
-                else "raise population_size if these nodes belong to the population",
-            )
-
+    # ------------------------------------------------------------------ cohort
     def _next_draw(self, server_round: int) -> tuple[int, int]:
         """Key of the next cohort draw of ``server_round``; a private run draws once a round."""
         attempt = self._draws.get(server_round, 0)
@@ -371,36 +252,6 @@ class DPFedAvg(FedAvg):
             self.noise.prepare([math.prod(a.shape) for a in arrays.values()], draw=server_round)
         return messages
 
-    def reply_limits(self, global_params: Mapping[str, torch.Tensor]) -> ReplyLimits:
-        """What a reply's claims are checked against this round (:mod:`.reply_checks`)."""
-        return ReplyLimits(
-            depth_names=self.depth_names,
-            require_depth=self.require_depth,
-            partition_sizes=self.partition_sizes,
-            max_num_examples=self.config.max_num_examples,
-            max_update_norm=self.config.max_update_norm,
-            dtypes={k: v.dtype for k, v in global_params.items()},
-        )
-
-    def _parse(self, message: Message, shapes, limits: ReplyLimits) -> ClientUpdate:
-        """One reply -> a checked update (format, claims, partition), or :class:`ReplyRejected`."""
-        node = message.metadata.src_node_id
-        update = parse_train_reply(
-            message,
-            expected_shapes=shapes,
-            allow_partial=bool(getattr(self.rule, "accepts_partial", False)),
-            limits=limits,
-            pool=self._reply_pool,
-        )
-        claimed = update.metrics.get("partition-id")
-        known = self.node_order.get(node)
-        if known is not None and claimed is not None and int(claimed) != known:
-            raise ReplyRejected(
-                f"node {node}: partition-id={claimed:g} differs from the partition-id={known} "
-                "it answered to the server's query"
-            )
-        return update
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -438,89 +289,6 @@ class DPFedAvg(FedAvg):
             self._update_ema(updates, aggregate, report)
         self.current_arrays = None  # one release per configured draw
         return encode_record(new_params), self._round_metrics(updates, report)
-
-    def _collect_replies(
-        self,
-        server_round: int,
-        replies: Iterable[Message],
-        global_params: Mapping[str, torch.Tensor],
-        budgets: float | dict[str, float] | None,
-    ) -> tuple[list[ClientUpdate], RoundReport]:
-        """Steps 1 and 3: one checked, re-clipped update per sampled node, and the report."""
-        shapes = {k: tuple(v.shape) for k, v in global_params.items()}
-        limits = self.reply_limits(global_params)
-        updates: list[ClientUpdate] = []
-        failures: list[str] = []
-        ignored: list[str] = []
-        sampled, replied = set(self.cohort), set()
-        dropped = 0
-        for message in replies:
-            node = message.metadata.src_node_id
-            if node in self.refused_nodes:
-                ignored.append(f"node {node}: refused ({self.refused_nodes[node]}), reply dropped")
-                continue
-            if node not in sampled:
-                ignored.append(f"node {node}: not sampled this round, reply ignored")
-                continue
-            if node in replied:
-                ignored.append(f"node {node}: a second reply this round, ignored")
-                continue
-            replied.add(node)
-            try:
-                update = self._parse(message, shapes, limits)
-                if budgets is not None:  # server-side enforcement of the budgets (contract 3)
-                    update.delta, _ = clip_update(
-                        update.delta, budgets, layout=self.layout, inplace=True
-                    )
-                updates.append(update)
-            except ReplyRejected as err:
-                failures.append(str(err))
-                dropped += 1
-            except Exception as err:  # defence in depth: no reply may crash the round
-                failures.append(f"node {node}: unreadable reply ({type(err).__name__}: {err})")
-                dropped += 1
-        for node in sorted(sampled - replied):
-            failures.append(f"node {node}: no reply within {self.config.round_timeout:g} s")
-        for reason in failures + ignored:
-            log(WARNING, "round %d: dropped %s", server_round, reason)
-        # a fixed summation order makes the float sum independent of reply arrival order
-        updates.sort(key=lambda u: (u.metrics.get("partition-id", u.node_id), u.node_id))
-        report = RoundReport(
-            round=server_round,
-            cohort_size=len(self.cohort),
-            population=self.population_size if self.config.private else self.population,
-            num_replied=len(updates),
-            num_failed=len(failures),
-            failures=failures,
-            train_loss=mean_or_none(
-                [u.metrics["train-loss"] for u in updates if "train-loss" in u.metrics]
-            ),
-            connected=self.population,
-            ignored=ignored,
-            num_dropped=dropped,
-            **unreadable_counts(updates),
-        )
-        return updates, report
-
-    def _enforce_min_clients(self, report: RoundReport, updates: list[ClientUpdate]) -> None:
-        """Step 2: a non-private round short of ``min_clients`` fails; a private one goes on."""
-        if len(updates) >= self.config.min_clients:
-            return
-        summary = (
-            f"round {report.round}: {len(updates)} valid replies from a cohort of "
-            f"{len(self.cohort)} ({self.population} connected), fewer than min_clients="
-            f"{self.config.min_clients}"
-        )
-        if not self.config.private:
-            report.round_failed = summary
-            self.last_report = report
-            raise RoundFailed(summary)
-        log(
-            WARNING,
-            "%s; released anyway (noise and an accountant step): a private run releases "
-            "every Poisson draw",
-            summary,
-        )
 
     def _noisy_aggregate(
         self,
@@ -567,35 +335,7 @@ class DPFedAvg(FedAvg):
             metrics[f"epsilon-{running[1]}"] = running[0]
         return metrics
 
-    # ------------------------------------------------------------------ audit
-    def audit_report(self, params: Mapping[str, torch.Tensor], *, confidence: float = 0.95):
-        """The canary audit of the rounds run (:meth:`.canaries.FederatedAudit.report`).
-
-        ``None`` without ``audit_canaries`` or before any audited round.
-        """
-        if self.audit is None:
-            return None
-        return self.audit.report(
-            params, expected_cohort_size=self.expected_cohort_size(), confidence=confidence
-        )
-
     def _failed(self, report: RoundReport, reason: str) -> AggregateFailed:
         """Record ``reason`` in ``report`` and return the :class:`AggregateFailed` to raise."""
         report.round_failed = reason
         return AggregateFailed(f"round {report.round}: {reason}")
-
-    # ------------------------------------------------------------------ helpers
-    def _update_ema(
-        self, updates: list[ClientUpdate], aggregate: dict[str, torch.Tensor], report: RoundReport
-    ) -> None:
-        if self.config.ema_signal == "raw":
-            observed = report.group_norms
-            if not updates:
-                log(WARNING, "round %d: no replies, the raw EMA signal is skipped", report.round)
-                return
-            if not observed:
-                raise ValueError("ema_signal='raw' needs the clients' 'group-norms' metric")
-        else:
-            std = report.noise_std or 0.0
-            observed = noisy_norm_signal(aggregate, self.layout, std=std)
-        self.ema.update({k: float(v) for k, v in observed.items() if math.isfinite(float(v))})

@@ -26,7 +26,7 @@ from scipy import stats
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
 from speechbrain_fl.fl import canaries as canaries_module
-from speechbrain_fl.fl import strategy as strategy_module
+from speechbrain_fl.fl import reply_collection as reply_module
 from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
 from speechbrain_fl.privacy import METHODS, CanarySet, Group, Layout, compute_epsilon
 from speechbrain_fl.privacy.audit import (
@@ -170,7 +170,7 @@ def test_audit_catches_a_removed_server_reclip(method, monkeypatch):
     def no_clip(update, budgets, **kw):
         return update, None
 
-    monkeypatch.setattr(strategy_module, "clip_update", no_clip)  # replies
+    monkeypatch.setattr(reply_module, "clip_update", no_clip)  # replies
     monkeypatch.setattr(canaries_module, "clip_update", no_clip)  # canary replies
     _, (unclipped, _, _) = run_canaries_only(method)
     assert unclipped["epsilon_one_shot"] > accountant

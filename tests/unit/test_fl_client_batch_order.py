@@ -1,7 +1,7 @@
-"""Each client draws a fresh batch order every round (speechbrain_fl/fl/client.py): SpeechBrain's
-``ReproducibleRandomSampler`` shuffles with ``seed + epoch`` and a round runs epochs 1..E, so
-without a per-round seed a client would see the same order every round, and two clients with
-as many examples one permutation. The order is still a function of the run's seed."""
+"""Each client draws a fresh batch order every round (speechbrain_fl/fl/client_data.py):
+SpeechBrain's ``ReproducibleRandomSampler`` shuffles with ``seed + epoch`` and a round runs
+epochs 1..E, so without a per-round seed a client would see the same order every round, and two
+clients with as many examples one permutation. The order is still a function of the run's seed."""
 
 from __future__ import annotations
 

@@ -12,8 +12,9 @@ import speechbrain as sb
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from speechbrain_fl.fl import client as client_module
+from speechbrain_fl.fl import client_optimizer
 from speechbrain_fl.fl import lean_step as lean_step_module
+from speechbrain_fl.fl import local_fit as local_fit_module
 from speechbrain_fl.fl.client import train_round
 from speechbrain_fl.fl.lean_step import lean_fit_batch_applies
 from speechbrain_fl.fl.params import trainable_state
@@ -85,7 +86,7 @@ def _speechbrains(monkeypatch, client):
     """Replies with SpeechBrain's own fit_batch and optimizers_step (Brain.fit, no skips)."""
     with monkeypatch.context() as patch:
         patch.setattr(lean_step_module, "FIT_BATCH_RELEASES", ("no such release",))
-        patch.setattr(client_module, "_OPTIMIZERS_STEP_RELEASES", ("no such release",))
+        patch.setattr(client_optimizer, "_OPTIMIZERS_STEP_RELEASES", ("no such release",))
         assert not lean_fit_batch_applies(client.brain)
         client.lean_fit = False
         return _rounds(client)
@@ -111,7 +112,7 @@ def test_lean_step_equals_speechbrains_fit_batch(monkeypatch, cls, opt, max_grad
         steps.append(brain.step)
         return real(brain, batch)
 
-    monkeypatch.setattr(client_module, "lean_fit_batch", counting)
+    monkeypatch.setattr(local_fit_module, "lean_fit_batch", counting)
     lean = _client(cls, opt, max_grad_norm)
     assert lean_fit_batch_applies(lean.brain)
     got = _rounds(lean)
@@ -196,7 +197,7 @@ def test_fallbacks_run_speechbrains_fit_batch(monkeypatch):
     def no_lean(brain, batch):
         raise AssertionError("the lean step ran where it does not apply")
 
-    monkeypatch.setattr(client_module, "lean_fit_batch", no_lean)
+    monkeypatch.setattr(local_fit_module, "lean_fit_batch", no_lean)
     speechbrains = []
     real = sb.Brain.fit_batch
 
@@ -253,7 +254,7 @@ def test_epoch_start_zero_grad_runs_when_a_gradient_is_there(monkeypatch):
     expected = _speechbrains(monkeypatch, _client(LeavesGradients, "sgd"))
     _same(_rounds(_client(LeavesGradients, "sgd")), expected)
     with pytest.raises(AssertionError):  # the comparison sees a skipped zero_grad
-        monkeypatch.setattr(client_module, "_zero_grad", lambda brain, set_to_none: None)
+        monkeypatch.setattr(local_fit_module, "_zero_grad", lambda brain, set_to_none: None)
         _same(_rounds(_client(LeavesGradients, "sgd")), expected)
 
 
@@ -270,10 +271,10 @@ def test_a_brain_needing_brain_fit_steps_lean_inside_it(monkeypatch):
     steps = []
     real = lean_step_module.lean_fit_batch
     monkeypatch.setattr(
-        client_module, "lean_fit_batch", lambda b, x: (steps.append(b.step), real(b, x))[1]
+        local_fit_module, "lean_fit_batch", lambda b, x: (steps.append(b.step), real(b, x))[1]
     )
     lean = _client(OwnFitStart)
-    assert not client_module.lean_fit_applies(lean.brain) and lean_fit_batch_applies(lean.brain)
+    assert not local_fit_module.lean_fit_applies(lean.brain) and lean_fit_batch_applies(lean.brain)
     _same(_rounds(lean), expected)
     assert lean.brain.calls == reference.brain.calls
     assert len(steps) == 3 * 2 * 4 and "fit_batch" not in lean.brain.__dict__

@@ -15,15 +15,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from speechbrain.dataio.batch import PaddedBatch
 
-from speechbrain_fl.fl import client as client_module
-from speechbrain_fl.fl import npy_codec
-from speechbrain_fl.fl.client import (
-    _client_metrics,
-    _in_train_mode,
-    _record_stage_end,
-    lean_fit,
-    train_round,
-)
+from speechbrain_fl.fl import client_data, npy_codec
+from speechbrain_fl.fl.client import train_round
+from speechbrain_fl.fl.client_update import _client_metrics
+from speechbrain_fl.fl.local_fit import _in_train_mode, _record_stage_end, lean_fit
 from speechbrain_fl.fl.params import load_trainable, trainable_state
 from speechbrain_fl.fl.records import metric_record, reply_record
 from speechbrain_fl.fl.toy import toy_client, toy_settings
@@ -211,9 +206,9 @@ def test_training_mode_is_what_brain_fit_leaves(module):
         modules.append(client)
     ours, reference = modules
     assert not _in_train_mode(ours.brain.modules)
-    loader = client_module._train_loader(ours)
+    loader = client_data._train_loader(ours)
     lean_fit(ours.brain, loader, 1)
-    reference.brain.fit(range(1, 2), client_module._train_loader(reference), progressbar=False)
+    reference.brain.fit(range(1, 2), client_data._train_loader(reference), progressbar=False)
     got = [m.training for m in ours.brain.modules.modules()]
     assert got == [m.training for m in reference.brain.modules.modules()]
     assert (module == "own_train") == (not all(got))

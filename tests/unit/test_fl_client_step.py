@@ -1,6 +1,6 @@
 """No per-step work a setting switches off: ``max_grad_norm: inf`` skips SpeechBrain's
-``clip_grad_norm_`` in ``Brain.optimizers_step`` (speechbrain_fl/fl/client.py), and the update
-is bit-identical to SpeechBrain's own step (per-message costs)."""
+``clip_grad_norm_`` in ``Brain.optimizers_step`` (speechbrain_fl/fl/client_optimizer.py), and
+the update is bit-identical to SpeechBrain's own step (per-message costs)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import speechbrain as sb
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from speechbrain_fl.fl import client as client_module
+from speechbrain_fl.fl import client_optimizer
 from speechbrain_fl.fl import lean_step as lean_step_module
 from speechbrain_fl.fl.client import train_round
 from speechbrain_fl.fl.params import trainable_state
@@ -60,8 +60,8 @@ def test_infinite_bound_skips_clip_grad_norm_bit_identically(
     monkeypatch, clip_calls, adam, lean_step
 ):
     """Both paths without the clip: the lean fit_batch (speechbrain_fl/fl/lean_step.py) and
-    SpeechBrain's fit_batch with :func:`client._unclipped_optimizers_step` (Brain.fit)."""
-    monkeypatch.setattr(client_module, "_OPTIMIZERS_STEP_RELEASES", ("no such release",))
+    SpeechBrain's fit_batch with :func:`client_optimizer._unclipped_optimizers_step` (Brain.fit)."""
+    monkeypatch.setattr(client_optimizer, "_OPTIMIZERS_STEP_RELEASES", ("no such release",))
     monkeypatch.setattr(lean_step_module, "FIT_BATCH_RELEASES", ("no such release",))
     expected = _rounds(_client(math.inf, adam))  # SpeechBrain's own fit_batch, optimizers_step
     assert clip_calls and all(math.isinf(c) for c in clip_calls)

@@ -180,7 +180,7 @@ def test_an_overridden_init_optimizers_runs_every_round():
     assert calls == [1, 2, 3]
 
 
-# --- the lean local loop (speechbrain_fl/fl/client.py:lean_fit) against Brain.fit
+# --- the lean local loop (speechbrain_fl/fl/local_fit.py:lean_fit) against Brain.fit
 
 
 def _recording_client(lean: bool, calls: list):
@@ -245,10 +245,10 @@ def test_lean_loop_comparison_catches_a_wrong_loop(monkeypatch):
     """The equality above has power: a loop that forgets the sampler's set_epoch differs."""
     import pytest
 
-    from speechbrain_fl.fl import client as client_module
+    from speechbrain_fl.fl import local_fit
 
     expected = _two_rounds(_recording_client(False, []))
-    real = client_module.lean_fit
+    real = local_fit.lean_fit
 
     def without_set_epoch(brain, loader, epochs, **kwargs):
         sampler, brain.train_sampler = brain.train_sampler, None
@@ -257,7 +257,7 @@ def test_lean_loop_comparison_catches_a_wrong_loop(monkeypatch):
         finally:
             brain.train_sampler = sampler
 
-    monkeypatch.setattr(client_module, "lean_fit", without_set_epoch)
+    monkeypatch.setattr(local_fit, "lean_fit", without_set_epoch)
     with pytest.raises(AssertionError):
         _assert_same(_two_rounds(_recording_client(True, [])), expected)
 
@@ -340,7 +340,7 @@ def test_fast_collation_and_lean_loop_equal_the_plain_speechbrain_path():
     """Updates bit for bit: fast collation + lean loop against PaddedBatch + Brain.fit."""
     import speechbrain as sb
 
-    from speechbrain_fl.fl.client import _stacked_padded_batch
+    from speechbrain_fl.fl.client_data import _stacked_padded_batch
 
     old = _recording_client(False, old_calls := [])
     old.fast_collate = False
