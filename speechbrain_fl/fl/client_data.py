@@ -1,7 +1,8 @@
 """A client's training data per round: the DataLoader made once, a fresh batch order every round.
 
 Used by :func:`speechbrain_fl.fl.client.train_round`; the task is a
-:class:`~speechbrain_fl.fl.client.ClientTask`.
+:class:`~speechbrain_fl.fl.client.ClientTask` (typed ``Any`` here: :mod:`.client` imports this
+module, so importing ``ClientTask`` back would make an import loop).
 
 - The training DataLoader is made once per ClientTask (``brain.make_dataloader``, exactly what
   ``Brain.fit`` would make each round) and passed to ``brain.fit``. Its order is fresh every

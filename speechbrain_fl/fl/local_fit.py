@@ -3,7 +3,9 @@
 Used by :func:`speechbrain_fl.fl.client.train_round`, which trains ``local-epochs`` epochs with
 :func:`_local_fit`: :func:`lean_fit`, or ``brain.fit`` where that does not apply, and reads the
 loss the Brain passes to ``on_stage_end`` (recorded by :func:`_record_stage_end`, a wrapper
-around the instance's hook, so neither the Brain's class nor its hooks are changed).
+around the instance's hook, so neither the Brain's class nor its hooks are changed). The task
+:func:`_local_fit` takes is a :class:`~speechbrain_fl.fl.client.ClientTask`, typed ``Any`` here
+(:mod:`.client` imports this module; importing ``ClientTask`` back would make an import loop).
 
 - Local training makes the calls ``Brain.fit`` makes on the Brain for a training-only round,
   without ``Brain.fit``'s per-call extras (:func:`lean_fit`; bit-identical updates).
