@@ -133,12 +133,16 @@ def probe(
     seed,
     folder,
     schedule_steps=None,
+    stream_seed=None,
 ):
     """Train exit ``exit_`` for ``steps`` steps; the per-window records and the valid accuracy.
 
     The lr schedule spans ``schedule_steps`` (default ``steps``): a longer span runs the first
-    ``steps`` of a longer run's schedule (e.g. the 7 epochs of Table 1's centralized runs).
+    ``steps`` of a longer run's schedule (e.g. the 7 epochs of a centralized run).
     ``hparams`` gives the model factory, the optimiser class and ``max_grad_norm``.
+    ``stream_seed`` reseeds torch's and numpy's generators once the model is built: the same
+    initial weights and corpus, another draw of the batch order, the dropout masks and the
+    SpecAugment time masks (transformers draws those from numpy's generator).
     """
     from superb_task import new_model
 
@@ -156,6 +160,9 @@ def probe(
     )
     max_norm = float(hparams["max_grad_norm"])
     train, valid = _loaders(settings, batch_size, folder)
+    if stream_seed is not None:
+        torch.manual_seed(stream_seed)
+        np.random.seed(stream_seed)
     records, acc = [], {"loss": [], "correct": 0, "seen": 0, "norms": [], "sim": []}
     step, start = 0, time.time()
     while step < steps:
@@ -221,6 +228,12 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--window", type=int, default=25, help="steps per record")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--stream_seed",
+        type=int,
+        default=None,
+        help="reseed the batch order, dropout and time masks after the model is built",
+    )
     parser.add_argument("--output", default="results/SUPERB/probes")
     parser.add_argument("--cache_folder", default="results/SUPERB/cache")
     parser.add_argument("--name", default=None, help="default: from the options")
@@ -230,6 +243,7 @@ def main(argv=None):
         f"exit{args.exit}_lr{args.lr:g}_wu{args.warmup_fraction:g}"
         f"{f'_of{args.schedule_steps}' if args.schedule_steps else ''}_n{args.steps}"
         f"{'_preln' if args.pre_ln else ''}_s{args.seed}"
+        f"{f'_stream{args.stream_seed}' if args.stream_seed is not None else ''}"
     )
     out = Path(args.output)
     run_folder = out / "run" / f"s{args.seed}"
@@ -253,6 +267,7 @@ def main(argv=None):
         seed=args.seed,
         folder=str(run_folder),
         schedule_steps=args.schedule_steps,
+        stream_seed=args.stream_seed,
     )
     result["options"] = vars(args)
     out.mkdir(parents=True, exist_ok=True)
