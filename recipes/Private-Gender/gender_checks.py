@@ -151,6 +151,7 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
         c.number("clip_median_factor", low=0, optional=True)
         c.one_of("accountant", ACCOUNTANTS)
         c.one_of("privacy_unit", ("clip", "speaker"))
+        c.one_of("speaker_reduction", ("mean", "sum"))
         if hparams["privacy_unit"] == "speaker" and hparams["aw_dp"]:
             if hparams.get("aw_mode") == "batch_adaptive":
                 c.fail(

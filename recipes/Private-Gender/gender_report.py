@@ -239,7 +239,8 @@ def speaker_level(*, epsilon: float | None, delta: float | None, max_clips: int 
 
 UNIT_SPEAKER = (
     "speaker: user-level (epsilon, delta)-DP with respect to all clips of one speaker of D_priv "
-    "(speakers Poisson-sampled, each speaker's mean gradient clipped; privacy_unit: speaker)"
+    "(speakers Poisson-sampled, each speaker's mean or summed gradient clipped, "
+    "speaker_reduction; privacy_unit: speaker)"
 )
 
 
@@ -251,6 +252,7 @@ def _speaker_unit(info, delta) -> dict:
         "delta": delta,
         "speakers": info["speakers"],
         "expected_speakers_per_step": info["expected_speakers_per_step"],
+        "reduction": info.get("speaker_reduction"),
         "note": "user-level DP-SGD: the accountant's figure holds per speaker, every clip trains",
     }
 

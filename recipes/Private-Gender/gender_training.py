@@ -428,7 +428,8 @@ def _make_speaker_private(
 ):
     """Speaker-level DP-SGD (:mod:`speechbrain_fl.privacy.speaker_dpsgd`): Opacus's
     ``GradSampleModule`` for the per-clip gradients, speakers Poisson-sampled at rate ``q``, each
-    speaker's mean gradient clipped to ``C``, noise ``sigma C`` on the sum, divided by ``q |S|``.
+    speaker's mean (``dp["speaker_reduction"]``: or sum) gradient clipped to ``C``, noise
+    ``sigma C`` on the sum over speakers, divided by ``q |S|``.
 
     ``q = 1 / ceil(|D_priv| / batch_size)`` and ``T = epochs / q``, as for clip-level DP-SGD, so
     a step sees ``batch_size`` clips in expectation and an epoch every clip once in expectation;
@@ -470,6 +471,7 @@ def _make_speaker_private(
         clip=dp["clip"],
         accountant=opacus_accountant,
         class_weights=class_weights,
+        reduction=dp.get("speaker_reduction", "mean"),
         noise_generator=os_seeded_generator(
             None if seed is None else seed + 1, what="speaker-level DP noise"
         ),
@@ -478,6 +480,7 @@ def _make_speaker_private(
     info.update(
         {
             "privacy_unit": "speaker",
+            "speaker_reduction": engine.reduction,
             "speakers": sampler.num_speakers,
             "expected_speakers_per_step": engine.expected_speakers,
             "sampling_rate": q,

@@ -90,6 +90,7 @@ def dp_settings(hparams) -> dict | None:
         "clip": hparams["clip"],
         "accountant": hparams["accountant"],
         "seed": hparams["dp_seed"],
+        "speaker_reduction": hparams["speaker_reduction"],
     }
 
 

@@ -8,6 +8,7 @@ private set, ``q`` the speaker sampling rate, ``C`` the clip and ``sigma`` the n
 
     B_t ~ Poisson(S, q)                               each speaker kept with probability q
     u_s = (1 / n_s) sum_{i in s} g_i                  mean of the per-clip gradients of s
+                                                      (or their sum: ``reduction="sum"``)
     G_t = ( sum_{s in B_t} w_s clip(u_s, C) + N(0, sigma^2 C^2 I) ) / (q |S|),
 
 ``g_i = grad_theta CE(f(x_i), y_i)`` from Opacus's :class:`~opacus.GradSampleModule`,
@@ -16,10 +17,14 @@ a sampled speaker trains) and ``w_s`` in (0, 1] the AW-DP weight of the speaker 
 without AW-DP). The divisor ``q |S|`` is the expected number of sampled speakers, fixed, so it
 is post-processing.
 
-**Mean, not sum** (our choice). ``u_s`` is the mean over the speaker's clips, so its norm is on
-the scale of one clip's gradient whatever ``n_s`` is, and the same ``C`` (``clip`` of the
-recipe, or its median rule on per-clip norms) fits both units; a sum would clip every
-many-clip speaker hard and make ``C`` depend on the clip counts. Either gives sensitivity ``C``.
+**Mean or sum** (``reduction``). With ``"mean"`` (the default) ``u_s`` is the mean over the
+speaker's clips, so its norm is on the scale of one clip's gradient whatever ``n_s`` is and the
+same ``C`` fits both units; but the mean of ``n_s`` partly disagreeing gradients is shorter
+than one clip's, so a speaker whose mean stays below ``C`` contributes less than one clipped
+clip would. With ``"sum"``, ``u_s = sum_{i in s} g_i``: its norm grows with ``n_s``, so a
+many-clip speaker is clipped to ``C`` like one clip, and a speaker with few clips or small
+gradients keeps its whole contribution. Both give sensitivity ``C`` (the bound below does not
+use how ``u_s`` is formed from the speaker's own clips), hence the same noise and epsilon.
 
 **Sensitivity bound.** Let S' = S plus one speaker s' with any number of clips. The other
 speakers' terms do not depend on s' (their means use only their own clips, their weights are
@@ -68,7 +73,10 @@ import torch
 
 from .weighted_dpsgd import check_opacus_private_api, os_seeded_generator
 
-__all__ = ["SpeakerDPOptimizer", "SpeakerPoissonSampler", "speaker_clipped_sum"]
+__all__ = ["REDUCTIONS", "SpeakerDPOptimizer", "SpeakerPoissonSampler", "speaker_clipped_sum"]
+
+#: How a speaker's per-clip gradients form the vector that is clipped (module docstring).
+REDUCTIONS = ("mean", "sum")
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +87,10 @@ def speaker_clipped_sum(
     *,
     clip: float,
     clip_weights: torch.Tensor | None = None,
+    reduction: str = "mean",
 ) -> list[torch.Tensor]:
-    """``sum_s w_s clip(u_s, C)`` with ``u_s`` the mean of the rows of group ``s`` (module doc).
+    """``sum_s w_s clip(u_s, C)`` with ``u_s`` the mean (or sum) of the rows of group ``s``
+    (module doc).
 
     Arguments
     ---------
@@ -92,6 +102,8 @@ def speaker_clipped_sum(
         ``C`` > 0, applied to each speaker's mean over all parameters together (flat clipping).
     clip_weights : torch.Tensor, optional
         ``(B,)`` per-clip weights in (0, 1] (AW-DP ``w_{y_i}``); a speaker's weight is their mean.
+    reduction : str
+        ``"mean"``: ``u_s = (1 / n_s) sum_{i in s} g_i``; ``"sum"``: ``u_s = sum_{i in s} g_i``.
 
     Returns
     -------
@@ -100,6 +112,8 @@ def speaker_clipped_sum(
     """
     if not clip > 0:
         raise ValueError(f"clip must be > 0, got {clip}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     groups = torch.as_tensor(groups, dtype=torch.long).flatten()
     rows = groups.numel()
     if any(g.shape[0] != rows for g in grad_samples):
@@ -116,7 +130,8 @@ def speaker_clipped_sum(
     for g in grad_samples:
         flat = g.reshape(rows, -1)
         total = torch.zeros(k, flat.shape[1], dtype=flat.dtype, device=flat.device)
-        means.append(total.index_add_(0, groups, flat) / counts[:, None])
+        total.index_add_(0, groups, flat)
+        means.append(total / counts[:, None] if reduction == "mean" else total)
     norms = torch.cat(means, dim=1).norm(2, dim=1)
     factor = (clip / (norms + 1e-6)).clamp(max=1.0)
     if clip_weights is not None:
@@ -220,6 +235,8 @@ class SpeakerDPOptimizer:
         Opacus accountant that counts the steps (``"rdp"`` or ``"prv"``).
     class_weights : torch.Tensor, optional
         Fixed AW-DP weights in (0, 1].
+    reduction : str
+        ``"mean"`` or ``"sum"`` of a speaker's per-clip gradients before the clip.
     noise_generator : torch.Generator
         OS-seeded generator of the noise.
     """
@@ -234,6 +251,7 @@ class SpeakerDPOptimizer:
         clip: float,
         accountant: str = "rdp",
         class_weights: torch.Tensor | None = None,
+        reduction: str = "mean",
         noise_generator: torch.Generator | None = None,
     ) -> None:
         from opacus.accountants import create_accountant
@@ -248,6 +266,9 @@ class SpeakerDPOptimizer:
         self.sampler = sampler
         self.noise_multiplier = float(noise_multiplier)
         self.max_grad_norm = float(clip)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.reduction = reduction
         self.expected_speakers = sampler.sampling_rate * sampler.num_speakers
         self.class_weights = None if class_weights is None else torch.as_tensor(class_weights)
         self.generator = noise_generator or os_seeded_generator(what="speaker-level DP noise")
@@ -293,7 +314,9 @@ class SpeakerDPOptimizer:
             if self._labels is None or self._labels.numel() != n:
                 raise RuntimeError(f"set_labels() must give the {n} labels before step()")
             weights = self.class_weights[self._labels]
-        summed = speaker_clipped_sum(rows, groups, clip=self.max_grad_norm, clip_weights=weights)
+        summed = speaker_clipped_sum(
+            rows, groups, clip=self.max_grad_norm, clip_weights=weights, reduction=self.reduction
+        )
         out = []
         for s in summed:
             noise = _generate_noise(

@@ -38,25 +38,30 @@ def _flat(tensors):
     clip=st.floats(0.05, 5.0),
     scale=st.floats(0.01, 100.0),
     weighted=st.booleans(),
+    reduction=st.sampled_from(["mean", "sum"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_one_whole_speaker_moves_the_sum_by_at_most_c(
-    clips, extra_clips, clip, scale, weighted, seed
+    clips, extra_clips, clip, scale, weighted, reduction, seed
 ):
-    """Adding a speaker with any number of clips changes sum_s w_s clip(mean_s, C) by <= C."""
+    """Adding a speaker with any number of clips changes sum_s w_s clip(u_s, C) by <= C, with
+    u_s the mean or the sum of its per-clip gradients."""
     gen = torch.Generator().manual_seed(seed)
     counts = [*clips, extra_clips]  # the last speaker is the one added / removed
     groups = torch.cat([torch.full((n,), s) for s, n in enumerate(counts)])
     rows = groups.numel()
     grads = [torch.randn(rows, 3, 4, generator=gen) * scale, torch.randn(rows, 5, generator=gen)]
     weights = torch.rand(rows, generator=gen).clamp(min=0.01) if weighted else None
-    with_s = speaker_clipped_sum(grads, groups, clip=clip, clip_weights=weights)
+    with_s = speaker_clipped_sum(
+        grads, groups, clip=clip, clip_weights=weights, reduction=reduction
+    )
     keep = rows - extra_clips
     without = speaker_clipped_sum(
         [g[:keep] for g in grads],
         groups[:keep],
         clip=clip,
         clip_weights=None if weights is None else weights[:keep],
+        reduction=reduction,
     )
     assert float((_flat(with_s) - _flat(without)).norm()) <= clip * (1 + 1e-5)
 
@@ -69,6 +74,26 @@ def test_speaker_term_is_the_clipped_mean_of_all_its_clips():
     w = torch.tensor([0.5, 0.5, 1.0, 1.0])  # AW-DP weights after the speaker clip
     out = speaker_clipped_sum([g], torch.tensor([0, 0, 1, 1]), clip=1.0, clip_weights=w)[0]
     assert torch.allclose(out, torch.tensor([0.5, 0.3]), atol=1e-5)
+
+
+def test_sum_reduction_clips_the_summed_gradient_of_each_speaker():
+    g = torch.tensor([[0.3, 0.0], [0.4, 0.0], [0.0, 0.5], [0.0, 0.1], [2.0, 0.0]])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    out = speaker_clipped_sum([g], groups, clip=1.0, reduction="sum")[0]
+    # speaker 0: sum (0.7, 0) kept (its mean 0.35 is half of it); speaker 1: (0, 0.6) kept;
+    # speaker 2, one clip: (2, 0) clipped to (1, 0)
+    assert torch.allclose(out, torch.tensor([1.7, 0.6]), atol=1e-5)
+    mean = speaker_clipped_sum([g], groups, clip=1.0, reduction="mean")[0]
+    assert torch.allclose(mean, torch.tensor([1.35, 0.3]), atol=1e-5)
+    # a speaker whose clips all point one way reaches the bound C with sum, not with mean
+    big = torch.tensor([[0.4, 0.0]] * 4)
+    four = torch.zeros(4, dtype=torch.long)
+    assert float(speaker_clipped_sum([big], four, clip=1.0, reduction="sum")[0].norm()) == (
+        pytest.approx(1.0, abs=1e-5)
+    )
+    assert float(speaker_clipped_sum([big], four, clip=1.0)[0].norm()) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="reduction"):
+        speaker_clipped_sum([g], groups, clip=1.0, reduction="max")
 
 
 def test_sampler_returns_every_clip_of_each_sampled_speaker():
@@ -89,7 +114,7 @@ def test_sampler_returns_every_clip_of_each_sampled_speaker():
     assert sum(sizes) / len(sizes) == pytest.approx(0.4 * 7, rel=0.15)
 
 
-def _optimizer(model, speakers, *, sigma, clip, q=1.0, seed=0, steps=1):
+def _optimizer(model, speakers, *, sigma, clip, q=1.0, seed=0, steps=1, reduction="mean"):
     gsm = GradSampleModule(model, loss_reduction="mean")
     sampler = SpeakerPoissonSampler(
         speakers, sampling_rate=q, steps=steps, generator=torch.Generator().manual_seed(seed)
@@ -100,14 +125,16 @@ def _optimizer(model, speakers, *, sigma, clip, q=1.0, seed=0, steps=1):
         sampler=sampler,
         noise_multiplier=sigma,
         clip=clip,
+        reduction=reduction,
         noise_generator=torch.Generator().manual_seed(seed + 1),
     )
     return gsm, sampler, opt
 
 
-def test_every_clip_of_a_sampled_speaker_contributes():
-    """Without noise and with a large C, the update is the mean over speakers of the mean of
-    each speaker's per-clip gradients, each computed alone with autograd."""
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_every_clip_of_a_sampled_speaker_contributes(reduction):
+    """Without noise and with a large C, the update is the mean over speakers of the mean (or
+    sum) of each speaker's per-clip gradients, each computed alone with autograd."""
     torch.manual_seed(0)
     speakers = ["a", "a", "a", "b", "c", "c"]
     x, y = torch.randn(6, 4), torch.tensor([0, 1, 0, 1, 1, 0])
@@ -117,7 +144,7 @@ def test_every_clip_of_a_sampled_speaker_contributes():
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
         reference.append(_flat([p.grad for p in model.parameters()]).clone())
-    gsm, sampler, opt = _optimizer(model, speakers, sigma=0.0, clip=1e6)
+    gsm, sampler, opt = _optimizer(model, speakers, sigma=0.0, clip=1e6, reduction=reduction)
     idx = sampler.draw()
     opt.zero_grad()
     torch.nn.functional.cross_entropy(gsm(x[idx]), y[idx]).backward()
@@ -125,21 +152,29 @@ def test_every_clip_of_a_sampled_speaker_contributes():
     per_speaker = {}
     for i, s in enumerate(speakers):
         per_speaker.setdefault(s, []).append(reference[i])
-    expected = sum(torch.stack(v).mean(0) for v in per_speaker.values()) / 3  # q |S| = 3
+    reduce = torch.mean if reduction == "mean" else torch.sum
+    expected = sum(reduce(torch.stack(v), 0) for v in per_speaker.values()) / 3  # q |S| = 3
     assert torch.allclose(got, expected, atol=1e-5)
     # dropping any one clip of speaker "a" changes the update: every clip trains
     a_mean_without = torch.stack(per_speaker["a"][1:]).mean(0)
     assert not torch.allclose(a_mean_without, torch.stack(per_speaker["a"]).mean(0), atol=1e-4)
 
 
-def test_noise_std_is_sigma_c_over_the_expected_speakers():
-    """Zero gradients: the update is pure noise of std sigma C / (q |S|) per coordinate."""
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_noise_std_is_sigma_c_over_the_expected_speakers(reduction):
+    """Zero gradients: the update is pure noise of std sigma C / (q |S|) per coordinate, the
+    same for both reductions (their sensitivity is C)."""
     sigma, clip, q, n_speakers = 1.7, 0.6, 0.25, 40
     model = torch.nn.Linear(200, 100)  # 20100 coordinates
     torch.nn.init.zeros_(model.weight)
     torch.nn.init.zeros_(model.bias)
     gsm, sampler, opt = _optimizer(
-        model, [f"s{i}" for i in range(n_speakers)], sigma=sigma, clip=clip, q=q
+        model,
+        [f"s{i // 2}" for i in range(2 * n_speakers)],
+        sigma=sigma,
+        clip=clip,
+        q=q,
+        reduction=reduction,
     )
     idx = sampler.draw()
     opt.zero_grad()
@@ -191,7 +226,7 @@ def test_recipe_train_model_speaker_level(caplog):
     model = GenderClassifier(n_mels=mels, num_classes=3, dsaf=True, crop_frames=10, channels=8,
                              layers=0, emb_dim=8, privileged=False)  # fmt: skip
     dp = {"target_epsilon": 2.0, "noise_multiplier": None, "delta": 1e-3, "clip": 1.0,
-          "accountant": "pld", "seed": 3}  # fmt: skip
+          "accountant": "pld", "seed": 3, "speaker_reduction": "sum"}  # fmt: skip
     with pytest.warns(UserWarning, match="fixed seed"):
         _, info = train_model(
             model,
@@ -209,6 +244,7 @@ def test_recipe_train_model_speaker_level(caplog):
             speakers=speakers,
         )
     assert info["privacy_unit"] == "speaker" and info["speakers"] == 12
+    assert info["speaker_reduction"] == "sum"
     assert info["sampling_rate"] == pytest.approx(1 / 3) and info["steps"] == 9
     assert info["expected_speakers_per_step"] == pytest.approx(4.0)
     assert info["epsilon"] == pytest.approx(
