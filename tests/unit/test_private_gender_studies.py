@@ -102,6 +102,38 @@ def test_repeats_summary_claims_and_tables():
     assert "(**above 0**)" in built["claims"]
     assert "| teacher, plain, no DP (same steps) | ∞ (no DP) | ∞ (no DP) |" in built["models"]
     assert "| label-only control (α = 0, 30 labels) | 0 (reads no D_priv) |" in built["models"]
+    # plain models lose "other" (recall 0) in every seed: collapsed 5 of 5; the default's don't
+    assert summary["models"]["DP-direct, plain DP-SGD"]["collapsed"] == 5
+    assert summary["models"]["DP-direct (stabilised)"]["collapsed"] == 0
+    assert "| 0.700 ± 0.000 [0.70, 0.70] | 0.500 ± 0.000 [0.50, 0.50] | 0/5 |" in built["models"]
+    # identical differences in every seed: two seeds suffice; a mean <= 0 has no power
+    assert other["seeds_for_power"] == 2 and "| 5/5 | 2 |" in built["claims"]
+
+
+def test_seeds_for_power_matches_a_simulated_paired_t_test():
+    """The estimate n reaches the target power in simulation, n - 1 does not (noncentral t)."""
+    import numpy as np
+    from gender_stats import collapsed, seeds_for_power
+    from scipy.stats import t
+
+    diffs = [0.27, 0.06, 0.22, 0.13, -0.02]  # mean 0.132, sd 0.116: effect size 1.14
+    n = seeds_for_power(diffs)
+    mean, sd = np.mean(diffs), np.std(diffs, ddof=1)
+    rng = np.random.default_rng(0)
+
+    def simulated_power(k, reps=40_000):
+        d = rng.normal(mean, sd, size=(reps, k))
+        low = d.mean(1) - t.ppf(0.975, k - 1) * d.std(1, ddof=1) / np.sqrt(k)
+        return float((low > 0).mean())
+
+    assert n == 9
+    assert simulated_power(n) >= 0.8 - 0.01 and simulated_power(n - 1) < 0.8
+    assert seeds_for_power(diffs, power=0.9) > n and seeds_for_power(diffs, alpha=0.1) < n
+    assert seeds_for_power([-0.1, 0.05, -0.02]) is None
+    with pytest.raises(ValueError, match=">= 2"):
+        seeds_for_power([0.1])
+    assert collapsed(0.9, [0.5, 0.5]) and collapsed(0.5, [0.0, 1.0])
+    assert not collapsed(0.89, [0.01, 0.5])
 
 
 def _recall(res, other):

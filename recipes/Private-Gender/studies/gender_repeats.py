@@ -14,8 +14,11 @@ features:
   per-sample gradient norm at initialisation on D_aux (``clip_median_factor: 1``), with and
   without DSAF, so that clipping binds for about half the records in both.
 
-:func:`summarise` gives mean and spread per model and the paired differences
-(``gender_stats.paired``) behind each claim; :func:`tables` renders them.
+:func:`summarise` gives mean and spread per model, how many seeds collapsed
+(``gender_stats.collapsed``: MajPred >= 0.9 or a class recall of 0), and the paired differences
+(``gender_stats.paired``) behind each claim with the seeds a paired t-interval needs to lie above
+0 with 80% power at that effect size (``gender_stats.seeds_for_power``); :func:`tables` renders
+them.
 
 Authors
  * speechbrain-fl contributors
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gender_stats import paired, spread
+from gender_stats import collapsed, paired, seeds_for_power, spread
 
 __all__ = [
     "CLAIMS",
@@ -229,6 +232,7 @@ def summarise(seeds: dict[str, dict]) -> dict:
             "balanced_accuracy": spread([b["balanced_accuracy"] for b in blocks]),
             "majpred": spread([b["majpred"] for b in blocks]),
             "recall_other": spread([b["recall"].get("other", float("nan")) for b in blocks]),
+            "collapsed": sum(collapsed(b["majpred"], b["recall"].values()) for b in blocks),
         }
     claims = {}
     for title, (run_a, path_a), (run_b, path_b) in CLAIMS:
@@ -243,6 +247,7 @@ def summarise(seeds: dict[str, dict]) -> dict:
                 [_find(seeds[k], run_a, path_a) for k in usable],
                 [_find(seeds[k], run_b, path_b) for k in usable],
             )
+            claims[title]["seeds_for_power"] = seeds_for_power(claims[title]["differences"])
     first = seeds[keys[0]]
     privacy = {
         run: {
@@ -268,6 +273,10 @@ def _eps(value) -> str:
     return "∞ (no DP)" if value is None else f"{value:.3f}"
 
 
+def _power(n) -> str:
+    return "– (mean ≤ 0)" if n is None else str(n)
+
+
 def tables(summary: dict) -> dict[str, str]:
     """Markdown tables: models (mean ± sd [min, max] over seeds) and claims (paired)."""
     priv = summary["privacy"]
@@ -275,25 +284,27 @@ def tables(summary: dict) -> dict[str, str]:
     acct = (priv.get("default") or next(iter(priv.values())))["accountant"] or "RDP"
     lines = [
         f"| Model | ε own ({acct.upper()}) | ε joint, all releases of the run ({acct.upper()}) "
-        '| Balanced acc. | MajPred | Recall "other" |',
-        "|---|---|---|---|---|---|",
+        '| Balanced acc. | MajPred | Recall "other" | Collapsed |',
+        "|---|---|---|---|---|---|---|",
     ]
     for label, s in summary["models"].items():
         p = priv[run_of[label]]
         own = "0 (reads no D_priv)" if label in NO_TEACHER else _eps(p["epsilon"])
         lines.append(
             f"| {label} | {own} | {_eps(p['epsilon_joint'])} | {_ms(s['balanced_accuracy'])} "
-            f"| {_ms(s['majpred'])} | {_ms(s['recall_other'])} |"
+            f"| {_ms(s['majpred'])} | {_ms(s['recall_other'])} "
+            f"| {s['collapsed']}/{s['balanced_accuracy']['n']} |"
         )
     claims = [
-        "| Paired difference (A − B) | Seeds | Mean | 95% CI (t) | A > B in | Per seed |",
-        "|---|---|---|---|---|---|",
+        "| Paired difference (A − B) | Seeds | Mean | 95% CI (t) | A > B in "
+        "| Seeds for 80% power | Per seed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for title, c in summary["claims"].items():
         verdict = "**above 0**" if c["ci"][0] > 0 else ("below 0" if c["ci"][1] < 0 else "spans 0")
         claims.append(
             f"| {title} | {c['n']} | {c['mean']:+.3f} | [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] "
-            f"({verdict}) | {c['wins']}/{c['n']} | "
+            f"({verdict}) | {c['wins']}/{c['n']} | {_power(c.get('seeds_for_power'))} | "
             + ", ".join(f"{d:+.2f}" for d in c["differences"])
             + " |"
         )

@@ -9,6 +9,20 @@ seeds s = 1..n (A and B from the same seed: same split of labels, same initialis
 
 sd with n - 1 in the denominator. The claim holds when the interval lies above 0.
 
+**Seeds for a given power** (:func:`seeds_for_power`). With the effect size estimated from
+the seeds at hand, d_hat = mean d / sd(d), the interval of n seeds lies above 0 with
+probability
+
+    power(n) = P( T'_{n-1}(d_hat sqrt(n)) > t_{n-1, 1 - alpha/2} ),
+
+T'_{k}(lambda) the noncentral t with k degrees of freedom and noncentrality lambda (the paired
+t-test, two-sided level alpha, read in the claimed direction). The smallest n >= 2 with
+power(n) >= the target is the estimate. It is a plug-in figure: d_hat from five seeds is itself
+uncertain, so the estimate is a planning number, not a guarantee.
+
+**Collapse** (:func:`collapsed`): a model whose predicted majority share (MajPred) is at least
+0.9 or whose recall of some class is 0, the failure the recipe's stabilisers aim at.
+
 Example
 -------
 >>> paired([0.8, 0.7, 0.9], [0.6, 0.6, 0.7])["mean"]
@@ -24,7 +38,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["paired", "spread"]
+__all__ = ["collapsed", "paired", "seeds_for_power", "spread"]
 
 
 def _t975(dof: int) -> float:
@@ -71,3 +85,40 @@ def paired(a, b) -> dict:
         "wins": sum(x > 0 for x in d),
         "differences": [round(x, 4) for x in d],
     }
+
+
+def seeds_for_power(
+    differences, *, power: float = 0.8, alpha: float = 0.05, max_seeds: int = 1000
+) -> int | None:
+    """Smallest number of seeds whose paired 95% interval lies above 0 with probability
+    ``power``, at the effect size of ``differences`` (module docstring); ``None`` when the mean
+    difference is <= 0 or more than ``max_seeds`` would be needed.
+
+    >>> seeds_for_power([0.27, 0.06, 0.22, 0.13, -0.02])
+    9
+    """
+    from scipy.stats import nct, t
+
+    d = [float(x) for x in differences]
+    if len(d) < 2:
+        raise ValueError(f"seeds_for_power needs >= 2 differences, got {len(d)}")
+    s = spread(d)
+    if s["mean"] <= 0:
+        return None
+    if s["sd"] == 0:
+        return 2
+    effect = s["mean"] / s["sd"]
+    for n in range(2, max_seeds + 1):
+        critical = t.ppf(1 - alpha / 2, n - 1)
+        if nct.sf(critical, n - 1, effect * math.sqrt(n)) >= power:
+            return n
+    return None
+
+
+def collapsed(majpred: float, recalls, *, majority_share: float = 0.9) -> bool:
+    """Whether a model collapsed: MajPred >= ``majority_share`` or a class recall of 0.
+
+    >>> collapsed(0.95, [1.0, 0.2, 0.1]), collapsed(0.6, [0.9, 0.5, 0.0]), collapsed(0.7, [0.9, 0.8])
+    (True, True, False)
+    """
+    return float(majpred) >= majority_share or any(float(r) == 0.0 for r in recalls)

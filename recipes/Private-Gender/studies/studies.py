@@ -265,8 +265,12 @@ def run_repeats(root: Path, extra: list[str], seeds, store: dict, save) -> None:
         save()
 
 
-def write_repeats(store: dict, readme: Path, minutes) -> dict:
-    summary = gender_repeats.summarise(store["repeats"])
+def write_repeats(store: dict, readme: Path, minutes, seeds=None) -> dict:
+    """The repeated study's tables over the stored seeds (only ``seeds`` if given)."""
+    runs = store["repeats"]
+    if seeds:
+        runs = {k: v for k, v in runs.items() if int(k) in seeds}
+    summary = gender_repeats.summarise(runs)
     built = gender_repeats.tables(summary)
     note = (
         f"Seeds {', '.join(summary['seeds'])} ({len(summary['seeds'])} runs of every row; "
@@ -423,6 +427,13 @@ def main(argv=None):
         help="seeds of the other studies (each row once per seed; default 1 2 3); given "
         "without a value: one run per row with the hparams' seed",
     )
+    parser.add_argument(
+        "--summary_seeds",
+        nargs="*",
+        type=int,
+        help="summarise only these stored seeds of the repeated study (e.g. the first five, "
+        "for the power estimate that sized the study); default every stored seed",
+    )
     parser.add_argument("--readme", default=str(STUDIES_DIR / "README.md"))
     parser.add_argument("--no_readme", action="store_true")
     args = parser.parse_args(argv)
@@ -453,7 +464,9 @@ def main(argv=None):
         minutes[name] = round((time.time() - start) / 60, 1)
         save()
     if "repeats" in results and not args.no_readme:
-        summary = write_repeats(results, Path(args.readme), minutes.get("repeats"))
+        summary = write_repeats(
+            results, Path(args.readme), minutes.get("repeats"), seeds=args.summary_seeds
+        )
         print(json.dumps(summary["claims"], indent=1))
     results = {k: v for k, v in results.items() if k != "repeats"}
     if not results:
