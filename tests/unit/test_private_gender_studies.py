@@ -206,3 +206,25 @@ def test_audit_cost_pairs_the_arms_seed_by_seed():
     assert table.splitlines()[0].startswith("| metric (seeds 1, 2, 3)")
     assert f"| {labels[0]} | 0.710 ± 0.100 | 0.700 ± 0.100 | +0.010 [+0.010, +0.010] |" in table
     assert audit_cost._get({"a": {"b": {"value": 0.25}}}, "a.b.value") == 0.25
+
+
+def test_speaker_unit_tables_pair_the_settings_seed_by_seed(tmp_path):
+    import speaker_unit
+
+    def run(seed, teacher, direct):
+        return {"seed": seed, "teacher": teacher, "dp_direct": direct, "epsilon": 0.99,
+                "sigma": 5.06, "q": 0.167, "steps": 60, "unit": "speaker"}  # fmt: skip
+
+    results = {
+        "speaker, mean": [run(1, 0.50, 0.45), run(2, 0.40, 0.50), run(3, 0.45, 0.40)],
+        "speaker, sum": [run(2, 0.60, 0.55), run(1, 0.70, 0.55), run(3, 0.65, 0.50)],
+        "one clip": [run(1, 0.58, 0.50), run(2, 0.57, 0.52)],
+    }
+    rows = speaker_unit.paired_table(results)
+    # seed by seed, not list position: sum - mean on the teacher is +0.20 in each seed
+    assert "| speaker, sum − speaker, mean, teacher bal. acc. | 3 | +0.200 |" in rows
+    assert "+0.20, +0.20, +0.20" in rows
+    # one clip has seeds 1 and 2 only: those pairs use two seeds
+    assert "| speaker, mean − one clip, teacher bal. acc. | 2 | -0.125 |" in rows
+    assert speaker_unit.slug("clip (reference)") == "clip_reference"
+    assert "| speaker, sum | 3 | 0.99 | speaker |" in speaker_unit.table(results, 4)

@@ -118,7 +118,7 @@ def seeds_for_power(
 def collapsed(majpred: float, recalls, *, majority_share: float = 0.9) -> bool:
     """Whether a model collapsed: MajPred >= ``majority_share`` or a class recall of 0.
 
-    >>> collapsed(0.95, [1.0, 0.2, 0.1]), collapsed(0.6, [0.9, 0.5, 0.0]), collapsed(0.7, [0.9, 0.8])
+    >>> collapsed(0.95, [1.0, 0.2, 0.1]), collapsed(0.6, [0.9, 0.0]), collapsed(0.7, [0.9, 0.8])
     (True, True, False)
     """
     return float(majpred) >= majority_share or any(float(r) == 0.0 for r in recalls)
