@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gender_stats import collapsed, paired, seeds_for_power, spread
+from gender_stats import collapsed, exact_mcnemar, paired, seeds_for_power, spread
 
 __all__ = [
     "CLAIMS",
@@ -158,6 +158,11 @@ CLAIMS = [
         ("default", "dp_direct.balanced_accuracy"),
     ),
     (
+        "student (KD, α = 1) - student (KD, α = 0.5), balanced accuracy",
+        ("default", "students.KD, α = 1.balanced_accuracy"),
+        ("default", "students.KD.balanced_accuracy"),
+    ),
+    (
         "student (KD, all labels) - all-labels upper bound (α = 0), balanced accuracy",
         ("default", "students.KD, all labels.balanced_accuracy"),
         ("default", "students.all labels.balanced_accuracy"),
@@ -188,6 +193,14 @@ CLAIMS = [
         ("median_nodsaf", "teacher.balanced_accuracy"),
     ),
 ]
+
+#: Collapse compared over the seeds (exact McNemar): (title, (run, path) of A, of B).
+COLLAPSE = [
+    ("DP-direct (stabilised) vs student (KD)",
+     ("default", "dp_direct"), ("default", "students.KD")),
+    ("DP-direct, plain vs DP-direct (stabilised)",
+     ("plain", "dp_direct"), ("default", "dp_direct")),
+]  # fmt: skip
 
 #: Rows of the per-model table: (label, run, path of the block).
 MODELS = [
@@ -248,6 +261,13 @@ def summarise(seeds: dict[str, dict]) -> dict:
                 [_find(seeds[k], run_b, path_b) for k in usable],
             )
             claims[title]["seeds_for_power"] = seeds_for_power(claims[title]["differences"])
+    collapse = {}
+    for title, (run_a, path_a), (run_b, path_b) in COLLAPSE:
+        pairs = [(_find(seeds[k], run_a, path_a), _find(seeds[k], run_b, path_b)) for k in keys]
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        if pairs:
+            flags = [[collapsed(m["majpred"], m["recall"].values()) for m in p] for p in pairs]
+            collapse[title] = exact_mcnemar([f[0] for f in flags], [f[1] for f in flags])
     first = seeds[keys[0]]
     privacy = {
         run: {
@@ -262,7 +282,8 @@ def summarise(seeds: dict[str, dict]) -> dict:
         run: [seeds[k][run]["clip"] for k in keys if run in seeds[k]]
         for run in ("median_dsaf", "median_nodsaf")
     }
-    return {"seeds": keys, "models": models, "claims": claims, "privacy": privacy, "clips": clips}
+    return {"seeds": keys, "models": models, "claims": claims, "collapse": collapse,
+            "privacy": privacy, "clips": clips}  # fmt: skip
 
 
 def _ms(s: dict) -> str:
@@ -308,4 +329,16 @@ def tables(summary: dict) -> dict[str, str]:
             + ", ".join(f"{d:+.2f}" for d in c["differences"])
             + " |"
         )
+    if summary.get("collapse"):
+        claims += [
+            "",
+            "| Collapse (MajPred ≥ 0.9 or a class recall of 0), A vs B | Seeds | A collapsed "
+            "| B collapsed | only A | only B | exact McNemar p |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for title, c in summary["collapse"].items():
+            claims.append(
+                f"| {title} | {c['n']} | {c['a']} | {c['b']} | {c['only_a']} | {c['only_b']} "
+                f"| {c['p']:.3f} |"
+            )
     return {"models": "\n".join(lines), "claims": "\n".join(claims)}

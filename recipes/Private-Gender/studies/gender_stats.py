@@ -21,7 +21,10 @@ power(n) >= the target is the estimate. It is a plug-in figure: d_hat from five 
 uncertain, so the estimate is a planning number, not a guarantee.
 
 **Collapse** (:func:`collapsed`): a model whose predicted majority share (MajPred) is at least
-0.9 or whose recall of some class is 0, the failure the recipe's stabilisers aim at.
+0.9 or whose recall of some class is 0, the failure the recipe's stabilisers aim at. Two models
+collapsing over the same seeds are compared by the exact McNemar test (:func:`exact_mcnemar`):
+over the b seeds where only A collapses and the c where only B does, the two-sided binomial
+p-value of b against Binomial(b + c, 1/2).
 
 Example
 -------
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["collapsed", "paired", "seeds_for_power", "spread"]
+__all__ = ["collapsed", "exact_mcnemar", "paired", "seeds_for_power", "spread"]
 
 
 def _t975(dof: int) -> float:
@@ -122,3 +125,21 @@ def collapsed(majpred: float, recalls, *, majority_share: float = 0.9) -> bool:
     (True, True, False)
     """
     return float(majpred) >= majority_share or any(float(r) == 0.0 for r in recalls)
+
+
+def exact_mcnemar(a_flags, b_flags) -> dict:
+    """Exact McNemar test of paired yes/no outcomes (module docstring).
+
+    >>> exact_mcnemar([1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0])
+    {'n': 6, 'a': 5, 'b': 0, 'only_a': 5, 'only_b': 0, 'p': 0.0625}
+    """
+    from scipy.stats import binomtest
+
+    a, b = [bool(x) for x in a_flags], [bool(x) for x in b_flags]
+    if len(a) != len(b):
+        raise ValueError(f"exact_mcnemar needs equal lengths, got {len(a)}, {len(b)}")
+    only_a = sum(x and not y for x, y in zip(a, b, strict=True))
+    only_b = sum(y and not x for x, y in zip(a, b, strict=True))
+    p = 1.0 if only_a + only_b == 0 else binomtest(only_a, only_a + only_b, 0.5).pvalue
+    return {"n": len(a), "a": sum(a), "b": sum(b), "only_a": only_a, "only_b": only_b,
+            "p": round(float(p), 4)}  # fmt: skip
