@@ -38,6 +38,11 @@ def test_tables_and_readme_block(tmp_path):
     joint = {**_res(0.4, 1.0), "privacy_joint": {"epsilon": 1.43}}
     assert studies._row("r", joint)[:3] == ["r", "0.99", "1.43"]
     assert "\\|D_aux\\| = 25" in next(t for k, t in built.items() if k.startswith("|D_aux|"))
+    assert eps_table.count("| no audit |") == 2 and studies._accountant(results) == "RDP"
+    audited = {**_res(0.4, 1.0), "privacy": {"epsilon": 0.99, "accountant": "pld", "audit": {
+        "verdict": "consistent", "epsilon_lower_bound": 0.26}}}  # fmt: skip
+    assert studies._audit_cell([audited, audited]) == "2 consistent; lower bound ≤ 0.26"
+    assert studies._accountant({"binary": audited}) == "PLD"
     readme = tmp_path / "README.md"
     readme.write_text("head\n<!-- studies:start -->\nold\n<!-- studies:end -->\ntail\n")
     studies.write_readme(built, readme, "note\n")

@@ -148,6 +148,18 @@ def _mean_sd(values) -> str:
     return f"{s['mean']:.3f} ± {s['sd']:.3f}" if s["n"] > 1 else f"{s['mean']:.3f}"
 
 
+def _audit_cell(runs) -> str:
+    """The teacher audits of a row's runs: verdicts and the largest lower bound on epsilon
+    ("no audit" for runs without DP or without canaries)."""
+    audits = [(r.get("privacy") or {}).get("audit") for r in runs]
+    audits = [a for a in audits if a]
+    if not audits:
+        return "no audit"
+    verdicts = sorted({a["verdict"] for a in audits})
+    counts = ", ".join(f"{sum(a['verdict'] == v for a in audits)} {v}" for v in verdicts)
+    return f"{counts}; lower bound ≤ {max(a['epsilon_lower_bound'] for a in audits):.2f}"
+
+
 def _row(name, stored):
     """One table row: the bootstrap interval of a single run, mean ± sd over several seeds."""
     runs = list(seeded(stored).values())
@@ -157,18 +169,18 @@ def _row(name, stored):
     own = "0 (reads no D_priv)" if no_teacher else _eps(first["privacy"]["epsilon"])
     head = [name, own, _joint_eps(first)]
     if len(runs) == 1:
-        return head + [_v(first[block], key) for block, key in COLUMNS]
+        return head + [_v(first[block], key) for block, key in COLUMNS] + [_audit_cell(runs)]
     cells = []
     for block, key in COLUMNS:
         metrics = [_metric(r[block], key) for r in runs]
         cells.append(_mean_sd([m["value"] if m else None for m in metrics]))
-    return head + cells
+    return head + cells + [_audit_cell(runs)]
 
 
 HEADER = [
     "Run",
-    "ε (student, RDP)",
-    "ε joint (all releases, RDP)",
+    "ε (student)",
+    "ε joint (all releases)",
     "DP-direct bal. acc.",
     "DP-direct MajPred",
     'DP-direct recall "other"',
@@ -176,6 +188,7 @@ HEADER = [
     "Student macro-F1",
     "Student MajPred",
     'Student recall "other"',
+    "Teacher audit",
 ]
 
 #: Studies that compare methods: reference row, and the metrics of the paired differences
@@ -238,6 +251,19 @@ def paired_rows(study: dict, reference: str, metrics, name=str) -> list[list[str
 
 
 PAIRED_HEADER = ["Paired difference (A − B)", "Seeds", "Mean", "95% CI (t)", "A > B in", "Per seed"]
+
+
+def _accountant(results: dict) -> str:
+    """The accountant of the stored runs' epsilon (PLD, RDP or PRV; "RDP" for runs stored
+    before the figure named it)."""
+    for study in results.values():
+        rows = [study] if "privacy" in study else list(study.values())  # one run unwrapped
+        for stored in rows:
+            for run in seeded(stored).values():
+                name = (run.get("privacy") or {}).get("accountant")
+                if name:
+                    return name.upper()
+    return "RDP"
 
 
 def write_readme(tables: dict[str, str], readme: Path, note: str) -> None:
@@ -475,7 +501,7 @@ def main(argv=None):
     note = (
         "On the embedded corpus, written by `studies.py` (minutes per study: "
         + ", ".join(f"{k} {v}" for k, v in minutes.items() if k != "repeats")
-        + "). A row of one run gives the 95% speaker-level bootstrap interval over the test "
+        + f"). ε from the {_accountant(results)} accountant. A row of one run gives the 95% speaker-level bootstrap interval over the test "
         "set, not over the training randomness (the DP noise and sampling come from the OS, "
         "so a rerun differs); a row of several seeds gives mean ± sd over the seeds (one "
         "teacher, DP-direct and student per seed), and the paired differences to a reference "
