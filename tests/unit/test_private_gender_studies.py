@@ -238,3 +238,33 @@ def test_speaker_unit_tables_pair_the_settings_seed_by_seed(tmp_path):
     assert "| speaker, mean − one clip, teacher bal. acc. | 2 | -0.125 |" in rows
     assert speaker_unit.slug("clip (reference)") == "clip_reference"
     assert "| speaker, sum | 3 | 0.99 | speaker |" in speaker_unit.table(results, 4)
+
+
+def test_repeats_audits_read_every_dp_teacher_of_the_seeds(tmp_path):
+    import json
+
+    import gender_repeats
+
+    def write(seed, run, lower, one_shot, verdict="consistent", diag=None):
+        folder = tmp_path / f"seed_{seed}" / run / "teacher"
+        folder.mkdir(parents=True)
+        audit = {"verdict": verdict, "epsilon_lower_bound": lower, "epsilon_one_shot": one_shot,
+                 "accountant_epsilon": 0.995}  # fmt: skip
+        res = {"privacy": {"audit": audit if lower is not None else None}}
+        if diag:
+            res["dsaf_diagnostic"] = diag
+        (folder / "results.json").write_text(json.dumps(res))
+
+    side = {"cv": 0.1, "clipped_share": 1.0}
+    write(1, "default", 0.2, 1.1, diag={"with DSAF": side, "without DSAF": {**side, "cv": 0.5}})
+    write(1, "plain", 0.0, 0.5)
+    write(1, "plain_nodp", None, None)  # no DP: no audit
+    write(2, "default", 0.1, 0.9, verdict="suspect")
+    write(3, "default", 9.0, 9.0)  # seed 3 is not asked for
+    found = gender_repeats.audits(tmp_path, ["1", "2"])
+    assert found["teachers"] == 3 and found["verdicts"] == {"consistent": 2, "suspect": 1}
+    assert found["lower_bound"] == [0.0, 0.2] and found["one_shot_above"] == 1
+    assert found["cv_dsaf"] == [0.1, 0.1] and found["cv_raw"] == [0.5, 0.5]
+    note = gender_repeats.audit_note(found)
+    assert "3 DP teachers" in note and "2 consistent, 1 suspect" in note
+    assert gender_repeats.audits(tmp_path / "none", ["1"]) == {}

@@ -26,6 +26,7 @@ Authors
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from gender_stats import collapsed, exact_mcnemar, paired, seeds_for_power, spread
@@ -35,6 +36,7 @@ __all__ = [
     "RUNS",
     "STUDENTS",
     "add_students",
+    "audits",
     "compact",
     "run_seed",
     "summarise",
@@ -118,6 +120,73 @@ def add_students(seed: int, root: Path, extra: list[str], stored: dict, distill_
             have[name] = _block(res["test"])
             ran = True
     return ran
+
+
+def audits(root: Path, seeds) -> dict:
+    """The DP teachers' audits and the default runs' DSAF diagnostic, read from the teacher
+    ``results.json`` files of ``root`` (``<root>/seed_<s>/<run>/teacher``).
+
+    Returns ``{"teachers", "verdicts": {verdict: count}, "lower_bound": [min, max],
+    "one_shot": [min, max], "one_shot_above": count, "accountant_epsilon", "cv_dsaf": [min,
+    max], "cv_raw": [min, max], "clipped_dsaf": [min, max], "clipped_raw": [min, max]}``; an
+    empty dict when no file is there.
+    """
+    found, diag = [], []
+    for seed in seeds:
+        for run in RUNS:
+            path = Path(root) / f"seed_{seed}" / run / "teacher" / "results.json"
+            if not path.is_file():
+                continue
+            res = json.loads(path.read_text(encoding="utf-8"))
+            if res["privacy"].get("audit"):
+                found.append(res["privacy"]["audit"])
+            if run == "default" and res.get("dsaf_diagnostic"):
+                diag.append(res["dsaf_diagnostic"])
+    if not found:
+        return {}
+
+    def span(values):
+        return [round(min(values), 3), round(max(values), 3)]
+
+    verdicts: dict[str, int] = {}
+    for a in found:
+        verdicts[a["verdict"]] = verdicts.get(a["verdict"], 0) + 1
+    out = {
+        "teachers": len(found),
+        "verdicts": verdicts,
+        "lower_bound": span([a["epsilon_lower_bound"] for a in found]),
+        "one_shot": span([a["epsilon_one_shot"] for a in found]),
+        "one_shot_above": sum(a["epsilon_one_shot"] > a["accountant_epsilon"] for a in found),
+        "accountant_epsilon": span([a["accountant_epsilon"] for a in found]),
+    }
+    if diag:
+        for key, side in (("dsaf", "with DSAF"), ("raw", "without DSAF")):
+            out[f"cv_{key}"] = span([d[side]["cv"] for d in diag])
+            out[f"clipped_{key}"] = span([d[side]["clipped_share"] for d in diag])
+    return out
+
+
+def audit_note(found: dict) -> str:
+    """One paragraph of :func:`audits`' figures ("" without any)."""
+    if not found:
+        return ""
+    verdicts = ", ".join(f"{n} {v}" for v, n in sorted(found["verdicts"].items()))
+    lo, os_ = found["lower_bound"], found["one_shot"]
+    text = (
+        f"Audit of the {found['teachers']} DP teachers (1000 canaries each): {verdicts}; "
+        f"lower bound on ε at 95% {lo[0]:.3f}-{lo[1]:.3f}; one-shot estimate "
+        f"{os_[0]:.2f}-{os_[1]:.2f}, above the accountant's ε in {found['one_shot_above']}."
+    )
+    if "cv_dsaf" in found:
+        text += (
+            " DSAF diagnostic of the default teachers (per-sample gradient norms at "
+            f"initialisation, 256 D_aux records): coefficient of variation "
+            f"{found['cv_dsaf'][0]:.3f}-{found['cv_dsaf'][1]:.3f} with DSAF, "
+            f"{found['cv_raw'][0]:.3f}-{found['cv_raw'][1]:.3f} without; share clipped at "
+            f"C = 1 {found['clipped_dsaf'][0]:.3f}-{found['clipped_dsaf'][1]:.3f} with, "
+            f"{found['clipped_raw'][0]:.3f}-{found['clipped_raw'][1]:.3f} without."
+        )
+    return text
 
 
 def _find(seed: dict, run: str, path: str):

@@ -291,12 +291,14 @@ def run_repeats(root: Path, extra: list[str], seeds, store: dict, save) -> None:
         save()
 
 
-def write_repeats(store: dict, readme: Path, minutes, seeds=None) -> dict:
-    """The repeated study's tables over the stored seeds (only ``seeds`` if given)."""
+def write_repeats(store: dict, readme: Path, minutes, seeds=None, root=None) -> dict:
+    """The repeated study's tables over the stored seeds (only ``seeds`` if given), with the
+    audits of its teachers when their outputs are under ``root``."""
     runs = store["repeats"]
     if seeds:
         runs = {k: v for k, v in runs.items() if int(k) in seeds}
     summary = gender_repeats.summarise(runs)
+    audited = {} if root is None else gender_repeats.audits(root / "repeats", summary["seeds"])
     built = gender_repeats.tables(summary)
     note = (
         f"Seeds {', '.join(summary['seeds'])} ({len(summary['seeds'])} runs of every row; "
@@ -305,7 +307,9 @@ def write_repeats(store: dict, readme: Path, minutes, seeds=None) -> dict:
         "test clips (one per speaker). The label-only and all-labels students read nothing of "
         "D_priv; the joint ε is that of the teacher run they come with.\n\n"
     )
-    update_readme_table(readme, "repeats-models", note + built["models"])
+    note_after = gender_repeats.audit_note(audited)
+    models = note + built["models"] + (f"\n\n{note_after}" if note_after else "")
+    update_readme_table(readme, "repeats-models", models)
     update_readme_table(readme, "repeats-claims", built["claims"])
     return summary
 
@@ -491,8 +495,9 @@ def main(argv=None):
         save()
     if "repeats" in results and not args.no_readme:
         summary = write_repeats(
-            results, Path(args.readme), minutes.get("repeats"), seeds=args.summary_seeds
-        )
+            results, Path(args.readme), minutes.get("repeats"), seeds=args.summary_seeds,
+            root=root,
+        )  # fmt: skip
         print(json.dumps(summary["claims"], indent=1))
     results = {k: v for k, v in results.items() if k != "repeats"}
     if not results:
@@ -501,9 +506,9 @@ def main(argv=None):
     note = (
         "On the embedded corpus, written by `studies.py` (minutes per study: "
         + ", ".join(f"{k} {v}" for k, v in minutes.items() if k != "repeats")
-        + f"). ε from the {_accountant(results)} accountant. A row of one run gives the 95% speaker-level bootstrap interval over the test "
-        "set, not over the training randomness (the DP noise and sampling come from the OS, "
-        "so a rerun differs); a row of several seeds gives mean ± sd over the seeds (one "
+        + f"). ε from the {_accountant(results)} accountant. A row of one run gives the 95% "
+        "speaker-level bootstrap interval over the test set, not over the training "
+        "randomness (the DP noise and sampling come from the OS, so a rerun differs); a row of several seeds gives mean ± sd over the seeds (one "
         "teacher, DP-direct and student per seed), and the paired differences to a reference "
         "row use 95% t-intervals over the seeds.\n"
     )
