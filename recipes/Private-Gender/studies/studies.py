@@ -508,9 +508,10 @@ def main(argv=None):
         + ", ".join(f"{k} {v}" for k, v in minutes.items() if k != "repeats")
         + f"). ε from the {_accountant(results)} accountant. A row of one run gives the 95% "
         "speaker-level bootstrap interval over the test set, not over the training "
-        "randomness (the DP noise and sampling come from the OS, so a rerun differs); a row of several seeds gives mean ± sd over the seeds (one "
-        "teacher, DP-direct and student per seed), and the paired differences to a reference "
-        "row use 95% t-intervals over the seeds.\n"
+        "randomness (the DP noise and sampling come from the OS, so a rerun differs); a row "
+        "of several seeds gives mean ± sd over the seeds (one teacher, DP-direct and student "
+        "per seed), and the paired differences to a reference row use 95% t-intervals over "
+        "the seeds.\n"
     )
     if not args.no_readme:
         write_readme(built, Path(args.readme), note)
