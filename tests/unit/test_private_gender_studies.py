@@ -62,6 +62,7 @@ def test_paired_interval_matches_scipy_ttest_rel():
     got = paired(a, b)
     ci = ttest_rel(a, b).confidence_interval(0.95)
     assert got["ci"] == pytest.approx([ci.low, ci.high], abs=1e-4)
+    assert got["p"] == pytest.approx(ttest_rel(a, b).pvalue, abs=1e-4)
     assert got["wins"] == 4 and got["n"] == 5
     assert spread([1.0, 3.0]) == {"n": 2, "mean": 2.0, "sd": 1.4142, "min": 1.0, "max": 3.0}
     with pytest.raises(ValueError, match="equal-length"):
@@ -117,7 +118,7 @@ def test_repeats_summary_claims_and_tables():
         built["claims"]
     )
     # identical differences in every seed: two seeds suffice; a mean <= 0 has no power
-    assert other["seeds_for_power"] == 2 and "| 5/5 | 2 |" in built["claims"]
+    assert other["seeds_for_power"] == 2 and "| 0.000 | 5/5 | 2 |" in built["claims"]
 
 
 def test_seeds_for_power_matches_a_simulated_paired_t_test():

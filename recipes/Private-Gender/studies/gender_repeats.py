@@ -386,15 +386,16 @@ def tables(summary: dict) -> dict[str, str]:
             f"| {s['collapsed']}/{s['balanced_accuracy']['n']} |"
         )
     claims = [
-        "| Paired difference (A − B) | Seeds | Mean | 95% CI (t) | A > B in "
+        "| Paired difference (A − B) | Seeds | Mean | 95% CI (t) | p (t-test) | A > B in "
         "| Seeds for 80% power | Per seed |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for title, c in summary["claims"].items():
         verdict = "**above 0**" if c["ci"][0] > 0 else ("below 0" if c["ci"][1] < 0 else "spans 0")
         claims.append(
             f"| {title} | {c['n']} | {c['mean']:+.3f} | [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] "
-            f"({verdict}) | {c['wins']}/{c['n']} | {_power(c.get('seeds_for_power'))} | "
+            f"({verdict}) | {c['p']:.3f} | {c['wins']}/{c['n']} "
+            f"| {_power(c.get('seeds_for_power'))} | "
             + ", ".join(f"{d:+.2f}" for d in c["differences"])
             + " |"
         )

@@ -50,6 +50,18 @@ def _t975(dof: int) -> float:
     return float(t.ppf(0.975, dof))
 
 
+def _p_two_sided(d: list[float]) -> float:
+    """Two-sided p-value of the paired t-test of mean d = 0 (scipy's ``ttest_rel``)."""
+    from scipy.stats import t
+
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    return round(float(2 * t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1)), 4)
+
+
 def spread(values) -> dict:
     """``{"n", "mean", "sd", "min", "max"}`` of ``values`` (sd with n - 1; 0 for one value)."""
     values = [float(v) for v in values]
@@ -85,6 +97,7 @@ def paired(a, b) -> dict:
         "mean": s["mean"],
         "sd": s["sd"],
         "ci": [round(s["mean"] - half, 4), round(s["mean"] + half, 4)],
+        "p": _p_two_sided(d),
         "wins": sum(x > 0 for x in d),
         "differences": [round(x, 4) for x in d],
     }
