@@ -148,7 +148,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     store = args.root / "speaker_unit.json"
     results: dict[str, list[dict]] = json.loads(store.read_text()) if store.is_file() else {}
-    start = time.time()
+    start, ran = time.time(), 0
     for seed in args.seeds:
         for name, overrides in runs(args.clips).items():
             if args.settings and name not in args.settings:
@@ -156,15 +156,16 @@ def main(argv=None):
             if any(r.get("seed") == seed for r in results.get(name, [])):
                 continue
             results.setdefault(name, []).append(run_one(name, overrides, seed=seed, args=args))
+            ran += 1
             args.root.mkdir(parents=True, exist_ok=True)
             store.write_text(json.dumps(results, indent=2))
     order = list(runs(args.clips))
     results = {k: sorted(results[k], key=lambda r: r["seed"]) for k in order if k in results}
+    took = f"; {ran} runs in {(time.time() - start) / 60:.1f} min" if ran else ""
     note = (
         f"Written by `speaker_unit.py` ({args.speakers} / {args.speakers // 2} / "
-        f"{args.speakers // 3} speakers × {args.clips} clips, ε = {args.epsilon}; "
-        f"{(time.time() - start) / 60:.1f} min for the runs not already stored, on the shared "
-        "machine). Balanced accuracy on test, mean ± sd over the seeds.\n\n"
+        f"{args.speakers // 3} speakers × {args.clips} clips, ε = {args.epsilon}{took}). "
+        "Balanced accuracy on test, mean ± sd over the seeds.\n\n"
     )
     body = note + table(results, args.clips) + "\n\n" + paired_table(results)
     if not args.no_readme:
