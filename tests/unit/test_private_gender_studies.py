@@ -114,8 +114,9 @@ def test_repeats_summary_claims_and_tables():
     assert "| 0.700 ± 0.000 [0.70, 0.70] | 0.500 ± 0.000 [0.50, 0.50] | 0/5 |" in built["models"]
     plain_vs = summary["collapse"]["DP-direct, plain vs DP-direct (stabilised)"]
     assert plain_vs == {"n": 5, "a": 5, "b": 0, "only_a": 5, "only_b": 0, "p": 0.0625}
-    assert "| DP-direct, plain vs DP-direct (stabilised) | 5 | 5 | 0 | 5 | 0 | 0.062 |" in (
-        built["claims"]
+    assert (
+        "| DP-direct, plain vs DP-direct (stabilised) | 5 | 5 | 0 | 5 | 0 | 0.062 |"
+        in (built["claims"])
     )
     # identical differences in every seed: two seeds suffice; a mean <= 0 has no power
     assert other["seeds_for_power"] == 2 and "| 0.000 | 5/5 | 2 |" in built["claims"]
