@@ -1,6 +1,6 @@
 """Utterance classifiers of the Private-Gender recipe: DSAF front-end, privileged input, dropout.
 
-From "Private Speech Classification without Collapse" (``shared/papers``). The paper gives only
+From "Private Speech Classification without Collapse". The paper gives only
 the aims of its parts; every formula below is our choice (YAML keys of
 ``recipes/Private-Gender/hparams``):
 

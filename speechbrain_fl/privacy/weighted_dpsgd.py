@@ -1,6 +1,6 @@
 """AW-DP: imbalance-aware weighted DP-SGD with a sensitivity bound, on Opacus.
 
-The paper ("Private Speech Classification without Collapse", ``shared/papers``) calls AW-DP a
+The paper ("Private Speech Classification without Collapse") calls AW-DP a
 "minibatch-adaptive bounded loss reweighting" and gives no formula. Weights computed from the
 sampled minibatch would let one record change every other record's weight, so the sensitivity
 of the noisy sum would no longer be the clip norm ``C`` without a further argument. Our variant
