@@ -188,6 +188,7 @@ def report_run(settings, hparams, result, *, brain, test_set, timings, start):
     ``test_set`` the test split's dataset. Returns the results mapping.
     """
     from speechbrain_fl.fl.params import load_trainable
+    from speechbrain_fl.fl.secagg_config import trust_model
 
     timings = dict(timings)
     load_trainable(brain.modules, result.params)
@@ -224,6 +225,13 @@ def report_run(settings, hparams, result, *, brain, test_set, timings, start):
         **(
             {"skipped": {k: settings.extra[k] for k in ("unreadable_audio",)}}
             if settings.extra.get("unreadable_audio")
+            else {}
+        ),  # fmt: skip
+        # who saw the clients' updates (central, or the sum only under secure aggregation);
+        # a centralized run has no clients
+        **(
+            {"privacy": {"trust_model": trust_model(result.config)}}
+            if getattr(result, "config", None) is not None
             else {}
         ),  # fmt: skip
         "depths": settings.depths,

@@ -72,6 +72,27 @@ def test_centralized_and_homogeneous_scenarios(tmp_path, recipe_cache):
     assert results["depths"] == [6, 6] and results["aggregation"] == "fedavg_full"
 
 
+@pytest.mark.slow
+def test_secure_aggregation_matches_the_plaintext_run(tmp_path, recipe_cache, recipe_run):
+    """SecAgg+ over the layer-wise rule: the server unmasks only sums, the model is the same.
+
+    The debug kws row again with ``secure_aggregation: secaggplus``: results.json names the trust
+    model, and every exit's test accuracy equals the plaintext row's up to one test utterance
+    (the encoding's rounding, 2c/2^24 a coordinate, can move a borderline prediction at most).
+    """
+    plain = json.loads((recipe_run("SUPERB/kws").output_folder / "results.json").read_text())
+    secure, _ = _run(
+        "kws.yaml", tmp_path, recipe_cache,
+        "--secure_aggregation", "secaggplus", "--secagg_clipping_range", "8.0",
+    )  # fmt: skip
+    assert secure["privacy"]["trust_model"]["name"] == "secure_aggregation"
+    assert plain["privacy"]["trust_model"]["name"] == "central"
+    n_test = sum(1 for _ in (tmp_path / "out" / "test_predictions.csv").open()) - 1
+    assert set(secure["test"]) == set(plain["test"]) == {"3", "6"}
+    for exit_, entry in secure["test"].items():
+        assert abs(entry["accuracy"] - plain["test"][exit_]["accuracy"]) <= 1.0 / n_test + 1e-9
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
