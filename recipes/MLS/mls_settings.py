@@ -40,7 +40,7 @@ PREPARATION_KEYS = (
     "corpus_speakers_per_language", "corpus_utterances_per_speaker",
     "corpus_public_speakers_per_language", "corpus_public_utterances_per_speaker",
     "corpus_eval_utterances_per_speaker", "partition", "num_clients", "seed", "model",
-    "pretrain_steps", "pretrain_ctc_steps", "pretrain_lr", "pretrain_batch_size",
+    "pretrain_ctc_steps", "pretrain_lm_steps", "pretrain_speech_steps", "pretrain_lr", "pretrain_batch_size",
     "pretrain_max_grad_norm", "connector",
     "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
     "lora_alpha", "gradient_checkpointing", "train_llm_lora", "connector_treatment",
