@@ -2,11 +2,14 @@
 
 The paper starts from two separately pretrained checkpoints (Whisper, TinyLlama) and a connector
 initialised from scratch. The tiny stand-in does the same on the public split: the encoder is
-trained as a character CTC acoustic model (:func:`speechbrain_fl.models.pretrain.pretrain_seed_model`
-with every step CTC-only; the CTC head is then discarded), the LLM as a causal LM on the public
-transcripts alone (:func:`speechbrain_fl.models.pretrain.pretrain_text_lm`). The folder holds no
-connector, so :func:`speechbrain_fl.models.presets.build_speech_llm` initialises a fresh one
-when it loads the seed, exactly as for the hub checkpoints. Kept in the cache by
+trained as a character CTC acoustic model
+(:func:`speechbrain_fl.models.pretrain.pretrain_seed_model`, every step CTC-only; the CTC head is
+then discarded), the LLM as a causal LM on the public transcripts
+(:func:`speechbrain_fl.models.pretrain.pretrain_text_lm`), then, unless
+``pretrain_speech_steps`` is 0, every weight on the public audio through a pretraining
+connector. The folder holds no connector, so
+:func:`speechbrain_fl.models.presets.build_speech_llm` draws a fresh one when it loads the seed,
+as it does for the hub checkpoints. Kept in the cache by
 :func:`speechbrain_fl.recipe.cached_seed_model` (key, build, save); the key is the recipe's.
 
 Authors
@@ -76,7 +79,8 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset
         "languages": list(hparams["languages"]),
     }
     # Run options that change the trained weights join the key only when not at their defaults.
-    for name, default in (("max_grad_norm", 1.0), ("grad_accumulation_factor", 1), ("precision", "fp32")):
+    defaults = {"max_grad_norm": 1.0, "grad_accumulation_factor": 1, "precision": "fp32"}
+    for name, default in defaults.items():
         if options[name] != default:
             key[name] = options[name]
 

@@ -5,6 +5,9 @@ checkpoints, so the tiny random model is first trained centrally (all weights, A
 warm-up then cosine decay) on the public speakers, saved with ``SpeechLLM.save_pretrained`` and
 reloaded as the federated starting point. A plain loop rather than ``sb.Brain.fit`` because it is
 a one-off step over an arbitrary iterable of batches, run before the recipe's Brain exists.
+:func:`pretrain_text_lm` trains the LLM alone on text (the stand-in for a pretrained LLM such as
+TinyLlama); with ``ctc_warmup_steps == steps``, :func:`pretrain_seed_model` trains the encoder
+alone as a CTC acoustic model (the stand-in for Whisper).
 :func:`train_steps` is the same loop for any other seed model (a loss function per batch).
 """
 
