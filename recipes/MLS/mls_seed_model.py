@@ -1,6 +1,15 @@
-"""The MLS recipe's seed model: the tiny speech-LLM pretrained centrally on the public split.
+"""The MLS recipe's seed model: the tiny speech-LLM's encoder and LLM pretrained apart.
 
-Trained by :func:`speechbrain_fl.models.pretrain.pretrain_seed_model` and kept in the cache by
+The paper starts from two separately pretrained checkpoints (Whisper, TinyLlama) and a connector
+initialised from scratch. The tiny stand-in does the same on the public split: the encoder is
+trained as a character CTC acoustic model
+(:func:`speechbrain_fl.models.pretrain.pretrain_seed_model`, every step CTC-only; the CTC head is
+then discarded), the LLM as a causal LM on the public transcripts
+(:func:`speechbrain_fl.models.pretrain.pretrain_text_lm`), then, unless
+``pretrain_speech_steps`` is 0, every weight on the public audio through a pretraining
+connector. The folder holds no connector, so
+:func:`speechbrain_fl.models.presets.build_speech_llm` draws a fresh one when it loads the seed,
+as it does for the hub checkpoints. Kept in the cache by
 :func:`speechbrain_fl.recipe.cached_seed_model` (key, build, save); the key is the recipe's.
 
 Authors
@@ -9,13 +18,14 @@ Authors
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 
 import speechbrain as sb
 
 from speechbrain_fl.models.presets import build_speech_llm
-from speechbrain_fl.models.pretrain import pretrain_seed_model
+from speechbrain_fl.models.pretrain import pretrain_seed_model, pretrain_text_lm
 from speechbrain_fl.recipe import cached_seed_model, file_digest
 
 logger = logging.getLogger("train_fl")  # the recipe's log name
@@ -24,17 +34,18 @@ __all__ = ["seed_model_folder"]
 
 
 def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset):
-    """The starting checkpoint: the preset itself, or the tiny model pretrained centrally.
+    """The starting checkpoint: the preset itself, or the tiny model's encoder and LLM pretrained.
 
-    The tiny preset is random; it is pretrained on the embedded corpus's ``public`` split
-    (speakers disjoint from every client, dev and test) with
-    :func:`speechbrain_fl.models.pretrain.pretrain_seed_model` and kept in the cache by
-    :func:`speechbrain_fl.recipe.cached_seed_model`, keyed by the options that shape it, so a
-    second run reuses it. Real presets start from their Hugging Face checkpoints and are not
-    pretrained here. The run options that apply to a training loop (device, precision,
-    max_grad_norm, grad_accumulation_factor, noprogressbar) apply here too; a command-line
-    ``--max_grad_norm`` replaces ``pretrain_max_grad_norm`` as it replaces the clients'
-    ``max_grad_norm``. ``make_dataset(csv, data_folder)`` is the recipe's data pipeline.
+    The tiny preset is random; its encoder and LLM are pretrained apart on the embedded
+    corpus's ``public`` split (speakers disjoint from every client, dev and test speaker) by
+    :func:`_pretrain_parts` and kept in the cache by
+    :func:`speechbrain_fl.recipe.cached_seed_model`, keyed by the options that shape them, so
+    a second run reuses them. Real presets start from their Hugging Face checkpoints and are
+    not pretrained here. The run options that apply to a training loop (device, precision,
+    max_grad_norm, grad_accumulation_factor, noprogressbar) apply to the encoder's stage; a
+    command-line ``--max_grad_norm`` replaces ``pretrain_max_grad_norm`` as it replaces the
+    clients' ``max_grad_norm``. ``make_dataset(csv, data_folder)`` is the recipe's data
+    pipeline.
     """
     if hparams["model"] != "tiny":
         return hparams["model"], {}
@@ -46,17 +57,19 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset
             "training speakers of a real MLS folder, or use a real preset such as "
             "whisper_tinyllama"
         )
-    max_grad_norm = run_opts.get("max_grad_norm", hparams["pretrain_max_grad_norm"])
-    accumulation = int(run_opts.get("grad_accumulation_factor", 1))
-    precision = run_opts.get("precision", "fp32")
+    options = {
+        "max_grad_norm": run_opts.get("max_grad_norm", hparams["pretrain_max_grad_norm"]),
+        "grad_accumulation_factor": int(run_opts.get("grad_accumulation_factor", 1)),
+        "precision": run_opts.get("precision", "fp32"),
+    }
     key = {
-        "steps": hparams["pretrain_steps"],
+        "init": "encoder_ctc+text_lm",
         "ctc_steps": hparams["pretrain_ctc_steps"],
+        "lm_steps": hparams["pretrain_lm_steps"],
+        "speech_steps": hparams["pretrain_speech_steps"],
         "lr": hparams["pretrain_lr"],
         "batch_size": hparams["pretrain_batch_size"],
-        "connector": hparams["connector"],
         "downsample_k": hparams["downsample_k"],
-        "ctc_weight": hparams["ctc_weight"],
         "prompt": hparams["prompt"],
         "seed": hparams["seed"],
         "data": os.path.abspath(data_folder),
@@ -65,55 +78,21 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset
         "public_manifest": file_digest(public_csv),
         "languages": list(hparams["languages"]),
     }
-    # Run options that change the trained weights join the key only when not at their defaults
-    # (so existing caches stay valid).
-    for name, value, default in (
-        ("max_grad_norm", max_grad_norm, 1.0),
-        ("grad_accumulation_factor", accumulation, 1),
-        ("precision", precision, "fp32"),
-    ):
-        if value != default:
-            key[name] = value
+    # Run options that change the trained weights join the key only when not at their defaults.
+    defaults = {"max_grad_norm": 1.0, "grad_accumulation_factor": 1, "precision": "fp32"}
+    for name, default in defaults.items():
+        if options[name] != default:
+            key[name] = options[name]
 
     def build(folder):
-        logger.info("Pretraining the tiny seed model on the public split (%s steps)", key["steps"])
-        model = build_speech_llm(
-            "tiny",
-            cache_dir=hparams["cache_folder"],
-            freeze_encoder=False,
-            lora_r=0,
-            connector=hparams["connector"],
-            downsample_k=hparams["downsample_k"],
-            ctc_weight=hparams["ctc_weight"],
-            prompt=hparams["prompt"],
-            seed=hparams["seed"],
-            device=run_opts.get("device") or "cpu",
+        _pretrain_parts(
+            folder,
+            hparams=hparams,
+            public_csv=public_csv,
+            dataset=make_dataset(public_csv, data_folder),
+            options=options,
+            run_opts=run_opts,
         )
-        loader = sb.dataio.dataloader.make_dataloader(
-            make_dataset(public_csv, data_folder),
-            batch_size=hparams["pretrain_batch_size"],
-            shuffle=True,
-        )
-        history = pretrain_seed_model(
-            model,
-            _Batches(loader),
-            steps=hparams["pretrain_steps"],
-            lr=hparams["pretrain_lr"],
-            warmup_steps=min(30, hparams["pretrain_steps"] // 10),
-            ctc_warmup_steps=hparams["pretrain_ctc_steps"] if hparams["ctc_weight"] > 0 else 0,
-            max_grad_norm=max_grad_norm,
-            grad_accumulation_factor=accumulation,
-            precision=precision,
-            progressbar=not run_opts.get("noprogressbar", False),
-            log_every=50,
-        )
-        model.to("cpu").save_pretrained(folder)
-        tail = history["loss"][-20:]
-        hparams["train_logger"].log_stats(
-            stats_meta={"stage": "seed pretraining", "steps": key["steps"]},
-            train_stats={"loss": sum(tail) / len(tail)},
-        )
-        logger.info("Seed model pretrained (final loss %.3f)", sum(tail) / len(tail))
 
     return cached_seed_model(
         cache_folder=hparams["cache_folder"],
@@ -122,6 +101,101 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset
         build=build,
         marker="speech_llm.json",
     )
+
+
+def _pretrain_parts(folder, *, hparams, public_csv, dataset, options, run_opts):
+    """Pretrain the tiny encoder (CTC) and LLM (text, then speech) and save them without connector.
+
+    1. Encoder: the encoder and a character CTC head on the public audio for
+       ``pretrain_ctc_steps`` (past CTC's blank-only phase, where every frame predicts blank).
+    2. LLM: the LLM alone on the public transcripts for ``pretrain_lm_steps``, each
+       ``<bos> prompt transcript </s>`` (:func:`speechbrain_fl.models.pretrain.pretrain_text_lm`).
+    3. Speech (``pretrain_speech_steps`` > 0): every weight on the public audio through a
+       pretraining connector, transcript cross-entropy; the LLM learns to read audio tokens,
+       which a 2-layer LM trained on text alone does not learn through LoRA in the federated
+       stage's budget (recipes/MLS/README.md). 0 is the paper's initialisation.
+
+    Neither the connector nor the CTC head is saved: :func:`build_speech_llm` draws a fresh
+    connector when it loads the folder, as it does for the hub checkpoints.
+    """
+    logger.info(
+        "Pretraining the tiny seed model on the public split: encoder CTC %s steps, LLM text %s "
+        "steps, speech %s steps",
+        hparams["pretrain_ctc_steps"],
+        hparams["pretrain_lm_steps"],
+        hparams["pretrain_speech_steps"],
+    )
+    model = build_speech_llm(
+        "tiny",
+        cache_dir=hparams["cache_folder"],
+        freeze_encoder=False,
+        lora_r=0,
+        downsample_k=hparams["downsample_k"],
+        ctc_weight=1.0,
+        prompt=hparams["prompt"],
+        seed=hparams["seed"],
+        device=run_opts.get("device") or "cpu",
+    )
+    batches = _Batches(
+        sb.dataio.dataloader.make_dataloader(
+            dataset, batch_size=hparams["pretrain_batch_size"], shuffle=True
+        )
+    )
+    stats = {"encoder_ctc": _audio_stage(model, batches, hparams, options, run_opts, ctc=True)}
+    with open(public_csv, newline="", encoding="utf-8") as handle:
+        texts = [(row["wrd"], row["language"]) for row in csv.DictReader(handle)]
+    steps = hparams["pretrain_lm_steps"]
+    text = pretrain_text_lm(
+        model,
+        texts,
+        steps=steps,
+        lr=hparams["pretrain_lr"],
+        batch_size=hparams["pretrain_batch_size"],
+        warmup_steps=min(30, steps // 10),
+        max_grad_norm=options["max_grad_norm"],
+        seed=hparams["seed"],
+    )
+    stats["llm_text_loss"] = _tail_mean(text["loss"])
+    if hparams["pretrain_speech_steps"] > 0:
+        model.ctc_weight = 0.0  # the speech stage's loss is the transcript CE alone
+        stats["speech_loss"] = _audio_stage(model, batches, hparams, options, run_opts, ctc=False)
+    model.to("cpu").save_pretrained(folder)
+    (folder / "extra.safetensors").unlink()  # no connector, no CTC head in the seed
+    hparams["train_logger"].log_stats(
+        stats_meta={
+            "stage": "seed pretraining",
+            **{k: hparams[f"pretrain_{k}_steps"] for k in ("ctc", "lm", "speech")},
+        },
+        train_stats=stats,
+    )
+    logger.info(
+        "Seed model pretrained (%s)", ", ".join(f"{k} {v:.3f}" for k, v in stats.items())
+    )
+
+
+def _audio_stage(model, batches, hparams, options, run_opts, *, ctc):
+    """One audio stage of the seed: CTC alone (``ctc``) or transcript CE; its final loss."""
+    steps = hparams["pretrain_ctc_steps" if ctc else "pretrain_speech_steps"]
+    history = pretrain_seed_model(
+        model,
+        batches,
+        steps=steps,
+        lr=hparams["pretrain_lr"],
+        warmup_steps=min(30, steps // 10),
+        ctc_warmup_steps=steps if ctc else 0,
+        max_grad_norm=options["max_grad_norm"],
+        grad_accumulation_factor=options["grad_accumulation_factor"],
+        precision=options["precision"],
+        progressbar=not run_opts.get("noprogressbar", False),
+        log_every=50,
+    )
+    return _tail_mean(history["ctc" if ctc else "loss"])
+
+
+def _tail_mean(values, count=20):
+    """Mean of the last ``count`` values (a stage's final loss)."""
+    tail = list(values)[-count:]
+    return sum(tail) / len(tail)
 
 
 class _Batches:

@@ -413,12 +413,15 @@ RECIPE = FederatedRecipe(
         "corpus_eval_utterances_per_speaker": 2,
         "corpus_workers": 1,  # 70 utterances: spawning synthesis workers costs more
         "number_of_rounds": 2,
-        "pretrain_steps": 4,
         "pretrain_ctc_steps": 2,
+        "pretrain_lm_steps": 2,
+        "pretrain_speech_steps": 2,
         "profile_rounds": 1,
         "ema_warmup_rounds": 1,
         "bootstrap_resamples": 200,
     },
+    # 4 debug clients at the default q = 0.1 would leave most debug rounds without a client
+    debug_values={"sampling_rate": lambda hp: max(hp["sampling_rate"], 0.5)},
 )
 
 

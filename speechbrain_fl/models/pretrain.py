@@ -5,6 +5,9 @@ checkpoints, so the tiny random model is first trained centrally (all weights, A
 warm-up then cosine decay) on the public speakers, saved with ``SpeechLLM.save_pretrained`` and
 reloaded as the federated starting point. A plain loop rather than ``sb.Brain.fit`` because it is
 a one-off step over an arbitrary iterable of batches, run before the recipe's Brain exists.
+:func:`pretrain_text_lm` trains the LLM alone on text (the stand-in for a pretrained LLM such as
+TinyLlama); with ``ctc_warmup_steps == steps``, :func:`pretrain_seed_model` trains the encoder
+alone as a CTC acoustic model (the stand-in for Whisper).
 :func:`train_steps` is the same loop for any other seed model (a loss function per batch).
 """
 
@@ -19,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from speechbrain_fl.models.speech_llm import SpeechLLM, SpeechLLMOutput
+from speechbrain_fl.models.speech_llm import SpeechLLM, SpeechLLMOutput, causal_lm_loss
 
 logger = logging.getLogger(__name__)
 
@@ -279,3 +282,115 @@ def train_steps(
             bar.update(1)
             bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     return losses
+
+
+def pretrain_text_lm(
+    model: SpeechLLM,
+    texts: Sequence[tuple[str, str | None]],
+    *,
+    steps: int,
+    lr: float = 1e-3,
+    batch_size: int = 32,
+    weight_decay: float = 0.01,
+    warmup_steps: int = 0,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+    log_every: int = 50,
+) -> dict[str, list[float] | float]:
+    """Train the speech-LLM's LLM alone as a causal LM on text (the stand-in for TinyLlama).
+
+    Each sequence is ``<bos> prompt(language) transcript </s>``, the model's own text layout
+    without the audio tokens, and the loss is the causal LM cross-entropy over the transcript
+    tokens and the end token (the prompt is context, as in :meth:`SpeechLLM.forward`):
+    ``L = -(1/S) sum_s log p(y_s | <bos>, prompt, y_<s)``. Only ``model.llm`` trains (AdamW,
+    linear warm-up then cosine decay, gradient-norm clipping); the encoder and the connector are
+    left as they are. Batches are drawn with replacement by a generator seeded with ``seed``.
+
+    Arguments
+    ---------
+    model : SpeechLLM
+        Built with ``lora_r=0`` (every LLM weight trains).
+    texts : sequence of (str, str or None)
+        ``(transcript, language)`` pairs; the language fills the prompt's ``{language}``.
+    steps, batch_size : int
+        Optimiser steps and sequences per step.
+    lr, weight_decay, max_grad_norm : float
+        AdamW settings and the clipping bound (<= 0 disables it).
+    warmup_steps : int
+        Linear warm-up steps.
+    seed : int
+        Seed of the batch draws.
+    log_every : int
+        Log the loss every this many steps (0: never).
+
+    Returns
+    -------
+    dict
+        ``loss`` per step and ``seconds`` spent.
+
+    Example
+    -------
+    >>> import tempfile
+    >>> from speechbrain_fl.models.presets import build_speech_llm
+    >>> model = build_speech_llm("tiny", cache_dir=tempfile.mkdtemp(), lora_r=0, seed=0)
+    >>> out = pretrain_text_lm(model, [("hello", None)] * 4, steps=20, lr=1e-2, batch_size=2)
+    >>> out["loss"][-1] < out["loss"][0]
+    True
+    """
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"steps and batch_size must be >= 1, got {steps} and {batch_size}")
+    if not texts:
+        raise ValueError("pretrain_text_lm got no texts")
+    if any("lora_" in name for name, _ in model.named_parameters()):
+        raise ValueError("pretrain_text_lm needs a model built with lora_r=0")
+    llm = model.llm
+    params = list(llm.parameters())
+    for param in params:
+        param.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, steps)
+    generator = torch.Generator().manual_seed(seed)
+    history: list[float] = []
+    start = time.perf_counter()
+    llm.train()
+    for step in range(steps):
+        picks = torch.randint(len(texts), (batch_size,), generator=generator).tolist()
+        loss = _text_lm_loss(model, [texts[i] for i in picks])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        history.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            logger.info("text LM pretraining step %d/%d loss %.4f", step + 1, steps, history[-1])
+    llm.eval()
+    return {"loss": history, "seconds": time.perf_counter() - start}
+
+
+def _text_lm_loss(model: SpeechLLM, batch: Sequence[tuple[str, str | None]]) -> torch.Tensor:
+    """Causal LM cross-entropy of ``<bos> prompt transcript </s>`` rows over the transcripts.
+
+    Rows are right-padded; labels are -100 on the prefix and the padding.
+    """
+    device = next(model.llm.parameters()).device
+    head = [model.bos_id] if model.bos_id is not None else []
+    targets = model.tokenize_transcripts([text for text, _ in batch])
+    rows, labels = [], []
+    for (_, language), target in zip(batch, targets, strict=True):
+        prefix = head + model.prompt_ids(language)
+        rows.append(prefix + target)
+        labels.append([-100] * len(prefix) + target)
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), model.pad_id, dtype=torch.long)
+    label_ids = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, label) in enumerate(zip(rows, labels, strict=True)):
+        ids[i, : len(row)] = torch.tensor(row)
+        label_ids[i, : len(row)] = torch.tensor(label)
+        mask[i, : len(row)] = 1
+    logits = model.llm(
+        input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False
+    ).logits
+    return causal_lm_loss(logits, label_ids.to(device))

@@ -22,24 +22,24 @@ def _hparams(method_file="flat", /, **overrides):
     return hparams
 
 
-@pytest.mark.parametrize(("model", "name"), [("tiny", "SGD"), ("voxtral", "AdamW")])
-def test_opt_class_sgd_keeps_the_gradient_imbalance_adamw_erases_it(model, name):
-    """One step of each preset's ``opt_class`` on two tensors whose gradients differ 10x: the
-    base's SGD moves them 10x apart, the real presets' AdamW (a tagged preset value) not."""
+@pytest.mark.parametrize("model", ["tiny", "voxtral"])
+def test_opt_class_is_adamw_which_erases_the_gradient_imbalance(model):
+    """One step of each preset's ``opt_class`` (the paper's AdamW) on two tensors whose
+    gradients differ 10x: both move by ~lr per coordinate, so the update norms do not keep the
+    gradients' 10x imbalance."""
     opt_class = _hparams(model=model)["opt_class"]
     small, large = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
     opt = opt_class([{"params": [small, large]}], lr=0.1)
-    assert type(opt).__name__ == name and opt.defaults["weight_decay"] == 0.0
+    assert type(opt).__name__ == "AdamW" and opt.defaults["weight_decay"] == 0.0
     small.grad, large.grad = torch.full((4,), 0.01), torch.full((4,), 0.1)
     opt.step()
-    expected = 10.0 if name == "SGD" else 1.0
-    assert float(large.norm() / small.norm()) == pytest.approx(expected, rel=1e-3)
+    assert float(large.norm() / small.norm()) == pytest.approx(1.0, rel=1e-3)
 
 
 def test_round_cosine_lr_decays_to_its_floor():
     schedule = _hparams()["lr_schedule"]
-    assert schedule(1, 10) == pytest.approx(0.3)
-    assert schedule(11, 10) == pytest.approx(0.03)
+    assert schedule(1, 10) == pytest.approx(0.003)
+    assert schedule(11, 10) == pytest.approx(0.0003)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,8 @@ def test_frozen_alpha_split_budgets_are_eq13_at_alpha_zero_and_use_all_of_c():
     assert sum(b**2 for b in literal.values()) ** 0.5 == pytest.approx(clip * 0.95**0.5)
 
 
-def test_default_trains_both_adapters_and_not_the_connector_or_ctc_head():
+def test_default_trains_both_adapters_and_the_connector_not_the_ctc_head():
+    """The paper's federated set: encoder LoRA, LLM LoRA and the connector (from scratch)."""
     options = mls_settings.model_options(_hparams())
     assert options["train_llm_lora"] and not options["freeze_encoder"]
-    assert options["connector_treatment"] == "freeze" and options["ctc_treatment"] == "off"
+    assert options["connector_treatment"] == "train" and options["ctc_treatment"] == "off"

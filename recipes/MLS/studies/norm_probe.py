@@ -35,7 +35,7 @@ from speechbrain_fl.fl.params import trainable_state  # noqa: E402
 from speechbrain_fl.fl.profile import pool_norms  # noqa: E402
 from speechbrain_fl.recipe.schedules import RoundCosineLR  # noqa: E402
 
-#: The optimizers a setting names: base.yaml's SGD and the real presets' AdamW.
+#: The optimizers a setting names: SGD with momentum (ours) and the paper's AdamW (base.yaml's).
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, momentum=0.9, weight_decay=0.0),
     "adamw": functools.partial(torch.optim.AdamW, weight_decay=0.0),
