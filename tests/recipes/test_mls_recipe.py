@@ -88,6 +88,24 @@ def test_simulated_deployment_is_labelled(tmp_path, recipe_cache):
 
 
 @pytest.mark.slow
+def test_secure_aggregation_keeps_the_accountant(tmp_path, recipe_cache, recipe_run):
+    """alpha-split under SecAgg+: the same mechanism and epsilon, the trust model disclosed."""
+    plain = json.loads(
+        (recipe_run(MLS_ROWS["alpha_split"].id).output_folder / "results.json").read_text()
+    )["privacy"]
+    out = tmp_path / "out"
+    _run(out, recipe_cache, "--secure_aggregation", "secaggplus", "--audit_canaries", "0",
+         hparams="alpha_split")  # fmt: skip
+    privacy = json.loads((out / "results.json").read_text())["privacy"]
+    assert privacy["trust_model"]["name"] == "secure_aggregation"
+    assert plain["trust_model"]["name"] == "central"
+    assert privacy["epsilon"] == pytest.approx(plain["epsilon"], rel=1e-12)
+    assert privacy["sigma_eff"] == pytest.approx(plain["sigma_eff"])
+    with open(out / "rounds.csv", newline="", encoding="utf-8") as handle:
+        assert len(list(csv.DictReader(handle))) == 3  # round 0 and both rounds released
+
+
+@pytest.mark.slow
 def test_recipe_frozen_encoder_from_recipe_dir(tmp_path, recipe_cache):
     """Run from recipes/MLS/ with the encoder frozen: no encoder group is trained or clipped."""
     out = tmp_path / "out"
