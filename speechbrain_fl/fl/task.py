@@ -35,6 +35,7 @@ import yaml
 from flwr.app import Context
 
 from .client import ClientTask
+from .secagg_config import trust_model
 from .server import ServerTask
 
 __all__ = ["APP_ROOT", "FLTask", "TaskSpec", "import_factory", "load_task", "resolved_settings"]
@@ -278,7 +279,8 @@ class SpecServer:
 
 RESOLVED_FIELDS = ("num_rounds", "sampling_rate", "method", "clip", "noise_multiplier",
                    "local_epochs", "delta", "max_epsilon", "accountant", "population_size",
-                   "noise_cohort_size", "accounting_population", "output_folder")  # fmt: skip
+                   "noise_cohort_size", "accounting_population", "secure_aggregation",
+                   "output_folder")  # fmt: skip
 
 
 def resolved_settings(config: Any) -> str:
@@ -286,13 +288,20 @@ def resolved_settings(config: Any) -> str:
 
     The script (``run_simulation``) and ``flwr run`` (the ServerApp) print the same line for
     the same hparams, whatever way the values came (hparams file, typed run-config keys,
-    overrides).
+    overrides). It ends with the run's trust model (results.json's ``privacy.trust_model``
+    name, :func:`.secagg_config.trust_model`), so a ``flwr run`` whose recipe writes no
+    results.json still states in the ServerApp's log whether the server saw each update.
 
     Example
     -------
     >>> from speechbrain_fl.fl.config import FLConfig
     >>> resolved_settings(FLConfig(output_folder="o", num_rounds=2))[:45]
     'federated settings: num_rounds=2 sampling_rat'
+    >>> resolved_settings(FLConfig(output_folder="o")).split()[-1]
+    "trust_model='central'"
     """
     values = " ".join(f"{name}={getattr(config, name, None)!r}" for name in RESOLVED_FIELDS)
-    return f"federated settings: {values}"
+    line = f"federated settings: {values}"
+    if hasattr(config, "secure_aggregation"):
+        line += f" trust_model={trust_model(config)['name']!r}"
+    return line

@@ -338,7 +338,7 @@ SUPERB_TINY = {
     "corpus_options": {"train_speakers": 4, "valid_speakers": 1, "test_speakers": 2,
                        "repeats": 1, "unknown_words_per_speaker": 2, "noise_seconds": 3},
     "public_corpus_options": {"splits": {"public": 2}, "utterances_per_speaker": 2},
-    "num_clients": 2, "sampling_rate": 1.0, "pretrain_ctc_steps": 2, "debug": True,
+    "num_clients": 2, "sampling_rate": 1.0, "pretrain_steps": 2, "debug": True,
 }  # fmt: skip
 
 

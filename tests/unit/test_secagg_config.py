@@ -74,3 +74,15 @@ def test_a_resume_may_not_change_the_trust_model():
                                population_size=4, layout=layout)  # fmt: skip
     with pytest.raises(ValueError, match="change secure_aggregation from 'secaggplus' to None"):
         check_privacy_settings(central, secure, source="state")
+
+
+def test_the_resolved_settings_line_names_the_trust_model():
+    """Both engines log this line at start; under ``flwr run`` it is the disclosure a recipe
+    without results.json leaves (the ServerApp's log)."""
+    from speechbrain_fl.fl.task import resolved_settings
+
+    line = resolved_settings(FLConfig(**BASE))
+    assert "secure_aggregation='secaggplus'" in line
+    assert line.endswith("trust_model='secure_aggregation'")
+    central = resolved_settings(FLConfig(**{**BASE, "secure_aggregation": None}))
+    assert "secure_aggregation=None" in central and central.endswith("trust_model='central'")
