@@ -133,13 +133,24 @@ def check_task(task):
     return TASKS[task]
 
 
+def _keyed_folder(hparams, name, options):
+    """``<cache_folder>/<name>_<tag>``, the tag a digest of the seed and the generator's options.
+
+    Corpora of other seeds or sizes get folders of their own, so runs that differ in them can
+    share one ``cache_folder`` (side by side too) without one rebuilding the corpus another
+    is reading.
+    """
+    tag = cache_tag({"seed": int(hparams["seed"]), **dict(options)})
+    return os.path.join(hparams["cache_folder"], f"{name}_{tag}")
+
+
 def _generate(hparams, spec):
     """Generate (cached) the embedded corpus of the task; return its folder."""
     from speechbrain_fl.data import superb_synth
 
     options = dict(hparams["corpus_options"] or {})
     name = spec["corpus"] if spec["corpus"] != "speech_commands" else f"sc_v{spec['version']}"
-    folder = os.path.join(hparams["cache_folder"], f"{name}_synth")
+    folder = _keyed_folder(hparams, f"{name}_synth", options)
     if spec["corpus"] == "speech_commands":
         superb_synth.generate_speech_commands(
             folder, version=spec["version"], seed=hparams["seed"], **options
@@ -239,11 +250,10 @@ def prepare_task(hparams):
     if hparams["model"] == "tiny" and hparams["pretrain_objective"] != "none":
         from librispeech_prepare import prepare_librispeech
 
-        public_folder = os.path.join(hparams["cache_folder"], "public_librispeech_synth")
-        generate_librispeech(
-            public_folder, seed=hparams["seed"], **dict(hparams["public_corpus_options"])
-        )
-        public_save = os.path.join(hparams["cache_folder"], "public_manifests")
+        public_options = dict(hparams["public_corpus_options"])
+        public_folder = _keyed_folder(hparams, "public_librispeech_synth", public_options)
+        generate_librispeech(public_folder, seed=hparams["seed"], **public_options)
+        public_save = f"{public_folder}_manifests"
         prepare_librispeech(public_folder, public_save, splits=("public",))
         public = (os.path.join(public_save, "public.csv"), public_folder)
     return {

@@ -275,7 +275,8 @@ def inject_fault(row: FaultRow, cache: Path) -> Path:
     bytes (the header, which still reads) and overwrites the rest with noise, so that it fails
     only when its frames are decoded, in training.
     """
-    corpus = cache / Path(row.target).parts[0]
+    head = Path(row.target).parts[0]  # the corpus folder (a glob: its name carries a digest)
+    corpus = next(iter(sorted(cache.glob(head))), cache / head)
     skip = _listed(corpus)
     for path in sorted(cache.glob(row.target)):
         if path.is_file() and path.relative_to(corpus).as_posix() not in skip:

@@ -132,3 +132,21 @@ def test_iemocap_fold_and_merge(tmp_path):
     assert report["dropped"] == {"fru": 3 * 2 * 2}  # 3 sessions x 2 speakers x 2
     with pytest.raises(OSError, match=r"Session4/dialog/EmoEvaluation.*iemocap"):
         prepare_iemocap(str(root), str(tmp_path / "save4"), test_session=4)
+
+
+def test_embedded_corpora_of_other_seeds_live_side_by_side(tmp_path):
+    """Two seeds' embedded corpora get folders of their own in one cache_folder: generating
+    the second leaves the first's files in place (a run reading it is not disturbed)."""
+    from superb_data import TASKS, _generate
+
+    options = {"train_speakers": 1, "valid_speakers": 1, "test_speakers": 1, "repeats": 1,
+               "unknown_words_per_speaker": 1, "noise_seconds": 1}  # fmt: skip
+    hparams = {"cache_folder": str(tmp_path), "corpus_options": options, "seed": 1}
+    first = Path(_generate(hparams, TASKS["kws12"]))
+    files = sorted(p.relative_to(first) for p in first.rglob("*.wav"))
+    second = Path(_generate({**hparams, "seed": 2}, TASKS["kws12"]))
+    assert first != second and first.parent == second.parent == tmp_path
+    assert sorted(p.relative_to(first) for p in first.rglob("*.wav")) == files
+    assert _generate(hparams, TASKS["kws12"]) == str(first)  # the same key: the same folder
+    bigger = _generate({**hparams, "corpus_options": {**options, "repeats": 2}}, TASKS["kws12"])
+    assert bigger not in (str(first), str(second))
