@@ -168,9 +168,7 @@ def _pretrain_parts(folder, *, hparams, public_csv, dataset, options, run_opts):
         },
         train_stats=stats,
     )
-    logger.info(
-        "Seed model pretrained (%s)", ", ".join(f"{k} {v:.3f}" for k, v in stats.items())
-    )
+    logger.info("Seed model pretrained (%s)", ", ".join(f"{k} {v:.3f}" for k, v in stats.items()))
 
 
 def _audio_stage(model, batches, hparams, options, run_opts, *, ctc):
