@@ -437,10 +437,11 @@ def seed_model_folder(hparams, public):
     back by ``Wav2Vec2Model.from_pretrained``. ``pretrain_objective`` (ours):
 
     - ``none`` (default): the random tiny model, no pretraining (random initialisation
-      everywhere; the bag-of-words seed was measured to transfer nothing);
+      everywhere);
     - ``bag_of_words``: predict which words of the sentence vocabulary occur
       (multi-label BCE) from the stat-pooled hidden state of *every* exit, losses summed, so
-      each exit's representation becomes content-aware;
+      each exit's representation becomes content-aware (with 64 public speakers x 16
+      sentences and 1000 steps it lifts KWS-35 by about 0.12-0.13 at exits 3 and 6);
     - ``ctc``: character CTC after layer 12, the objective of the paper's initialisation
       (LibriSpeech-100h fine-tuning). Measured here: 200 CPU steps leave it in CTC's all-blank
       phase (loss 2.9), and KWS federated training from that seed stalled at ln 12, so it is

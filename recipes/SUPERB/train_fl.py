@@ -16,7 +16,7 @@ exit) and heterogeneous (half the clients at exit 3, half at the task's best exi
 Without ``data_folder`` the recipe generates the task's corpus with espeak-ng in the real
 layout, starts the tiny model from random weights (``pretrain_objective: none``; a
 pretraining on a generated LibriSpeech-style ``public`` split, ``bag_of_words`` or ``ctc``,
-is an option whose benefit was not shown) and runs on CPU. Federated scenarios run the task factory ``superb_task.py:superb_task`` (the one ``flwr
+is an option: README, *Embedded corpora*) and runs on CPU. Federated scenarios run the task factory ``superb_task.py:superb_task`` (the one ``flwr
 run`` loads) on the Simulation Engine.
 
 To run this recipe (from the repository root or from recipes/SUPERB/):
