@@ -192,15 +192,32 @@ def test_every_model_preset_states_its_clip():
         assert _plain(path)["clip"] == PRESET_CLIP[path.stem], path.name
 
 
+def _readme_defaults(readme: str) -> list[tuple[str, str]]:
+    """``(key, literal)`` of every default the README's hyperparameter table states.
+
+    A row states its defaults as `` `key: value` `` pairs in its Default cell (several related
+    keys may share a row), or names one key first (`` | `key`: what it is | `value` | ``).
+    """
+    section = readme[readme.index("# Hyperparameters") :]
+    pairs = []
+    for description, default in re.findall(r"^\| (.*) \| (.*) \|$", section, flags=re.M):
+        found = re.findall(r"`([a-z_]+): ([^`]*)`", default)
+        single = re.fullmatch(r"`([a-z_]+)`: .*", description)
+        if not found and single and re.fullmatch(r"`[^`]*`", default.split(" (")[0].strip()):
+            found = [(single.group(1), default.split(" (")[0].strip().strip("`"))]
+        pairs += found
+    return pairs
+
+
 def test_readme_hyperparameter_table_matches_base_yaml():
-    """Every ``| `key`: ... | `value` |`` row of the recipe README names a base.yaml key, and
-    a single literal default in the value cell equals the key's value in base.yaml."""
+    """Every default the recipe README's hyperparameter table states names a base.yaml key, and
+    a plain literal default equals the key's value in base.yaml."""
     readme = (HPARAMS.parent / "README.md").read_text()
     base = _plain(HPARAMS / "base.yaml")
-    rows = re.findall(r"^\| `([a-z_]+)`: [^\n]*\| `([^`]*)`([^|]*)\|$", readme, flags=re.M)
+    rows = _readme_defaults(readme)
     assert len(rows) > 40, "the README's hyperparameter table was not found"
     wrong = []
-    for key, literal, _rest in rows:
+    for key, literal in rows:
         assert key in base, f"README documents {key!r}, which base.yaml does not have"
         if base[key] is None and literal != "null" or ":" in literal:
             continue  # a !ref/!new value or a mapping, described in words
