@@ -465,6 +465,7 @@ def seed_model_folder(hparams, public):
         "steps": hparams["pretrain_steps"],
         "lr": hparams["pretrain_lr"],
         "batch_size": hparams["pretrain_batch_size"],
+        "exits": [12] if objective == "ctc" else sorted(hparams["pretrain_exits"]),
         "seed": hparams["seed"],
         "public": file_digest(csv_path),
     }
@@ -489,8 +490,8 @@ def _pretrain_seed(folder, *, hparams, objective, csv_path, data_folder):
     """Pretrain the tiny model centrally with ``objective``; save its backbone to ``folder``.
 
     ``ctc``: loss = CTC of the characters at layer 12. ``bag_of_words``: loss =
-    sum over the exits e of BCE(logits_e, y), y_w = 1 if vocabulary word w occurs in the
-    sentence; AdamW with a one-cycle lr (peak ``pretrain_lr``, 10% warmup), gradients clipped
+    sum over the exits e in ``pretrain_exits`` of BCE(logits_e, y), y_w = 1 if vocabulary word
+    w occurs in the sentence; AdamW with a one-cycle lr (peak ``pretrain_lr``, 10% warmup), gradients clipped
     to norm 5.
     """
     from transformers import Wav2Vec2Model
@@ -508,7 +509,7 @@ def _pretrain_seed(folder, *, hparams, objective, csv_path, data_folder):
     model = MultiExitWav2Vec2(
         Wav2Vec2Model.from_pretrained(source),
         num_outputs=len(CTC_ALPHABET) + 1 if ctc else len(vocab),
-        exits=(12,) if ctc else (3, 6, 9, 12),
+        exits=(12,) if ctc else tuple(sorted(hparams["pretrain_exits"])),
         head="ctc" if ctc else "utterance",
     )
     index = {w: i for i, w in enumerate(vocab)}

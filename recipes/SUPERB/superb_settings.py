@@ -149,6 +149,16 @@ def check_hparams(hparams):
             f"pretrain_objective: {hparams['pretrain_objective']!r} must be 'none', "
             "'bag_of_words' or 'ctc'"
         )
+    pretrain_exits = hparams["pretrain_exits"]
+    if (
+        not isinstance(pretrain_exits, list | tuple)
+        or not pretrain_exits
+        or not set(pretrain_exits) <= set(hparams["exits"])
+    ):
+        raise ValueError(
+            f"pretrain_exits: {pretrain_exits!r} must be a non-empty list of exits from "
+            f"exits {list(hparams['exits'])}"
+        )
     _check_training(hparams)
     # the engine config's own checks (rounds, sampling, timeouts, ...), before any work
     fl_config(hparams)

@@ -33,7 +33,7 @@ from speechbrain_fl.privacy import Layout, clip_update
 
 from .config import FLConfig
 from .replies import BufferPool, ReplyLimits, ReplyRejected, parse_train_reply
-from .round_report import RoundFailed, RoundReport, mean_or_none, unreadable_counts
+from .round_report import RoundFailed, RoundReport, cohort_report, mean_or_none
 from .updates import ClientUpdate
 
 __all__ = ["ReplyCollectionMixin"]
@@ -136,20 +136,16 @@ class ReplyCollectionMixin:
             log(WARNING, "round %d: dropped %s", server_round, reason)
         # a fixed summation order makes the float sum independent of reply arrival order
         updates.sort(key=lambda u: (u.metrics.get("partition-id", u.node_id), u.node_id))
-        report = RoundReport(
-            round=server_round,
-            cohort_size=len(self.cohort),
-            population=self.population_size if self.config.private else self.population,
-            num_replied=len(updates),
-            num_failed=len(failures),
-            failures=failures,
+        report = cohort_report(
+            self,
+            server_round,
+            updates,
+            failures,
             train_loss=mean_or_none(
                 [u.metrics["train-loss"] for u in updates if "train-loss" in u.metrics]
             ),
-            connected=self.population,
             ignored=ignored,
             num_dropped=dropped,
-            **unreadable_counts(updates),
         )
         return updates, report
 

@@ -21,6 +21,7 @@ __all__ = [
     "RoundReport",
     "UnreadableTally",
     "client_statistics",
+    "cohort_report",
     "mean_or_none",
     "unreadable_counts",
 ]
@@ -139,6 +140,28 @@ def unreadable_counts(updates: list[ClientUpdate]) -> dict[str, int | list[int]]
         if update.metrics.get("readable-utterances", 1) == 0:
             none.append(int(update.metrics.get("partition-id", update.node_id)))
     return {"unreadable_utterances": total, "none_readable": sorted(none)}
+
+
+def cohort_report(
+    strategy, server_round: int, counted: list[ClientUpdate], failures: list[str], **fields
+) -> RoundReport:
+    """The round's report as both collection paths (plaintext replies, SecAgg+) fill it.
+
+    ``counted`` are the replies that entered the aggregate (their metrics give the unreadable
+    counts), ``failures`` the reasons of the rest; ``population`` is the accounted population
+    in a private run and the connected one otherwise. ``fields`` are further report fields.
+    """
+    return RoundReport(
+        round=server_round,
+        cohort_size=len(strategy.cohort),
+        population=strategy.population_size if strategy.config.private else strategy.population,
+        num_replied=len(counted),
+        num_failed=len(failures),
+        failures=failures,
+        connected=strategy.population,
+        **unreadable_counts(counted),
+        **fields,
+    )
 
 
 @dataclass

@@ -81,7 +81,7 @@ from speechbrain_fl.privacy.secure_encoding import (
 from .global_update import apply_aggregate
 from .layerwise import DEPTH_METRIC
 from .npy_codec import decode_record, encode_record
-from .round_report import RoundFailed, RoundReport, client_statistics, unreadable_counts
+from .round_report import RoundFailed, RoundReport, client_statistics, cohort_report
 from .secagg_config import REVEALED_METRICS, secure_weighting
 from .secure_layerwise import layerwise_average, layerwise_vector, weight_scale
 from .updates import ClientUpdate
@@ -317,16 +317,7 @@ def _report(strategy: Any, server_round: int, revealed: Mapping[int, Mapping]) -
             log(WARNING, "round %d: node %d: %s; refused from now on", server_round, node, reason)
             strategy.refused_nodes[node] = reason
     counted = [ClientUpdate(node, {}, dict(metrics)) for node, metrics in revealed.items()]
-    return RoundReport(
-        round=server_round,
-        cohort_size=len(strategy.cohort),
-        population=strategy.population_size if strategy.config.private else strategy.population,
-        num_replied=len(survivors),
-        num_failed=len(failures),
-        failures=failures,
-        connected=strategy.population,
-        **unreadable_counts(counted),
-    )
+    return cohort_report(strategy, server_round, counted, failures)
 
 
 def release_sum(

@@ -176,13 +176,11 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-STRUCTURE = ("round", "cohort_size", "num_replied", "num_failed", "dropped_replies")
+def _start_toy_nodes(fed: Federation, tmp_path: Path) -> dict[int, int]:
+    """Start the SuperLink and two authenticated SuperNodes, each with its own toy manifest.
 
-
-@pytest.mark.slow
-@pytest.mark.heavy
-def test_toy_nothing_shared_tls_auth(tmp_path, federation):
-    fed = federation
+    Returns the node id -> partition id map the server binds (``node_partitions``).
+    """
     fed.start_superlink()
     bound = {fed.register("node0"): 0, fed.register("node1"): 1}
     settings = toy_settings(overrides={"num_partitions": 2})
@@ -191,6 +189,35 @@ def test_toy_nothing_shared_tls_auth(tmp_path, federation):
         data.mkdir()
         write_toy_manifest(data / "train.csv", settings, pid)
         fed.start_supernode(node, f'partition-id={pid} data-folder="{data}" device="cpu"')
+    return bound
+
+
+def _run_toy_flat_two_rounds(
+    fed: Federation, tmp_path: Path, out: Path, bound: dict[int, int], **extra
+) -> list[dict[str, str]]:
+    """``flwr run`` the toy app for two private flat rounds; wait for round 2; its rows.
+
+    ``extra`` are further overrides of the toy task (e.g. ``secure_aggregation``).
+    """
+    overrides = {"num_partitions": 2, "output_folder": str(out), "seed": 0, "noise_seed": 0,
+                 "node_partitions": bound, **extra}  # fmt: skip
+    run_config = {"num-server-rounds": 2, "method": "flat", "noise-multiplier": 0.5,
+                  "clip": 1.0, "overrides": overrides}  # fmt: skip
+    proc = run_deployment("secure", app_dir=REPO, env=fed.env, timeout=600, run_config=run_config)
+    (tmp_path / "flwr_run.log").write_text(proc.stdout)
+    wait_for(lambda: server_round(out) >= 2, timeout=120, what="round 2",
+             log=tmp_path / "superlink.log")  # fmt: skip
+    return _rows(out / "rounds.csv")
+
+
+STRUCTURE = ("round", "cohort_size", "num_replied", "num_failed", "dropped_replies")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_toy_nothing_shared_tls_auth(tmp_path, federation):
+    fed = federation
+    bound = _start_toy_nodes(fed, tmp_path)
     intruder = fed.start_supernode("intruder", 'partition-id=1 data-folder="/nonexistent"')
     wait_for(lambda: intruder.poll() is not None, timeout=120, what="the intruder's refusal",
              log=tmp_path / "intruder.log")  # fmt: skip
@@ -198,15 +225,7 @@ def test_toy_nothing_shared_tls_auth(tmp_path, federation):
     assert "Failed to activate SuperNode" in (tmp_path / "intruder.log").read_text()
 
     out = tmp_path / "server" / "out"
-    overrides = {"num_partitions": 2, "output_folder": str(out), "seed": 0, "noise_seed": 0,
-                 "node_partitions": bound}  # fmt: skip
-    run_config = {"num-server-rounds": 2, "method": "flat", "noise-multiplier": 0.5,
-                  "clip": 1.0, "overrides": overrides}  # fmt: skip
-    proc = run_deployment("secure", app_dir=REPO, env=fed.env, timeout=600, run_config=run_config)
-    (tmp_path / "flwr_run.log").write_text(proc.stdout)
-    wait_for(lambda: server_round(out) >= 2, timeout=60, what="round 2",
-             log=tmp_path / "superlink.log")  # fmt: skip
-    deployed = _rows(out / "rounds.csv")
+    deployed = _run_toy_flat_two_rounds(fed, tmp_path, out, bound)
     assert [r["round"] for r in deployed] == ["0", "1", "2"]
     assert all(r["num_replied"] == "2" for r in deployed[1:])
     assert float(deployed[2]["epsilon"]) > 0

@@ -110,6 +110,7 @@ def test_secure_aggregation_matches_the_plaintext_run(tmp_path, recipe_cache, re
         ({"mask_time_length": 0}, "mask_time_length: 0 must be an integer >= 1"),
         ({"normalize_input": "yes"}, "normalize_input: 'yes' must be True, False or 'auto'"),
         ({"pretrain_objective": "mse"}, "must be 'none', 'bag_of_words' or 'ctc'"),
+        ({"pretrain_exits": [5]}, r"pretrain_exits: \[5\] must be a non-empty list of exits"),
         ({"pooling": "max"}, "pooling: 'max' must be 'stat' or 'mean'"),
         ({"upstream": "lora"}, "upstream: 'lora' must be 'finetune' or 'frozen'"),
     ],
