@@ -52,16 +52,8 @@ from mls_report import write_speaker_overlap, write_train_statistics  # noqa: E4
 
 logger = logging.getLogger(__name__)
 
-MLS_LANGUAGES = (
-    "english",
-    "german",
-    "dutch",
-    "french",
-    "spanish",
-    "italian",
-    "portuguese",
-    "polish",
-)
+MLS_LANGUAGES = ("english", "german", "dutch", "french", "spanish", "italian", "portuguese",
+                 "polish")  # fmt: skip
 AUDIO_EXTENSIONS = (".flac", ".opus")
 OPTIONS_FILE = "mls_prepare.json"
 SKIPPED_FILE = "skipped.json"
@@ -174,14 +166,9 @@ def prepare_mls(
         logger.info("%s.csv: %d utterances", split, len(rows))
 
     report = _write_reports(
-        save_folder,
-        rows_by_split,
-        skipped=skipped,
-        reasons=reasons,
-        languages=sorted(language_dirs),
-        missing=missing,
-        carved=carved,
-    )
+        save_folder, rows_by_split, skipped=skipped, reasons=reasons,
+        languages=sorted(language_dirs), missing=missing, carved=carved,
+    )  # fmt: skip
     save_prepare_options(save_folder, options, report, name=OPTIONS_FILE)
     return report
 
@@ -556,10 +543,6 @@ def node_train_manifest(node, hparams) -> str:
             f"node_config data-folder={node.data_folder!r}: no usable training utterance in "
             f"its MLS folders ({report['num_skipped']} skipped; see {save_folder}/skipped.json)"
         )
-    logger.info(
-        "SuperNode data: %d training utterances of %s prepared from %s",
-        count,
-        ", ".join(report["languages"]),
-        node.data_folder,
-    )
+    logger.info("SuperNode data: %d training utterances of %s prepared from %s",
+                count, ", ".join(report["languages"]), node.data_folder)  # fmt: skip
     return report["csv"]["train"]
