@@ -439,9 +439,10 @@ def seed_model_folder(hparams, public):
     - ``none`` (default): the random tiny model, no pretraining (random initialisation
       everywhere);
     - ``bag_of_words``: predict which words of the sentence vocabulary occur
-      (multi-label BCE) from the stat-pooled hidden state of *every* exit, losses summed, so
-      each exit's representation becomes content-aware (with 64 public speakers x 16
-      sentences and 1000 steps it lifts KWS-35 by about 0.12-0.13 at exits 3 and 6);
+      (multi-label BCE) from the stat-pooled hidden state of each exit in ``pretrain_exits``
+      (default every exit), losses summed, so those exits become content-aware (with 64
+      public speakers x 16 sentences, 1000 steps and every exit it lifts KWS-35 by about
+      0.12-0.13 at exits 3 and 6);
     - ``ctc``: character CTC after layer 12, the objective of the paper's initialisation
       (LibriSpeech-100h fine-tuning). Measured here: 200 CPU steps leave it in CTC's all-blank
       phase (loss 2.9), and KWS federated training from that seed stalled at ln 12, so it is
