@@ -466,7 +466,7 @@ def seed_model_folder(hparams, public):
         "steps": hparams["pretrain_steps"],
         "lr": hparams["pretrain_lr"],
         "batch_size": hparams["pretrain_batch_size"],
-        "exits": [12] if objective == "ctc" else sorted(hparams["pretrain_exits"]),
+        "exits": list(_loss_exits(hparams, objective)),
         "seed": hparams["seed"],
         "public": file_digest(csv_path),
     }
@@ -487,13 +487,18 @@ def seed_model_folder(hparams, public):
     )
 
 
+def _loss_exits(hparams, objective):
+    """The exits the pretraining loss is read at: 12 for ``ctc``, ``pretrain_exits`` else."""
+    return (12,) if objective == "ctc" else tuple(sorted(set(hparams["pretrain_exits"])))
+
+
 def _pretrain_seed(folder, *, hparams, objective, csv_path, data_folder):
     """Pretrain the tiny model centrally with ``objective``; save its backbone to ``folder``.
 
     ``ctc``: loss = CTC of the characters at layer 12. ``bag_of_words``: loss =
     sum over the exits e in ``pretrain_exits`` of BCE(logits_e, y), y_w = 1 if vocabulary word
-    w occurs in the sentence; AdamW with a one-cycle lr (peak ``pretrain_lr``, 10% warmup), gradients clipped
-    to norm 5.
+    w occurs in the sentence; AdamW with a one-cycle lr (peak ``pretrain_lr``, 10% warmup),
+    gradients clipped to norm 5.
     """
     from transformers import Wav2Vec2Model
 
@@ -510,7 +515,7 @@ def _pretrain_seed(folder, *, hparams, objective, csv_path, data_folder):
     model = MultiExitWav2Vec2(
         Wav2Vec2Model.from_pretrained(source),
         num_outputs=len(CTC_ALPHABET) + 1 if ctc else len(vocab),
-        exits=(12,) if ctc else tuple(sorted(hparams["pretrain_exits"])),
+        exits=_loss_exits(hparams, objective),
         head="ctc" if ctc else "utterance",
     )
     index = {w: i for i, w in enumerate(vocab)}
