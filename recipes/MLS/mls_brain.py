@@ -1,4 +1,4 @@
-"""The MLS recipe's Brain: transcript cross-entropy (+ optional CTC) training and WER decoding.
+"""The MLS recipe's Brain (transcript cross-entropy + optional CTC, WER decoding) and its data.
 
 Its optimizer (``opt_class``), learning-rate schedule over the rounds (``lr_schedule``) and WER
 computer (``error_stats``) are the hparams file's objects.
@@ -10,6 +10,31 @@ Authors
 from __future__ import annotations
 
 import speechbrain as sb
+
+from speechbrain_fl.data.audio_check import guarded_read
+
+
+def make_dataset(csv_path, data_folder, *, skip_unreadable=False):
+    """A DynamicItemDataset yielding ``sig`` (16 kHz waveform), ``wrd`` and ``language``.
+
+    ``skip_unreadable``: a file that fails to decode yields an ``Unreadable`` marker (one log
+    line) that the client's collate function drops (a client's training set), instead of
+    raising (evaluation, where every utterance counts).
+    """
+    dataset = sb.dataio.dataset.DynamicItemDataset.from_csv(
+        csv_path=csv_path, replacements={"data_root": data_folder}
+    )
+
+    @sb.utils.data_pipeline.takes("wav")
+    @sb.utils.data_pipeline.provides("sig")
+    def audio_pipeline(wav):
+        if skip_unreadable:
+            return guarded_read(sb.dataio.dataio.read_audio, wav, wav)
+        return sb.dataio.dataio.read_audio(wav)
+
+    sb.dataio.dataset.add_dynamic_item([dataset], audio_pipeline)
+    sb.dataio.dataset.set_output_keys([dataset], ["id", "sig", "wrd", "language"])
+    return dataset.filtered_sorted(sort_key="duration")
 
 
 class SpeechLLMBrain(sb.Brain):

@@ -376,7 +376,8 @@ def report_run(
         plots=plots,
         extra=[
             format_disclosure(results["privacy"]),
-            f"Model: {final_model} (python recipes/MLS/transcribe.py {final_model} <wav>)",
+            f"Model: {final_model} (python recipes/MLS/transcribe.py {final_model} <wav> "
+            f"--language <{'|'.join(info.get('languages') or hparams['languages'])}>)",
         ],
     )
     return results

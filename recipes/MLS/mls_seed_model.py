@@ -19,21 +19,111 @@ Authors
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
+from pathlib import Path
 
 import speechbrain as sb
 
+from speechbrain_fl.data import mls_synth
 from speechbrain_fl.models.presets import build_speech_llm
 from speechbrain_fl.models.pretrain import pretrain_seed_model, pretrain_text_lm
+from speechbrain_fl.models.tiny import tiny_config_tag
 from speechbrain_fl.recipe import cached_seed_model, file_digest
+from speechbrain_fl.recipe.shipped_seed import shipped_seed_folder
+from speechbrain_fl.recipe.shipped_seed import shipped_seed_serves as serves
 
 logger = logging.getLogger("train_fl")  # the recipe's log name
 
-__all__ = ["seed_model_folder"]
+__all__ = ["SHIPPED_SEED", "seed_model_folder", "seed_settings", "shipped_seed_serves"]
+
+#: The tiny seed model shipped with the recipe (seed.safetensors in float16, seed.json).
+SHIPPED_SEED = Path(__file__).resolve().parent / "seed"
+REBUILD = "python recipes/MLS/build_seed.py"
+#: Run options that change the pretrained weights, at their defaults.
+_RUN_DEFAULTS = {"max_grad_norm": 1.0, "grad_accumulation_factor": 1, "precision": "fp32"}
 
 
-def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset):
+def _pretrain_options(hparams, run_opts):
+    """The run options that apply to the pretraining loops (a command-line --max_grad_norm too)."""
+    return {
+        "max_grad_norm": run_opts.get("max_grad_norm", hparams["pretrain_max_grad_norm"]),
+        "grad_accumulation_factor": int(run_opts.get("grad_accumulation_factor", 1)),
+        "precision": run_opts.get("precision", "fp32"),
+    }
+
+
+def seed_settings(hparams, run_opts):
+    """Everything that shapes the tiny seed's weights when it is pretrained on the embedded
+    corpus: the architecture's tag, the prompt, k, the pretraining keys, the public split's
+    corpus options and the run options of the loops. The shipped seed serves a run exactly
+    when these equal the ones in ``seed/seed.json``."""
+    return {
+        "model": "tiny",
+        "config_tag": tiny_config_tag(),
+        "data": "embedded",
+        "corpus_version": mls_synth._VERSION,
+        "languages": list(hparams["languages"]),
+        "corpus_public_speakers_per_language": hparams["corpus_public_speakers_per_language"],
+        "corpus_public_utterances_per_speaker": hparams["corpus_public_utterances_per_speaker"],
+        "seed": hparams["seed"],
+        "prompt": hparams["prompt"],
+        "downsample_k": hparams["downsample_k"],
+        **{
+            key: hparams[key]
+            for key in ("pretrain_ctc_steps", "pretrain_lm_steps", "pretrain_speech_steps")
+        },
+        "pretrain_lr": hparams["pretrain_lr"],
+        "pretrain_batch_size": hparams["pretrain_batch_size"],
+        **_pretrain_options(hparams, run_opts),
+    }
+
+
+def shipped_seed_serves(hparams, run_opts):
+    """Whether the run starts from the shipped seed: model tiny on the embedded corpus,
+    ``shipped_seed: True`` and the settings of ``seed/seed.json`` (one log line when not)."""
+    if hparams["model"] != "tiny" or hparams["data_folder"] is not None:
+        return False
+    return bool(hparams["shipped_seed"]) and serves(SHIPPED_SEED, seed_settings(hparams, run_opts))
+
+
+def _shipped_folder(hparams, run_opts):
+    """The shipped seed, checked by sha256 and materialised in the cache."""
+    return shipped_seed_folder(
+        SHIPPED_SEED,
+        settings=seed_settings(hparams, run_opts),
+        cache_folder=hparams["cache_folder"],
+        prefix="seed_tiny_shipped",
+        materialise=lambda tensors, folder: _materialise(tensors, folder, hparams),
+        marker="speech_llm.json",
+        rebuild_hint=f", or rebuild it ({REBUILD})",
+    )
+
+
+def _materialise(tensors, folder, hparams):
+    """Write the shipped ``encoder.*`` / ``llm.*`` tensors as a tiny checkpoint folder."""
+    model = build_speech_llm(
+        "tiny", cache_dir=hparams["cache_folder"], freeze_encoder=False, lora_r=0,
+        downsample_k=hparams["downsample_k"], prompt=hparams["prompt"], seed=hparams["seed"],
+    )  # fmt: skip
+    for part in ("encoder", "llm"):
+        state = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(part + ".")}
+        getattr(model, part).load_state_dict(state, strict=True)
+    model.save_pretrained(folder)
+    (folder / "extra.safetensors").unlink()  # no connector, no CTC head in the seed
+
+
+def seed_tensors(folder):
+    """The ``encoder.*`` and ``llm.*`` tensors of a seed checkpoint folder (what is shipped)."""
+    model = build_speech_llm(str(folder), cache_dir=str(folder), freeze_encoder=False, lora_r=0)
+    return {
+        **{f"encoder.{k}": v for k, v in model.encoder.state_dict().items()},
+        **{f"llm.{k}": v for k, v in model.llm.state_dict().items()},
+    }
+
+
+def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset, shipped=False):
     """The starting checkpoint: the preset itself, or the tiny model's encoder and LLM pretrained.
 
     The tiny preset is random; its encoder and LLM are pretrained apart on the embedded
@@ -49,6 +139,8 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset
     """
     if hparams["model"] != "tiny":
         return hparams["model"], {}
+    if shipped:
+        return _shipped_folder(hparams, run_opts), {}
     public_csv = os.path.join(manifests, "public.csv")
     if not os.path.isfile(public_csv):
         raise OSError(
@@ -57,11 +149,7 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset
             "training speakers of a real MLS folder, or use a real preset such as "
             "whisper_tinyllama"
         )
-    options = {
-        "max_grad_norm": run_opts.get("max_grad_norm", hparams["pretrain_max_grad_norm"]),
-        "grad_accumulation_factor": int(run_opts.get("grad_accumulation_factor", 1)),
-        "precision": run_opts.get("precision", "fp32"),
-    }
+    options = _pretrain_options(hparams, run_opts)
     key = {
         "init": "encoder_ctc+text_lm",
         "ctc_steps": hparams["pretrain_ctc_steps"],
@@ -79,8 +167,7 @@ def seed_model_folder(hparams, manifests, data_folder, run_opts, *, make_dataset
         "languages": list(hparams["languages"]),
     }
     # Run options that change the trained weights join the key only when not at their defaults.
-    defaults = {"max_grad_norm": 1.0, "grad_accumulation_factor": 1, "precision": "fp32"}
-    for name, default in defaults.items():
+    for name, default in _RUN_DEFAULTS.items():
         if options[name] != default:
             key[name] = options[name]
 
@@ -161,6 +248,7 @@ def _pretrain_parts(folder, *, hparams, public_csv, dataset, options, run_opts):
         stats["speech_loss"] = _audio_stage(model, batches, hparams, options, run_opts, ctc=False)
     model.to("cpu").save_pretrained(folder)
     (folder / "extra.safetensors").unlink()  # no connector, no CTC head in the seed
+    (folder / "pretraining.json").write_text(json.dumps({"final_loss": stats}, indent=2))
     hparams["train_logger"].log_stats(
         stats_meta={
             "stage": "seed pretraining",

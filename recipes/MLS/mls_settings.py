@@ -41,7 +41,7 @@ PREPARATION_KEYS = (
     "corpus_public_speakers_per_language", "corpus_public_utterances_per_speaker",
     "corpus_eval_utterances_per_speaker", "partition", "num_clients", "seed", "model",
     "pretrain_ctc_steps", "pretrain_lm_steps", "pretrain_speech_steps", "pretrain_lr",
-    "pretrain_batch_size", "pretrain_max_grad_norm", "connector",
+    "pretrain_batch_size", "pretrain_max_grad_norm", "connector", "shipped_seed",
     "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
     "lora_alpha", "gradient_checkpointing", "train_llm_lora", "connector_treatment",
     "ctc_treatment", "corpus_client_rate",
@@ -103,6 +103,8 @@ def check_hparams(hparams):
             "train_llm_lora: False, connector_treatment: freeze and freeze_encoder: True leave "
             "nothing to train"
         )
+    if not isinstance(hparams["shipped_seed"], bool):
+        raise ValueError(f"shipped_seed: {hparams['shipped_seed']!r} must be True or False")
     cache_mb = hparams["feature_cache_mb"]
     if isinstance(cache_mb, bool) or not isinstance(cache_mb, int) or cache_mb < 0:
         raise ValueError(f"feature_cache_mb: {cache_mb!r} must be an integer >= 0 (MB; 0 = off)")

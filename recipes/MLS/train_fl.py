@@ -13,12 +13,10 @@ real MLS layout (8 languages), pretrains a tiny seed model on its public split, 
 federated stage on CPU.
 
 The recipe is a task: :func:`mls_task` is the one factory both engines load. This script runs it
-on the Simulation Engine (Ray) and adds what only a script does (round-0 and final test WER,
-norm profiling, results.json, plots, the final checkpoint); ``flwr run`` loads the same factory
-from this file (``task = "recipes/MLS/train_fl.py:mls_task"``, shipped in the Flower app
-bundle by ``fab-include`` in pyproject.toml) on a simulation federation or the Deployment
-Engine. It stays a script outside the package, as SpeechBrain recipes are; see
-recipes/MLS/README.md for both commands.
+on the Simulation Engine and adds the norm profiling; ``flwr run`` loads the same factory
+(``task = "recipes/MLS/train_fl.py:mls_task"``, shipped in the Flower app bundle by
+``fab-include`` in pyproject.toml), and its ServerApp writes the same outputs (round-0 and
+final test WER, results.json, plots, the final checkpoint). See recipes/MLS/README.md.
 
 To run this recipe (from the repository root or from recipes/MLS/):
 
@@ -49,12 +47,11 @@ from pathlib import Path
 import speechbrain as sb
 import torch
 
-from speechbrain_fl.data.audio_check import guarded_read
 from speechbrain_fl.data.mls_synth import generate_mls_corpus
 from speechbrain_fl.data.partition import partition_manifest, read_manifest
 from speechbrain_fl.fl.client import ClientTask
 from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.fl.params import load_trainable
+from speechbrain_fl.fl.params import load_trainable, trainable_state
 from speechbrain_fl.fl.profile import format_profile, norm_profile, profile_config, write_profile
 from speechbrain_fl.fl.server import ServerTask
 from speechbrain_fl.fl.task import import_factory
@@ -69,7 +66,7 @@ from speechbrain_fl.recipe import (
 
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
-from mls_brain import SpeechLLMBrain  # noqa: E402
+from mls_brain import SpeechLLMBrain, make_dataset  # noqa: E402
 from mls_prepare import node_train_manifest, prepare_mls  # noqa: E402
 from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis API)
     PAPER_SIGMA,
@@ -82,7 +79,7 @@ from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis
     privacy_section,
     report_run,
 )
-from mls_seed_model import seed_model_folder  # noqa: E402
+from mls_seed_model import seed_model_folder, shipped_seed_serves  # noqa: E402
 from mls_settings import (  # noqa: E402
     BRAIN_KEYS,
     BRAIN_OBJECTS,
@@ -99,31 +96,12 @@ TASK = f"{Path(__file__).resolve()}:mls_task"
 # ##########################################################################################
 # Data
 # ##########################################################################################
-def make_dataset(csv_path, data_folder, *, skip_unreadable=False):
-    """A DynamicItemDataset yielding ``sig`` (16 kHz waveform), ``wrd`` and ``language``.
+def dataio_prepare(hparams, *, progressbar=True, shipped=False):
+    """Corpus (embedded if ``data_folder`` is null), manifests and the client partition.
 
-    ``skip_unreadable``: a file that fails to decode yields an ``Unreadable`` marker (one log
-    line) that the client's collate function drops (a client's training set), instead of
-    raising (evaluation, where every utterance counts).
+    ``shipped``: the shipped seed serves the run, so the public split (the seed's pretraining
+    data) is neither synthesised nor prepared; every other utterance is the same file.
     """
-    dataset = sb.dataio.dataset.DynamicItemDataset.from_csv(
-        csv_path=csv_path, replacements={"data_root": data_folder}
-    )
-
-    @sb.utils.data_pipeline.takes("wav")
-    @sb.utils.data_pipeline.provides("sig")
-    def audio_pipeline(wav):
-        if skip_unreadable:
-            return guarded_read(sb.dataio.dataio.read_audio, wav, wav)
-        return sb.dataio.dataio.read_audio(wav)
-
-    sb.dataio.dataset.add_dynamic_item([dataset], audio_pipeline)
-    sb.dataio.dataset.set_output_keys([dataset], ["id", "sig", "wrd", "language"])
-    return dataset.filtered_sorted(sort_key="duration")
-
-
-def dataio_prepare(hparams, *, progressbar=True):
-    """Corpus (embedded if ``data_folder`` is null), manifests and the client partition."""
     timings = {}
     data_folder = hparams["data_folder"]
     embedded = data_folder is None
@@ -137,7 +115,9 @@ def dataio_prepare(hparams, *, progressbar=True):
             speakers_per_language=hparams["corpus_speakers_per_language"],
             utterances_per_speaker=hparams["corpus_utterances_per_speaker"],
             public_speakers_per_language=hparams["corpus_public_speakers_per_language"],
-            public_utterances_per_speaker=hparams["corpus_public_utterances_per_speaker"],
+            public_utterances_per_speaker=0
+            if shipped
+            else hparams["corpus_public_utterances_per_speaker"],
             eval_utterances_per_speaker=hparams["corpus_eval_utterances_per_speaker"],
             client_rate=tuple(hparams["corpus_client_rate"]),
             client_novel_share=hparams["corpus_client_novel_share"],
@@ -154,7 +134,7 @@ def dataio_prepare(hparams, *, progressbar=True):
     start = time.time()
     # the tiny seed model pretrains on a public split: the embedded corpus has one; on a real
     # MLS folder prepare_mls carves it from training speakers (public_speaker_share)
-    public = embedded or hparams["model"] == "tiny"
+    public = (embedded or hparams["model"] == "tiny") and not shipped
     splits = ("train", "dev", "test") + (("public",) if public else ())
     manifests = os.path.join(hparams["save_folder"], "manifests")
     report = prepare_mls(
@@ -233,11 +213,12 @@ def prepare_run(hparams, run_opts):
     """
 
     def prepare():
+        shipped = shipped_seed_serves(hparams, run_opts)
         data_folder, manifests, prep_report, partition, timings = dataio_prepare(
-            hparams, progressbar=not run_opts.get("noprogressbar", False)
+            hparams, progressbar=not run_opts.get("noprogressbar", False), shipped=shipped
         )
         seed_folder, pretrain_info = seed_model_folder(
-            hparams, manifests, data_folder, run_opts, make_dataset=make_dataset
+            hparams, manifests, data_folder, run_opts, make_dataset=make_dataset, shipped=shipped
         )
         clients = [partition["clients"][n]["manifest"] for n in sorted(partition["clients"])]
         settings = RunSettings(
@@ -337,11 +318,11 @@ def mls_task(hparams_path=None, overrides=None):
     if stage == "train":
         config = FLConfig.from_hparams(engine_hparams(hparams))
         on_result = functools.partial(
-            save_final_model,
+            finish_run,
             settings=settings,
             hparams=hparams,
-            folder=os.path.join(hparams["output_folder"], "final_model"),
-            info={"method": method_name(hparams["method"]), "model": str(hparams["model"])},
+            info=info,
+            start=time.time(),
         )
     else:  # profile: no noise, no effective clip: the method's keys do not apply
         config = profile_config(
@@ -369,12 +350,58 @@ def mls_task(hparams_path=None, overrides=None):
     )
 
 
-def save_final_model(result, *, settings, hparams, folder, info):
-    """Write the final global model as a loadable checkpoint (read by transcribe.py).
+def finish_run(result, *, settings, hparams, info, start):
+    """The rounds ended (in the ServerApp): the final model; under ``flwr run`` the outputs too.
 
-    The embedded tiny seed model lives in the cache; it is copied in, so the folder stands
-    alone. A real preset is recorded by name and loaded from the hub (or its cache).
-    """
+    The script's :func:`main` reports itself; for ``flwr run`` the ServerApp evaluates the
+    round-0 and final parameters on the test split and :func:`mls_report.report_run` writes
+    what the script writes (results.json, test_utterances*.csv, the plots)."""
+    folder = os.path.join(hparams["output_folder"], "final_model")
+    languages = list(info.get("languages") or hparams["languages"])
+    facts = {"method": method_name(hparams["method"]), "model": str(hparams["model"])}
+    save_final_model(
+        result, settings=settings, hparams=hparams, folder=folder,
+        info={**facts, "languages": languages},
+    )  # fmt: skip
+    if _SCRIPT_RUN["active"]:
+        return None
+    timings = {**settings.timings, "federated": time.time() - start}
+    test_rows = read_manifest(settings.test_csv)
+    test_set = make_dataset(settings.test_csv, settings.data_folder)
+    brain = build_brain(settings, hparams)
+    t0 = time.time()
+    load_trainable(brain.modules, _initial_params(settings, hparams))
+    test_round0, details_round0 = evaluate_test(brain, test_set, test_rows, hparams)
+    test_round0["audio_reliance"] = audio_reliance(brain, test_set, hparams)
+    timings["evaluation"] = time.time() - t0
+    load_trainable(brain.modules, result.params)
+    return report_run(
+        brain=brain, layout=component_layout(brain), test_set=test_set, test_rows=test_rows,
+        hparams=hparams, settings=settings, info=info, config=result.config, result=result,
+        round0=(test_round0, details_round0), profile=None, alpha_from_profile=False,
+        timings=timings, start=start,
+    )  # fmt: skip
+
+
+# True while the script's main runs: it evaluates round 0 and reports itself.
+_SCRIPT_RUN = {"active": False}
+
+
+def _initial_params(settings, hparams):
+    """The round-0 trainable tensors: the seed model built again (its connector drawn from
+    ``seed``, the one the rounds started from)."""
+    model = hparams["speech_llm"](
+        settings.model["folder"],
+        cache_dir=settings.model["cache_dir"],
+        seed=settings.hparams["seed"],
+        device=settings.device,
+    )
+    return {f"model.{k}": v for k, v in trainable_state(model).items()}
+
+
+def save_final_model(result, *, settings, hparams, folder, info):
+    """Write the final global model as a checkpoint transcribe.py loads: the tiny seed copied
+    in (the folder stands alone), a real preset recorded by name (loaded from the hub)."""
     brain = build_brain(settings, hparams)
     load_trainable(brain.modules, result.params)
     path = save_federated_model(
@@ -382,7 +409,7 @@ def save_final_model(result, *, settings, hparams, folder, info):
         folder,
         base=settings.model["folder"],
         options=settings.model["options"],
-        copy_base=Path(settings.model["folder"]).name.startswith("seed_tiny_"),
+        copy_base=Path(settings.model["folder"]).name.startswith("seed_tiny"),
         info={**info, "rounds": result.last_round, "epsilon": result.epsilon},
     )
     logger.info("Final model saved to %s", path)
@@ -399,10 +426,8 @@ RECIPE = FederatedRecipe(
     check=check_hparams,
     # a SuperNode with its own data: its MLS-layout folder prepared on the node
     node_manifest=node_train_manifest,
-    # --debug: 2 rounds, 2 local epochs of 2 batches (SpeechBrain's debug); the EMA methods
-    # must leave their warm-up within the 2 debug rounds. The embedded corpus shrinks to 2
-    # languages x (2 client speakers x 4 + 1 public speaker x 8 + eval 2 x 2) utterances, in
-    # <cache_folder>_debug (its own cache); outputs go to <output_folder>_debug.
+    # --debug: 2 rounds, 2 local epochs of 2 batches, the EMA warm-up within them; a 2-language
+    # corpus in <cache_folder>_debug; outputs in <output_folder>_debug.
     debug_caps={
         # 2 languages of the embedded corpus; a real MLS folder keeps the languages asked for
         "languages": lambda hp: 2 if hp["data_folder"] is None else len(hp["languages"]),
@@ -428,6 +453,7 @@ RECIPE = FederatedRecipe(
 def main(run):
     """Prepare data and the seed model, run the federated rounds, evaluate, report."""
     start_all = time.time()
+    _SCRIPT_RUN["active"] = True
     sb.create_experiment_directory(**run.experiment)
     hparams, run_opts = run.hparams, run.run_opts
     settings, info = prepare_run(hparams, run_opts)

@@ -19,6 +19,7 @@ Authors
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,7 +32,10 @@ from speechbrain.dataio.dataio import read_audio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mls_prepare import MLS_LANGUAGES  # noqa: E402
 
-from speechbrain_fl.models.checkpoint import load_federated_model  # noqa: E402
+from speechbrain_fl.models.checkpoint import (  # noqa: E402
+    CHECKPOINT_FILE,
+    load_federated_model,
+)
 
 SAMPLE_RATE = 16000
 
@@ -85,6 +89,31 @@ def check_wavs(wavs: list[str]) -> list[str]:
     return problems
 
 
+def language_needed(checkpoint: str, prompt: str) -> str:
+    """The usage error of a run without ``--language`` whose prompt names ``{language}``.
+
+    It lists the languages the model was trained on (``info.languages`` of the checkpoint's
+    ``federated_model.json``, written by ``train_fl.py``), or every MLS language when the
+    checkpoint does not record them.
+
+    Example
+    -------
+    >>> "--language" in language_needed("/no/such/final_model", "transcribe {language}")
+    True
+    """
+    path = Path(checkpoint) / CHECKPOINT_FILE
+    try:
+        trained = json.loads(path.read_text())["info"]["languages"]
+    except (OSError, ValueError, KeyError, TypeError):
+        trained = None
+    listed = ", ".join(trained or MLS_LANGUAGES)
+    which = "it was trained on" if trained else "one of the MLS languages"
+    return (
+        f"the model's prompt {prompt!r} names the audio's language: give --language "
+        f"({which}: {listed})"
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="final_model folder written by train_fl.py")
@@ -105,6 +134,8 @@ def main(argv=None):
     if not os.path.isdir(args.checkpoint):
         parser.error(f"{args.checkpoint}: no such folder (a train_fl.py run's final_model)")
     model = load_federated_model(args.checkpoint, device=args.device)
+    if args.language is None and "{language}" in model.prompt:
+        parser.error(language_needed(args.checkpoint, model.prompt))
     texts = transcribe(
         model,
         args.wavs,

@@ -3,13 +3,15 @@
 The same factory (``recipes/MLS/train_fl.py:mls_task``) that ``train_fl.py`` runs on the
 Simulation Engine is named in the run config; the ServerApp prepares the (tiny, embedded)
 corpus and seed model, the ClientApps read what it prepared, two ``--debug`` rounds run, and the
-ServerApp writes the final model, which ``transcribe.py`` then loads and runs.
+ServerApp writes the final model, which ``transcribe.py`` then loads and runs, and, as the
+script does, the test WER against round 0, results.json and the plots.
 """
 
 from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import subprocess
 from pathlib import Path
 
@@ -54,6 +56,15 @@ def _run_mls(tmp_path, cache, env, **kwargs):
     wait_for(lambda: server_round(out) >= 2, timeout=120, what="round 2", log=log)
     wait_for(lambda: (out / "final_model" / "federated_model.json").is_file(), timeout=120,
              what="the final model", log=log)  # fmt: skip
+    # the ServerApp holds the test split and writes what train_fl.py writes
+    wait_for(lambda: (out / "results.json").is_file(), timeout=300, what="results.json",
+             log=log)  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    assert 0 <= results["test"]["WER"] and len(results["test"]["WER_ci95"]) == 2
+    assert "ci95" in results["test_change_from_round0"]
+    for name in ("test_utterances.csv", "test_utterances_round0.csv",
+                 "plots/metrics_by_round.png"):  # fmt: skip
+        assert (out / name).is_file(), name
     with open(out / "rounds.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [r["round"] for r in rows] == ["0", "1", "2"]
