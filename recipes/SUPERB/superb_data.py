@@ -1,4 +1,4 @@
-"""The SUPERB tasks of the recipe: corpus, head, metric, partition; preparation; ASV scoring.
+"""The SUPERB tasks of the recipe: corpus, head, metric, partition; preparation; the seed model.
 
 :data:`TASKS` fixes what each task is (our table; the paper names the tasks and corpora, the
 rest is ours): the corpus and its prepare script, the head (``utterance`` or ``ctc``), the
@@ -355,74 +355,6 @@ def make_dataset(csv_path, data_folder, *, labels=None, ctc=False, skip_unreadab
         sb.dataio.dataset.add_dynamic_item([dataset], item)
     sb.dataio.dataset.set_output_keys([dataset], keys)
     return dataset
-
-
-# ------------------------------------------------------------------------------ ASV
-def _embeddings(model, paths, exits, device):
-    """Stat-pooled (mean, std) hidden states at each exit for each wav path."""
-    from speechbrain_fl.models.multi_exit_wav2vec2 import StatPoolHead
-
-    out = {e: {} for e in exits}
-    model.eval()
-    with torch.no_grad():
-        for path in paths:
-            wav = sb.dataio.dataio.read_audio(path).unsqueeze(0).to(device)
-            _, mask, captured = model.hidden(wav, None, depth=max(exits), capture=exits)
-            for e in exits:
-                out[e][path] = StatPoolHead.pool(captured[e], mask)[0]
-    return out
-
-
-def score_asv(brain, settings, hparams):
-    """EER and minDCF (p_target 0.01) of cosine-scored pooled embeddings, per exit, with CIs.
-
-    The embedding of an utterance at exit e is the stat-pooled hidden state after layer e of the
-    federated SID model (the input of exit e's SID head). Trials come from ``trials.csv``;
-    the CIs resample positive and negative trials with replacement (``asv_bootstrap_resamples``
-    replicates; a trial-level bootstrap, ours).
-    """
-    from speechbrain.utils.metric_stats import EER, minDCF
-
-    manifests = os.path.join(hparams["save_folder"], "manifests")
-    with open(os.path.join(manifests, "trials.csv"), newline="", encoding="utf-8") as handle:
-        trials = [
-            (
-                int(r["target"]),
-                r["enrol"].replace("$data_root", settings.data_folder),
-                r["test"].replace("$data_root", settings.data_folder),
-            )
-            for r in csv.DictReader(handle)
-        ]
-    paths = sorted({p for _, a, b in trials for p in (a, b)})
-    device = settings.device
-    embeddings = _embeddings(brain.modules.model, paths, brain.eval_exits, device)
-    rng = np.random.default_rng(hparams["seed"])
-    out = {}
-    for e in brain.eval_exits:
-        emb = embeddings[e]
-        scores = np.array(
-            [
-                float(torch.nn.functional.cosine_similarity(emb[a], emb[b], dim=0))
-                for _, a, b in trials
-            ]
-        )
-        target = np.array([t for t, _, _ in trials], dtype=bool)
-        pos, neg = torch.tensor(scores[target]), torch.tensor(scores[~target])
-        eer, dcf = float(EER(pos, neg)[0]), float(minDCF(pos, neg)[0])
-        eers, dcfs = [], []
-        for _ in range(hparams["asv_bootstrap_resamples"]):
-            p = pos[rng.integers(len(pos), size=len(pos))]
-            n = neg[rng.integers(len(neg), size=len(neg))]
-            eers.append(float(EER(p, n)[0]))
-            dcfs.append(float(minDCF(p, n)[0]))
-        out[str(e)] = {
-            "EER": eer,
-            "EER_ci95": [float(np.percentile(eers, 2.5)), float(np.percentile(eers, 97.5))],
-            "minDCF": dcf,
-            "minDCF_ci95": [float(np.percentile(dcfs, 2.5)), float(np.percentile(dcfs, 97.5))],
-            "num_trials": len(trials),
-        }
-    return out
 
 
 # ##########################################################################################

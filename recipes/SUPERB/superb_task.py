@@ -8,8 +8,9 @@ the run config. It lives in its own module (not in ``train_fl.py``, which runs a
 ``__main__``) so every process imports the same module once and keeps one model per process.
 
 The recipe's other jobs, one module each: the tasks, their data pipeline and the seed model
-(``superb_data.py``), the optimiser and lr schedule (``superb_optim.py``), the checks and the
-typed settings (``superb_settings.py``), the report (``superb_report.py``); the frame (loading,
+(``superb_data.py``), the checks and the typed settings (``superb_settings.py``), the report
+(``superb_report.py``); the optimiser groups and lr schedule are
+:mod:`speechbrain_fl.models.multi_exit_optim`; the frame (loading,
 ``--debug``, prepare once, the simulation run) is :class:`speechbrain_fl.recipe.FederatedRecipe`.
 
 Authors
@@ -31,6 +32,8 @@ import numpy as np
 import speechbrain as sb
 import torch
 
+from speechbrain_fl.models.multi_exit_optim import balanced_sampler, build_optimizer
+
 RECIPE_DIR = Path(__file__).resolve().parent
 if str(RECIPE_DIR) not in sys.path:
     sys.path.insert(0, str(RECIPE_DIR))
@@ -42,7 +45,6 @@ from superb_data import (  # noqa: E402, F401 (make_dataset, decode/encode: the 
     encode_chars,
     make_dataset,
 )
-from superb_optim import balanced_sampler, build_optimizer  # noqa: E402
 from superb_report import report_run  # noqa: E402
 from superb_settings import (  # noqa: E402, F401 (re-exported: the recipe's API)
     SCENARIOS,
@@ -146,10 +148,10 @@ class SuperbBrain(sb.Brain):
         """``opt_class`` (backbone and heads in their own groups) at this round's lr.
 
         Federated: the client's lr in round t of T is the peak times ``lr_annealing(t, T)``
-        (:class:`superb_optim.WarmupCosine`: warmup, cosine over rounds; the engine sets
-        ``fl_round`` / ``fl_num_rounds`` before each local training). Centralized
-        (``total_steps`` set): the same schedule per optimiser step, by a ``LambdaLR``
-        stepped after every batch; optimiser and scheduler are registered with the
+        (:class:`~speechbrain_fl.models.multi_exit_optim.WarmupCosine`: warmup, cosine over
+        rounds; the engine sets ``fl_round`` / ``fl_num_rounds`` before each local training).
+        Centralized (``total_steps`` set): the same schedule per optimiser step, by a
+        ``LambdaLR`` stepped after every batch; optimiser and scheduler are registered with the
         checkpointer, so a resumed run continues both.
         """
         hp = self.hparams
@@ -461,8 +463,8 @@ def run_centralized(settings, hparams):
     """Centralized upper bound: all clients' data pooled, ``centralized_epochs`` at one exit.
 
     One ``fit`` over an :class:`~speechbrain.utils.epoch_loop.EpochCounter`: one optimiser and
-    one per-step lr schedule (warmup, cosine; :func:`superb_optim.lr_factor`) for the whole
-    run, validated after every epoch. A checkpoint (model, optimiser, scheduler, epoch counter,
+    one per-step lr schedule (warmup, cosine;
+    :func:`~speechbrain_fl.models.multi_exit_optim.lr_factor`) for the whole run, validated after every epoch. A checkpoint (model, optimiser, scheduler, epoch counter,
     the rows so far) is kept in ``<save_folder>/centralized``, so an interrupted run resumes
     where it stopped. Writes ``rounds.csv`` with one row per epoch (``round`` = epoch) so the
     plots and the results table read it like a federated run.

@@ -1,4 +1,4 @@
-"""The SUPERB recipe's optimisation: the lr schedule, the parameter groups, balanced sampling.
+"""Optimisation of a multi-exit model: the lr schedule, the parameter groups, balanced sampling.
 
 - :func:`lr_factor`: linear warmup then cosine decay to a floor, over federated rounds (a
   client's lr in round t) or over optimiser steps (the centralized scenario, one ``fit``);

@@ -67,9 +67,9 @@ def test_base_yaml_builds_the_objects_the_brain_uses(tmp_path):
     """opt_class, lr_annealing, model_factory and the metric computers come from base.yaml,
     with the same numbers as the functions they wrap."""
     from speechbrain.utils.metric_stats import ErrorRateStats
-    from superb_optim import lr_factor
     from superb_task import load_hparams
 
+    from speechbrain_fl.models.multi_exit_optim import lr_factor
     from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit
 
     hparams, _, _ = load_hparams("hparams/kws.yaml", {"output_folder": str(tmp_path)})

@@ -43,9 +43,9 @@ def _manifest(folder: Path, name: str, count: int, seed: int) -> Path:
 def _setup(tmp_path, epochs):
     from speechbrain.utils.Accuracy import AccuracyStats
     from speechbrain.utils.metric_stats import ErrorRateStats
-    from superb_optim import WarmupCosine
     from superb_settings import SuperbSettings
 
+    from speechbrain_fl.models.multi_exit_optim import WarmupCosine
     from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit, resolve_backbone
 
     train = _manifest(tmp_path, "train", 8, 0)
@@ -121,7 +121,7 @@ def test_one_optimizer_and_schedule_for_all_epochs(tmp_path, monkeypatch):
     brain = brains[-1]
     assert brain.total_steps == 6 and brain.scheduler.last_epoch == 6
     # heads at lr, backbone at lr * multiplier, both at the schedule's last factor
-    from superb_optim import lr_factor
+    from speechbrain_fl.models.multi_exit_optim import lr_factor
 
     last = lr_factor(6, 6, warmup_fraction=0.25, min_ratio=0.1)
     lrs = {g["name"]: g["lr"] for g in optimizers[0].param_groups}

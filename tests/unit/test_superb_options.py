@@ -14,8 +14,7 @@ import torch
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB"
 sys.path.insert(0, str(RECIPE))
 
-from superb_optim import balanced_sampler, build_optimizer, lr_factor  # noqa: E402
-
+from speechbrain_fl.models.multi_exit_optim import balanced_sampler, build_optimizer, lr_factor  # noqa: E402
 from speechbrain_fl.models.multi_exit_wav2vec2 import (  # noqa: E402
     MultiExitWav2Vec2,
     build_multi_exit,

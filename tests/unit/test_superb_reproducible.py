@@ -55,8 +55,8 @@ def test_local_training_is_bit_reproducible_whatever_numpys_global_state(tmp_pat
     import superb_task
     from speechbrain.utils.Accuracy import AccuracyStats
     from speechbrain.utils.metric_stats import ErrorRateStats
-    from superb_optim import WarmupCosine
 
+    from speechbrain_fl.models.multi_exit_optim import WarmupCosine
     from speechbrain_fl.models.multi_exit_wav2vec2 import build_multi_exit, resolve_backbone
 
     torch.set_num_threads(1)

@@ -4,8 +4,8 @@
 Trains one exit of the recipe's multi-exit model on the pooled training clients of a task (the
 KWS-12 default unless told otherwise) for a few hundred optimiser steps, in a plain loop with
 the recipe's own model, data pipeline, optimiser groups and lr schedule
-(:class:`superb_optim.WarmupCosine`: linear warmup, cosine to 5% of the peak), and records per
-window of steps:
+(:class:`~speechbrain_fl.models.multi_exit_optim.WarmupCosine`: linear warmup, cosine to 5% of
+the peak), and records per window of steps:
 
 - the training loss and accuracy at the exit;
 - the gradient norm of every Transformer layer before clipping,
@@ -46,8 +46,7 @@ RECIPE_DIR = Path(__file__).resolve().parents[1]  # recipes/SUPERB
 if str(RECIPE_DIR) not in sys.path:
     sys.path.insert(0, str(RECIPE_DIR))
 
-from superb_optim import WarmupCosine, build_optimizer  # noqa: E402
-
+from speechbrain_fl.models.multi_exit_optim import WarmupCosine, build_optimizer  # noqa: E402
 from speechbrain_fl.models.multi_exit_wav2vec2 import layer_of  # noqa: E402
 
 

@@ -1,0 +1,57 @@
+"""The SUPERB README's tables and the root README's SUPERB row come from the results files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+STUDIES = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB" / "studies"
+sys.path.insert(0, str(STUDIES))
+
+
+def test_readmes_agree_with_the_results_files():
+    from readme_tables import differences
+
+    assert differences() == [], "run recipes/SUPERB/studies/readme_tables.py"
+
+
+def _copies(tmp_path):
+    from readme_tables import README, RESULTS, ROOT_README
+
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    readme, root = tmp_path / "README.md", tmp_path / "ROOT.md"
+    shutil.copy(README, readme)
+    shutil.copy(ROOT_README, root)
+    return results, readme, root
+
+
+def test_a_changed_figure_is_caught_and_rewritten(tmp_path):
+    from readme_tables import differences, write
+
+    results, readme, root = _copies(tmp_path)
+    path = results / "default_kws12.json"
+    default = json.loads(path.read_text())
+    first = sorted(default["test"], key=int)[0]
+    default["test"][first]["accuracy"] += 0.1
+    path.write_text(json.dumps(default))
+    assert differences(readme, root, results) == ["superb-default", "root-row"]
+    write(readme, root, results)
+    assert differences(readme, root, results) == []
+    assert f"{default['test'][first]['accuracy']:.3f}" in root.read_text()
+
+
+def test_the_memory_table_names_the_measures_that_give_the_papers_order(tmp_path):
+    from readme_tables import differences, memory_table
+
+    results, readme, root = _copies(tmp_path)
+    path = results / "memory_by_task.json"
+    memory = json.loads(path.read_text())
+    memory["paper_order_kws_sid_er_asr"] = dict.fromkeys(
+        memory["paper_order_kws_sid_er_asr"], False
+    )
+    assert "none of the measures" in memory_table(memory)
+    path.write_text(json.dumps(memory))
+    assert "superb-memory" in differences(readme, root, results)
