@@ -54,8 +54,8 @@ from gender_report import (  # noqa: E402
     results_table,
     write_json,
 )
-from gender_training import make_model, predict_logits  # noqa: E402
 
+from speechbrain_fl.distill.dp_training import make_model, predict_logits  # noqa: E402
 from speechbrain_fl.distill.labels import IGNORE_LABEL, hide_labels  # noqa: E402
 from speechbrain_fl.distill.loss import kd_loss  # noqa: E402
 from speechbrain_fl.distill.store import (  # noqa: E402
@@ -215,13 +215,16 @@ def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_al
     )
     timings["student"] = time.time() - start
     test = data["test"]
+    predictions = predict_logits(student, test["feats"], test["lengths"]).argmax(1).tolist()
     report = hparams["metrics"](
         speakers=test["speakers"],
         labels=test["labels"].tolist(),
-        predictions=predict_logits(student, test["feats"], test["lengths"]).argmax(1).tolist(),
+        predictions=predictions,
         classes=classes,
         majority_class=majority,
     )
+    # Each test record's predicted class, in the test set's order (the teacher run's order too)
+    report["predictions"] = predictions
     with atomic_open(out / "student.ckpt", "wb") as handle:
         torch.save(student.state_dict(), handle)
     plot_confusion(

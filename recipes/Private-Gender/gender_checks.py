@@ -7,7 +7,8 @@ came from an override). Values that would otherwise pass silently are errors her
 (every clipped gradient is zero: training to chance at a reported epsilon), a non-integer
 ``aw_floor`` (it would be truncated), ``noise_multiplier <= 0`` (no noise: not private; negative ones
 ended in a torch traceback), ``batch_size: 0``. The one check that needs the data,
-``delta <= 1 / |D_priv|``, runs as soon as |D_priv| is known (``gender_training.check_delta``).
+``delta <= 1 / |D_priv|``, runs as soon as |D_priv| is known
+(``speechbrain_fl.distill.dp_training.check_delta``).
 
 Authors
  * speechbrain-fl contributors

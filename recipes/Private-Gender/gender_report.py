@@ -79,9 +79,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from gender_training import RAW_LOSS_KEY
 from matplotlib.figure import Figure
 
+from speechbrain_fl.distill.dp_training import RAW_LOSS_KEY
 from speechbrain_fl.plots import _save as save_figure
 from speechbrain_fl.utils.atomic import atomic_open
 

@@ -60,14 +60,14 @@ from gender_report import (  # noqa: E402
     teacher_privacy,
     write_json,
 )
-from gender_training import (  # noqa: E402
+
+from speechbrain_fl.distill.dp_training import (  # noqa: E402
     make_model,
     median_clip,
     per_sample_grad_norms,
     predict_logits,
     train_model,
 )
-
 from speechbrain_fl.distill.store import (  # noqa: E402
     teacher_outputs_record,
     write_teacher_outputs,
@@ -269,12 +269,16 @@ def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all
             "dp": hparams["dp"],
             "target_epsilon": hparams["target_epsilon"] if hparams["dp"] else None,
             "clip_rules": clip_rules or None,
+            # An audit run: the teacher's training held gradient canaries (audit_canaries)
+            "audit_run": bool(privacy["audit"]),
         },
         "dsaf_diagnostic": diagnostic,
         "data": data_block(hparams, data),
         "debug": debug,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
+    # The test labels in the order of every model's ``predictions`` (a public split)
+    results["data"]["test_labels"] = data["test"]["labels"].tolist()
     write_outputs(hparams, out, results, aux_ids=data["aux"]["ids"], aux_logits=aux_logits)
     print_summary(results, data["classes"], out, modality=hparams["teacher_modality"])
     return results
@@ -372,7 +376,8 @@ def _train_on_priv(hparams, data, options, clip_rules, model, *, desc, tokens, a
 
 
 def train_teacher_model(hparams, data, options, clip_rules, plots):
-    """The teacher (multimodal or audio-only, ``seed``) trained with DP-SGD and the audit."""
+    """The teacher (multimodal or audio-only, ``seed``) trained with DP-SGD (with the canaries
+    of an audit run when ``audit_canaries`` > 0)."""
     multimodal = hparams["teacher_modality"] == "multimodal"
     teacher = make_model(
         hparams["model"],
@@ -393,14 +398,18 @@ def train_teacher_model(hparams, data, options, clip_rules, plots):
 
 
 def _report(hparams, data, split, logits) -> dict:
-    """The YAML's ``metrics`` (collapse report) of ``logits`` on ``split``."""
-    return hparams["metrics"](
+    """The YAML's ``metrics`` (collapse report) of ``logits`` on ``split``, with the predicted
+    class of each record (``predictions``, in the split's order: the studies pair two models'
+    errors record by record)."""
+    predictions = logits.argmax(1).tolist()
+    report = hparams["metrics"](
         speakers=split["speakers"],
         labels=split["labels"].tolist(),
-        predictions=logits.argmax(1).tolist(),
+        predictions=predictions,
         classes=data["classes"],
         majority_class=data["majority"],
     )
+    return {**report, "predictions": predictions}
 
 
 def evaluate_teacher(hparams, data, teacher, aux_logits) -> dict:

@@ -81,15 +81,14 @@ def test_teacher_then_student(default_runs):
     assert teacher["privacy"]["accountant"] == "pld" and teacher["privacy"]["delta"] == 1e-3
     assert 0 < teacher["privacy"]["epsilon"] < teacher["privacy"]["epsilon_rdp"]
     assert teacher["privacy"]["sigma_calibrated_with"] == "pld"
-    # The DP-SGD audit of the private default: beside the accountant's (PLD) epsilon.
-    audit = teacher["privacy"]["audit"]
-    assert (
-        audit["canaries"] == 1000 and audit["accountant_epsilon"] == teacher["privacy"]["epsilon"]
-    )
-    assert audit["accountant_epsilon_rdp"] == teacher["privacy"]["epsilon_rdp"]
-    assert audit["epsilon_lower_bound"] <= teacher["privacy"]["epsilon"]  # provable, at 95%
-    assert audit["verdict"] in ("consistent", "suspect") and "Privacy audit" in teacher_run.stdout
-    assert (out / "teacher" / "plots" / "audit_cosines.png").is_file()
+    # No canaries in the default training: the audit is its own run (test_audit_run).
+    assert teacher["privacy"]["audit"] is None and teacher["method"]["audit_run"] is False
+    assert "Privacy audit" not in teacher_run.stdout
+    assert not (out / "teacher" / "plots" / "audit_cosines.png").exists()
+    # Every test record's prediction, in the order of the test labels (the studies pair them).
+    labels = teacher["data"]["test_labels"]
+    assert len(teacher["dp_direct"]["predictions"]) == len(labels)
+    assert len(teacher["teacher"]["test"]["predictions"]) == len(labels)
     for key in ("accuracy", "balanced_accuracy", "macro_f1", "majpred", "top_share"):
         assert len(teacher["dp_direct"][key]["ci"]) == 2
     assert set(teacher["dsaf_diagnostic"]) >= {"with DSAF", "without DSAF"}
@@ -131,6 +130,25 @@ def test_teacher_then_student(default_runs):
                 name,
                 tname,
             )
+
+
+def test_audit_run(tmp_path, cache):
+    """The DP-SGD audit, its own run: canaries in the teacher's training, the one-shot estimate
+    and the lower bound beside the accountant's (PLD) epsilon, the run marked as an audit run."""
+    proc = run(
+        "train_teacher.py", "hparams/teacher.yaml", f"--cache_folder={cache}", *TINY,
+        "--output_folder", str(tmp_path), "--audit_canaries", "1000", "--train_dp_direct", "False",
+    )  # fmt: skip
+    teacher = json.loads((tmp_path / "teacher" / "results.json").read_text())
+    audit = teacher["privacy"]["audit"]
+    assert teacher["method"]["audit_run"] is True
+    assert (
+        audit["canaries"] == 1000 and audit["accountant_epsilon"] == teacher["privacy"]["epsilon"]
+    )
+    assert audit["accountant_epsilon_rdp"] == teacher["privacy"]["epsilon_rdp"]
+    assert audit["epsilon_lower_bound"] <= teacher["privacy"]["epsilon"]  # provable, at 95%
+    assert audit["verdict"] in ("consistent", "suspect") and "Privacy audit" in proc.stdout
+    assert (tmp_path / "teacher" / "plots" / "audit_cosines.png").is_file()
 
 
 def test_student_needs_only_the_teacher_outputs(default_runs, cache, tmp_path):
@@ -310,7 +328,8 @@ def test_speaker_level_teacher_and_student(tmp_path, cache):
     """privacy_unit speaker: every clip trains, epsilon per speaker, the student reads it."""
     out = tmp_path / "out"
     run("train_teacher.py", "hparams/teacher.yaml", "--output_folder", str(out),
-        "--cache_folder", str(cache), "--privacy_unit", "speaker", *TINY)  # fmt: skip
+        "--cache_folder", str(cache), "--privacy_unit", "speaker", "--audit_canaries", "1000",
+        *TINY)  # fmt: skip
     teacher = json.loads((out / "teacher" / "results.json").read_text())
     privacy = teacher["privacy"]
     assert privacy["unit"].startswith("speaker:")

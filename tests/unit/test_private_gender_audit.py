@@ -1,7 +1,7 @@
 """The teacher's DP-SGD audit (train_model's gradient canaries): below the accountant, above it
 with the noise halved.
 
-The recipe's own training path (``gender_training.train_model``: Opacus with the OS-seeded
+The recipe's own training path (``speechbrain_fl.distill.dp_training.train_model``: Opacus with the OS-seeded
 engine, fixed AW-DP weights, Adam, Poisson batches) on a small multimodal classifier and random
 features (q = 0.5, 16 steps, sigma = 2: PLD epsilon 5.05, RDP 5.54 at delta = 1e-5), 1000
 gradient canaries from the OS. The noise is mis-scaled in the test only (Opacus's
@@ -24,8 +24,7 @@ from opacus.optimizers import optimizer as opacus_optimizer
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "recipes" / "Private-Gender"))
 
-from gender_training import train_model  # noqa: E402
-
+from speechbrain_fl.distill.dp_training import train_model  # noqa: E402
 from speechbrain_fl.models.gender_classifier import GenderClassifier  # noqa: E402
 
 N, FRAMES, MELS, BATCH, EPOCHS, SIGMA, CANARIES = 64, 40, 40, 32, 8, 2.0, 1000

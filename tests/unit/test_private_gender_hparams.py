@@ -53,7 +53,7 @@ def test_every_top_level_key_is_used(name):
 def test_the_yaml_builds_the_models_optimizers_and_metrics(tmp_path):
     """The factories hold the YAML's numbers; the scripts only add the class count and the
     modality (teacher: multimodal, DP-direct and student: audio-only)."""
-    from gender_training import make_model
+    from speechbrain_fl.distill.dp_training import make_model
 
     teacher, _, _ = load_run_hparams(
         RECIPE / "hparams" / "teacher.yaml", {"output_folder": str(tmp_path)}, recipe_dir=RECIPE

@@ -213,8 +213,7 @@ def test_epsilon_is_the_accountants_for_speaker_rate_sigma_and_steps():
 def test_recipe_train_model_speaker_level(caplog):
     """The recipe's path: q = 1 / ceil(N / batch), T = epochs / q, the PLD epsilon of (q, sigma,
     T), every speaker counted, AW-DP weights and canaries composing."""
-    from gender_training import train_model
-
+    from speechbrain_fl.distill.dp_training import train_model
     from speechbrain_fl.models.gender_classifier import GenderClassifier
 
     caplog.set_level(logging.ERROR)
@@ -260,7 +259,7 @@ def test_recipe_train_model_speaker_level(caplog):
 
 
 def test_batch_adaptive_aw_dp_is_refused_per_speaker():
-    from gender_training import train_model
+    from speechbrain_fl.distill.dp_training import train_model
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="batch-adaptive"):

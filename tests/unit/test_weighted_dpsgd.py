@@ -271,7 +271,7 @@ def test_opacus_private_helpers_are_the_ones_this_code_was_written_for():
 
     check_opacus_private_api()
     assert len(OPACUS_PRIVATE_API) == 6
-    # The recipe unwraps the trained model through this attribute (gender_training.py).
+    # The recipe unwraps the trained model through this attribute (distill/dp_training.py).
     inner = torch.nn.Linear(2, 1)
     assert GradSampleModule(inner)._module is inner
     changed = {**OPACUS_PRIVATE_API, "opacus.optimizers.optimizer:_generate_noise": ("sd",)}

@@ -20,6 +20,18 @@ t-test, two-sided level alpha, read in the claimed direction). The smallest n >=
 power(n) >= the target is the estimate. It is a plug-in figure: d_hat from five seeds is itself
 uncertain, so the estimate is a planning number, not a guarantee.
 
+**Several claims** (:func:`holm`): the Holm step-down correction of m p-values: sorted
+p_(1) <= ... <= p_(m), adjusted p_(i) = max_{j <= i} min(1, (m - j + 1) p_(j)); a claim holds
+after the correction when its adjusted p is below alpha (family-wise error <= alpha).
+
+**Test sample against training** (:func:`balanced_accuracy_difference_sd`,
+:func:`variance_split`). Over seeds the paired difference d_s varies with the training (DP noise,
+sampling, initialisation, labelled subset) and with the finite test sample the two models are
+scored on. Within a seed the test part is estimated by the bootstrap: test records resampled
+with replacement B times, d recomputed each time, its sd s_s. Then, with V = sd(d)^2 over
+seeds, the test sample's share is mean_s(s_s^2) / V and the training's the rest,
+V - mean_s(s_s^2) (clipped at 0).
+
 **Collapse** (:func:`collapsed`): a model whose predicted majority share (MajPred) is at least
 0.9 or whose recall of some class is 0, the failure the recipe's stabilisers aim at. Two models
 collapsing over the same seeds are compared by the exact McNemar test (:func:`exact_mcnemar`):
@@ -41,7 +53,16 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["collapsed", "exact_mcnemar", "paired", "seeds_for_power", "spread"]
+__all__ = [
+    "balanced_accuracy_difference_sd",
+    "collapsed",
+    "exact_mcnemar",
+    "holm",
+    "paired",
+    "seeds_for_power",
+    "spread",
+    "variance_split",
+]
 
 
 def _t975(dof: int) -> float:
@@ -156,3 +177,81 @@ def exact_mcnemar(a_flags, b_flags) -> dict:
     p = 1.0 if only_a + only_b == 0 else binomtest(only_a, only_a + only_b, 0.5).pvalue
     return {"n": len(a), "a": sum(a), "b": sum(b), "only_a": only_a, "only_b": only_b,
             "p": round(float(p), 4)}  # fmt: skip
+
+
+def holm(pvalues) -> list[float]:
+    """Holm-adjusted p-values, in the order given (module docstring).
+
+    >>> holm([0.01, 0.04, 0.03])
+    [0.03, 0.06, 0.06]
+    """
+    p = [float(x) for x in pvalues]
+    order = sorted(range(len(p)), key=lambda i: p[i])
+    adjusted, running = [0.0] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        adjusted[i] = round(running, 4)
+    return adjusted
+
+
+def _balanced_accuracy(weights, labels, correct, num_classes: int):
+    """Balanced accuracy of each row of record ``weights`` (B x n) at once."""
+    import numpy as np
+
+    recalls = []
+    for c in range(num_classes):
+        mask = labels == c
+        total = weights[:, mask].sum(axis=1)
+        recalls.append(np.where(total > 0, (weights[:, mask] * correct[mask]).sum(axis=1), 0.0)
+                       / np.maximum(total, 1))  # fmt: skip
+    return np.mean(recalls, axis=0)
+
+
+def balanced_accuracy_difference_sd(
+    labels, pred_a, pred_b, *, num_classes: int, resamples: int = 1000, seed: int = 0,
+    subset: int | None = None,
+) -> float:  # fmt: skip
+    """Bootstrap sd of balanced accuracy(a) - balanced accuracy(b) over the test records.
+
+    Each resample draws the records with replacement (multinomial counts, ``resamples`` times,
+    generator seeded from ``seed``); ``subset``: first keep a fixed random subset of that many
+    records (the sd a smaller test set would have). Records are speakers here (one clip each).
+
+    >>> labels, a = [0, 0, 1, 1, 2, 2] * 50, [0, 0, 1, 1, 2, 2] * 50
+    >>> balanced_accuracy_difference_sd(labels, a, a, num_classes=3)
+    0.0
+    """
+    import numpy as np
+
+    y, a, b = (np.asarray(v, dtype=int) for v in (labels, pred_a, pred_b))
+    if not len(y) == len(a) == len(b) or len(y) == 0:
+        raise ValueError(f"labels and predictions differ in length: {len(y)}, {len(a)}, {len(b)}")
+    rng = np.random.default_rng(seed)
+    if subset is not None and subset < len(y):
+        keep = rng.permutation(len(y))[:subset]
+        y, a, b = y[keep], a[keep], b[keep]
+    weights = rng.multinomial(len(y), np.full(len(y), 1.0 / len(y)), size=resamples)
+    diff = _balanced_accuracy(weights, y, (a == y).astype(float), num_classes) - (
+        _balanced_accuracy(weights, y, (b == y).astype(float), num_classes)
+    )
+    return round(float(np.std(diff, ddof=1)), 4)
+
+
+def variance_split(differences, test_sds) -> dict:
+    """The across-seed variance of ``differences`` split into the test sample's part (mean of
+    the squared per-seed bootstrap sds ``test_sds``) and the training's (module docstring).
+
+    >>> variance_split([0.1, 0.3, 0.2, 0.4], [0.05, 0.05, 0.05, 0.05])["test_share"]
+    0.15
+    """
+    d, s = [float(x) for x in differences], [float(x) for x in test_sds]
+    if len(d) != len(s) or len(d) < 2:
+        raise ValueError(f"variance_split needs equal lengths >= 2, got {len(d)}, {len(s)}")
+    total = spread(d)["sd"] ** 2
+    test = sum(x * x for x in s) / len(s)
+    return {
+        "sd_total": round(math.sqrt(total), 4),
+        "sd_test": round(math.sqrt(test), 4),
+        "sd_training": round(math.sqrt(max(total - test, 0.0)), 4),
+        "test_share": round(test / total, 4) if total > 0 else None,
+    }
