@@ -61,7 +61,7 @@ def prepare_iemocap(
     Example
     -------
     >>> import tempfile
-    >>> from speechbrain_fl.data.superb_synth import generate_iemocap
+    >>> from speechbrain_fl.data.superb_synth_speakers import generate_iemocap
     >>> root = tempfile.mkdtemp()
     >>> _ = generate_iemocap(root + "/iemocap", sessions=2, utterances_per_emotion=2,
     ...     emotions=("neu", "exc", "fru"), progress=False)

@@ -146,7 +146,7 @@ def _keyed_folder(hparams, name, options):
 
 def _generate(hparams, spec):
     """Generate (cached) the embedded corpus of the task; return its folder."""
-    from speechbrain_fl.data import superb_synth
+    from speechbrain_fl.data import superb_synth, superb_synth_speakers
 
     options = dict(hparams["corpus_options"] or {})
     name = spec["corpus"] if spec["corpus"] != "speech_commands" else f"sc_v{spec['version']}"
@@ -156,9 +156,9 @@ def _generate(hparams, spec):
             folder, version=spec["version"], seed=hparams["seed"], **options
         )
     elif spec["corpus"] == "voxceleb1":
-        superb_synth.generate_voxceleb1(folder, seed=hparams["seed"], **options)
+        superb_synth_speakers.generate_voxceleb1(folder, seed=hparams["seed"], **options)
     elif spec["corpus"] == "iemocap":
-        superb_synth.generate_iemocap(folder, seed=hparams["seed"], **options)
+        superb_synth_speakers.generate_iemocap(folder, seed=hparams["seed"], **options)
     else:
         superb_synth.generate_librispeech(folder, seed=hparams["seed"], **options)
     return folder

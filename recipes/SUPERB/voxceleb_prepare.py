@@ -71,7 +71,7 @@ def prepare_voxceleb1(
     Example
     -------
     >>> import tempfile
-    >>> from speechbrain_fl.data.superb_synth import generate_voxceleb1
+    >>> from speechbrain_fl.data.superb_synth_speakers import generate_voxceleb1
     >>> root = tempfile.mkdtemp()
     >>> _ = generate_voxceleb1(root + "/vox", iden_speakers=2, veri_speakers=2,
     ...     videos_per_speaker=2, utterances_per_video=2, trials_per_speaker=1, progress=False)

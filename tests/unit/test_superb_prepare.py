@@ -17,11 +17,10 @@ from speech_commands_prepare import prepare_speech_commands  # noqa: E402
 from voxceleb_prepare import prepare_voxceleb1  # noqa: E402
 
 from speechbrain_fl.data.superb_synth import (  # noqa: E402
-    generate_iemocap,
     generate_librispeech,
     generate_speech_commands,
-    generate_voxceleb1,
 )
+from speechbrain_fl.data.superb_synth_speakers import generate_iemocap, generate_voxceleb1  # noqa: E402
 
 
 def _rows(path):
