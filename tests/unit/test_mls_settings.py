@@ -63,7 +63,7 @@ def test_nothing_to_train_is_refused():
 def test_alpha_split_with_the_encoder_frozen_runs_the_papers_alpha_zero_row():
     frozen = mls_settings.engine_hparams(_hparams("alpha_split", freeze_encoder=True))
     # the YAML's AlphaSplit object becomes PFL-Dim with its clip and noise
-    assert frozen["method"] == PFLDim(clip=0.25, noise_multiplier=0.1)
+    assert frozen["method"] == PFLDim(clip=0.25, noise_multiplier=1.0)
     assert frozen["alpha"] is None
     unfrozen = mls_settings.engine_hparams(_hparams("alpha_split"))
     assert method_name(unfrozen["method"]) == "alpha_split" and unfrozen["alpha"] == 0.05

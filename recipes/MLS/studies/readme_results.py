@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""One source for the MLS figures: the READMEs' results tables from the studies' results files.
+
+Two steps:
+
+1. ``collect`` reads finished runs and writes the results files this folder commits
+   (``results/``): ``main_command.json`` (the main command's run: test WER against round 0,
+   epsilon, the time of each stage) and ``table3.json`` (the Table III grid over test-only
+   seeds: per method the seeds' test WER and CE, the pooled change from round 0 with its
+   paired speaker-level CI, and the paired method comparisons of :mod:`seed_table`).
+2. ``write`` (or ``--check``) renders them into recipes/MLS/README.md between
+   ``<!-- mls-results:start -->`` and ``<!-- mls-results:end -->`` and into the root README's
+   results table as its one line starting ``| MLS |`` (a comment line would end the Markdown
+   table, so the row is its own marker). ``--check`` writes
+   nothing and exits 1 when a README differs from what the results files give
+   (tests/unit/test_mls_readme_results.py runs it).
+
+Usage::
+
+    > python recipes/MLS/studies/readme_results.py collect --main RUN_FOLDER \\
+          --grid GRID_ROOT --seeds 11 12 13
+    > python recipes/MLS/studies/readme_results.py write
+    > python recipes/MLS/studies/readme_results.py --check
+
+Authors
+ * speechbrain-fl contributors
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+STUDY_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(STUDY_DIR))
+from method_tables import METHODS, _get, run_folder  # noqa: E402
+from seed_table import collect as collect_runs  # noqa: E402
+from seed_table import comparisons, method_rows, seed_root  # noqa: E402
+
+RESULTS = STUDY_DIR / "results"
+RECIPE_README = STUDY_DIR.parent / "README.md"
+ROOT_README = STUDY_DIR.parents[2] / "README.md"
+MARKERS = ("<!-- mls-results:start -->", "<!-- mls-results:end -->")
+ROW_PREFIX = "| MLS |"
+
+
+def collect_main(run: Path, command: str) -> dict:
+    """The main command's figures from its run folder's results.json."""
+    r = json.loads((Path(run) / "results.json").read_text())
+    change = r["test_change_from_round0"]
+    privacy = r["privacy"]
+    return {
+        "command": command,
+        "method": r["method"],
+        "test_wer": r["test"]["WER"],
+        "test_wer_ci95": r["test"]["WER_ci95"],
+        "round0_wer": r["test_round0"]["WER"],
+        "change": change["difference"],
+        "change_ci95": change["ci95"],
+        "change_p": change["p_value"],
+        "significant": change["significant"],
+        "epsilon": privacy["epsilon"],
+        "delta": privacy["delta"],
+        "sampling_rate": privacy["sampling_rate"],
+        "simulated_deployment": privacy.get("simulated_deployment"),
+        "timings_s": r["timings_s"],
+    }
+
+
+def collect_grid(root: Path, seeds: list[int], variant: str = "unfrozen") -> dict:
+    """The seed-pooled Table III rows and paired comparisons of a ``method_table.py`` grid."""
+    folders = {m: [run_folder(seed_root(root, s), m, variant) for s in seeds] for m in METHODS}
+    done = collect_runs(folders)
+    rows = method_rows(done, METHODS)
+    for row in rows:
+        row["ce"] = [_get(r, "audio_reliance", "final", "true") for _, r in done[row["method"]]]
+    pairs = []
+    for item in comparisons(done):
+        res = item["result"]
+        pairs.append(
+            {"a": item["a"], "b": item["b"], "seeds": item["seeds"], "difference": res.difference,
+             "ci95": [res.ci_low, res.ci_high], "p": res.p_value, "significant": res.significant}
+        )  # fmt: skip
+    return {"variant": variant, "seeds": seeds, "rows": rows, "pairs": pairs}
+
+
+def _pm(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def recipe_block(main: dict | None, grid: dict | None) -> str:
+    """The recipe README's generated results: the main command, then the Table III grid."""
+    lines = []
+    if main:
+        low, high = main["change_ci95"]
+        t = main["timings_s"]
+        lines.append(
+            f"`{main['command']}` from an empty cache: test WER {main['round0_wer']:.3f} at "
+            f"round 0 -> {main['test_wer']:.3f} [{main['test_wer_ci95'][0]:.3f}, "
+            f"{main['test_wer_ci95'][1]:.3f}], change {main['change']:+.3f} [{low:+.3f}, "
+            f"{high:+.3f}] ({'significant' if main['significant'] else 'not significant'}, "
+            f"p = {main['change_p']:.3f}); ε = {main['epsilon']:.2f} at δ = {main['delta']:g} "
+            f"for the simulated deployment (q = {main['sampling_rate']:g}); "
+            f"{t['total']:.0f} s in all (corpus {t.get('corpus', 0):.0f} s, federated "
+            f"{t.get('federated', 0):.0f} s)."
+        )
+    if grid:
+        lines += [
+            "",
+            f"Table III on this model, encoder LoRA, test-only seeds {grid['seeds']} (paired):",
+            "",
+            "| Method | test WER per seed | pooled WER | change from round 0 [95% CI] | test CE "
+            "(mean ± sd over seeds) |",
+            "|---|---|---:|---|---:|",
+        ]
+        for row in grid["rows"]:
+            low, high = row["change_ci"]
+            lines.append(
+                f"| {row['name']} | {' / '.join(f'{w:.3f}' for w in row['wers'])} "
+                f"| {row['wer_pooled']:.3f} | {row['change']:+.3f} [{low:+.3f}, {high:+.3f}] "
+                f"| {_pm(row['ce'])} |"
+            )
+        lines += ["", "| A - B | seeds | WER difference [95% CI] | p | significant |",
+                  "|---|---:|---|---:|---|"]  # fmt: skip
+        for p in grid["pairs"]:
+            lines.append(
+                f"| {METHODS.get(p['a'], p['a'])} - {METHODS.get(p['b'], p['b'])} "
+                f"| {p['seeds']} | {p['difference']:+.3f} [{p['ci95'][0]:+.3f}, "
+                f"{p['ci95'][1]:+.3f}] | {p['p']:.3f} | {'yes' if p['significant'] else 'no'} |"
+            )
+    return "\n".join(lines)
+
+
+def root_row(main: dict | None, grid: dict | None) -> str:
+    """The root README's MLS row."""
+    ours = []
+    if main:
+        low, high = main["change_ci95"]
+        ours.append(
+            f"Main command (α-split): test WER {main['round0_wer']:.3f} -> "
+            f"{main['test_wer']:.3f}, {main['change']:+.3f} [{low:+.3f}, {high:+.3f}] "
+            f"({'significant' if main['significant'] else 'not significant'}) at ε = "
+            f"{main['epsilon']:.2f} (simulated deployment), {main['timings_s']['total']:.0f} s"
+        )
+    if grid:
+        wers = ", ".join(f"{r['name']} {r['wer_pooled']:.3f}" for r in grid["rows"])
+        ours.append(f"{len(grid['seeds'])} paired seeds: {wers}")
+    paper = (
+        "α-Split ≈ Flat, per-matrix budgets degrade (Whisper + TinyLlama, unfrozen: FedAvg "
+        "0.184, Flat 0.196, α-Split 0.199, PFL-Dim 0.305, PFL-Uniform collapses at 0.994)"
+    )
+    return f"| MLS | {'; '.join(ours) or 'pending'} | {paper} |"
+
+
+def _load(name):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def rendered() -> dict[str, str]:
+    """``{"recipe": block, "root": row}`` from the committed results files."""
+    main, grid = _load("main_command.json"), _load("table3.json")
+    return {"recipe": recipe_block(main, grid), "root": root_row(main, grid)}
+
+
+def replace_between(text: str, markers: tuple[str, str], body: str, *, where: str) -> str:
+    """``text`` with the lines between the two markers replaced by ``body``."""
+    start, end = markers
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise ValueError(f"{where}: needs exactly one {start} and one {end}")
+    head, rest = text.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
+def replace_row(text: str, row: str, *, where: str) -> str:
+    """``text`` with its one line starting with :data:`ROW_PREFIX` replaced by ``row``."""
+    lines = text.split("\n")
+    hits = [i for i, line in enumerate(lines) if line.startswith(ROW_PREFIX)]
+    if len(hits) != 1:
+        raise ValueError(f"{where}: needs exactly one line starting with {ROW_PREFIX!r}")
+    lines[hits[0]] = row
+    return "\n".join(lines)
+
+
+def update(*, check: bool) -> list[str]:
+    """Write (or, ``check``, compare) both READMEs; the paths that differ(ed)."""
+    blocks = rendered()
+    differ = []
+    for key, path in (("recipe", RECIPE_README), ("root", ROOT_README)):
+        text = path.read_text()
+        if key == "recipe":
+            new = replace_between(text, MARKERS, blocks[key], where=str(path))
+        else:
+            new = replace_row(text, blocks[key], where=str(path))
+        if new != text:
+            differ.append(str(path))
+            if not check:
+                path.write_text(new)
+    return differ
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", nargs="?", choices=("collect", "write"), default="write")
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 on a diff")
+    parser.add_argument("--main", type=Path, help="collect: the main command's run folder")
+    parser.add_argument(
+        "--command", default="python recipes/MLS/train_fl.py hparams/alpha_split.yaml"
+    )
+    parser.add_argument("--grid", type=Path, help="collect: method_table.py --output-root")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[11, 12, 13])
+    args = parser.parse_args(argv)
+    if args.step == "collect":
+        RESULTS.mkdir(exist_ok=True)
+        if args.main:
+            out = collect_main(args.main, args.command)
+            (RESULTS / "main_command.json").write_text(json.dumps(out, indent=2) + "\n")
+        if args.grid:
+            out = collect_grid(args.grid, args.seeds)
+            (RESULTS / "table3.json").write_text(json.dumps(out, indent=2) + "\n")
+        return 0
+    differ = update(check=args.check)
+    for path in differ:
+        print(f"{path}: {'differs from' if args.check else 'updated from'} {RESULTS}")
+    return 1 if args.check and differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

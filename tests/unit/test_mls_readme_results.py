@@ -1,0 +1,58 @@
+"""The MLS figures have one source: the READMEs' results equal what the results files give."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "recipes" / "MLS" / "studies" / "readme_results.py"
+
+
+@pytest.fixture(scope="module")
+def readme_results():
+    spec = importlib.util.spec_from_file_location("mls_readme_results", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readmes_equal_the_results_files(readme_results):
+    """Regenerate in memory: the recipe README's block and the root README's MLS row."""
+    differ = readme_results.update(check=True)
+    assert differ == [], (
+        f"{differ} differ from recipes/MLS/studies/results/: run "
+        "python recipes/MLS/studies/readme_results.py write"
+    )
+
+
+def test_the_block_carries_the_results_files_figures(readme_results):
+    main = {
+        "command": "python recipes/MLS/train_fl.py hparams/alpha_split.yaml",
+        "method": "alpha_split", "test_wer": 0.61234, "test_wer_ci95": [0.55, 0.66],
+        "round0_wer": 0.8, "change": -0.188, "change_ci95": [-0.25, -0.12], "change_p": 0.0001,
+        "significant": True, "epsilon": 1.234, "delta": 1e-6, "sampling_rate": 0.01,
+        "timings_s": {"total": 555.0, "corpus": 40.0, "federated": 400.0},
+    }  # fmt: skip
+    grid = {
+        "seeds": [11, 12],
+        "rows": [{"name": "Flat", "wers": [0.6, 0.62], "wer_pooled": 0.61, "change": -0.2,
+                  "change_ci": [-0.3, -0.1], "ce": [1.0, 1.2]}],
+        "pairs": [{"a": "pfl_uniform", "b": "flat", "seeds": 2, "difference": 0.05,
+                   "ci95": [0.01, 0.09], "p": 0.02, "significant": True}],
+    }  # fmt: skip
+    block = readme_results.recipe_block(main, grid)
+    assert "0.800 at round 0 -> 0.612" in block and "ε = 1.23" in block and "555 s" in block
+    assert "| Flat | 0.600 / 0.620 | 0.610 | -0.200 [-0.300, -0.100] | 1.100 ± 0.141 |" in block
+    assert "| PFL-Uniform - Flat | 2 | +0.050 [+0.010, +0.090] | 0.020 | yes |" in block
+    row = readme_results.root_row(main, grid)
+    assert row.startswith(readme_results.ROW_PREFIX) and "Flat 0.610" in row
+
+
+def test_markers_are_required(readme_results):
+    with pytest.raises(ValueError, match="needs exactly one"):
+        readme_results.replace_between("no markers", readme_results.MARKERS, "x", where="R")
+    with pytest.raises(ValueError, match="needs exactly one line"):
+        readme_results.replace_row("| SUPERB | a |", "| MLS | b |", where="R")
