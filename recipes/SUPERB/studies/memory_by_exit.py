@@ -24,7 +24,8 @@ four tasks at their real corpora's input lengths (Speech Commands 1 s, VoxCeleb1
 trained, under three measures of :func:`speechbrain_fl.models.step_memory.step_memory`: the
 tensors of the step (weights used, gradients, AdamW moments, saved activations), the
 allocator peak of a step (the largest sum of live tensor storages, transient buffers
-included) and that peak for a client holding every layer's weights (``resident``). Each saving is ``100 (1 - m_3 / m_12)``; the results go to ``FILE`` (JSON) with
+included) and that peak for a client holding every layer's weights (``resident``). Each
+saving is ``100 (1 - m_3 / m_12)``; the results go to ``FILE`` (JSON) with
 the paper's four savings and whether each measure orders the tasks as the paper does
 (KWS > SID > ER > ASR).
 

@@ -156,14 +156,15 @@ def pretrain(corpus, phones, args):
     rng = np.random.default_rng(args.seed)
     losses = []
     for step in range(args.steps):
-        items = [corpus[i] for i in rng.choice(len(corpus), args.batch_size, replace=False)]
+        size = min(args.batch_size, len(corpus))
+        items = [corpus[i] for i in rng.choice(len(corpus), size, replace=False)]
         loss = frame_loss(model, *_batch(items, index))
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
         optimizer.step()
         scheduler.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step}: loss {np.mean(losses[-50:]):.3f}", flush=True)
     return model, losses
@@ -255,7 +256,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = build_corpus(args.speakers, args.utterances, seed=args.seed, offset=args.speaker_offset)
+    offset = args.speaker_offset
+    corpus = build_corpus(args.speakers, args.utterances, seed=args.seed, offset=offset)
     probe_corpus = build_corpus(
         args.probe_speakers, args.probe_utterances, seed=args.seed,
         offset=args.speaker_offset + args.speakers,
@@ -270,7 +272,8 @@ def main(argv=None):
         ),
         num_outputs=len(phones), exits=(12,), head="ctc",
     )  # fmt: skip
-    results = {"settings": vars(args), "phones": phones, "loss_first_50": np.mean(losses[:50]),
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "cache_folder")}
+    results = {"settings": settings, "phones": phones, "loss_first_50": np.mean(losses[:50]),
                "loss_last_50": np.mean(losses[-50:]), "probes": {}}  # fmt: skip
     for name, net in (("random", random_model), ("phone_seed", model)):
         print(name, flush=True)

@@ -7,15 +7,16 @@ The one source of the recipe's reported figures is ``recipes/SUPERB/studies/resu
   training memory per exit), copied from a run's ``results.json`` by ``--ingest_default``;
 - ``memory_by_task.json``: exit 3 against exit 12 at wav2vec 2.0 Base size per task, written
   by ``memory_by_exit.py --per_task``;
+- ``phone_seed.json``: the phone seed's per-layer probes (``phone_seed.py``'s output);
 - ``depth_by_exit.json``: centralized runs at a shallow and a deep exit from the same start,
   one row per corpus and start, each with its paired difference (``--ingest_depth`` computes
   it from two run folders' ``test_predictions.csv``: the paired speaker bootstrap of
   ``results_table.paired_difference``).
 
-From them it renders three tables into ``recipes/SUPERB/README.md``, between the markers
+From them it renders four tables into ``recipes/SUPERB/README.md``, between the markers
 ``<!-- results:superb-default:start -->`` / ``...:end -->`` (and ``superb-memory``,
-``superb-depth``), and the row of the root README's results table that starts with
-``| SUPERB`` (a table row cannot hold markers, so the row is found by that prefix).
+``superb-depth``, ``superb-probes``), and the row of the root README's results table that
+starts with ``| SUPERB`` (a table row cannot hold markers, so the row is found by its prefix).
 ``--check`` writes nothing and exits 1 naming every table that differs from its file.
 
     > python recipes/SUPERB/studies/readme_tables.py --ingest_default results/SUPERB/kws12/...
@@ -89,7 +90,8 @@ def memory_table(memory):
         for front_end in ("frozen", "trained"):
             row = _row(memory, task, front_end)
             cells = [
-                f"{row[m]['saving_pct']:.1f}% ({row[m]['exit3_mib']:.0f} / {row[m]['exit12_mib']:.0f})"
+                f"{row[m]['saving_pct']:.1f}% "
+                f"({row[m]['exit3_mib']:.0f} / {row[m]['exit12_mib']:.0f})"
                 for m in MEASURE_NAMES
             ]
             lines.append(
@@ -129,6 +131,31 @@ def depth_table(depth):
     return "\n".join(lines)
 
 
+def probe_table(probes):
+    """Linear-probe accuracy per layer on frozen states: the random model and the phone seed."""
+    lines = [
+        "| Layer | Phone (content), random | Phone (content), seed | Voice (speaker), random "
+        "| Voice (speaker), seed |",
+        "|---|---|---|---|---|",
+    ]
+    random, seed = probes["probes"]["random"], probes["probes"]["phone_seed"]
+    for layer in sorted(random["content"], key=int):
+        lines.append(
+            f"| {layer} | {random['content'][layer]:.3f} | {seed['content'][layer]:.3f} | "
+            f"{random['speaker'][layer]:.3f} | {seed['speaker'][layer]:.3f} |"
+        )
+    settings = probes["settings"]
+    lines.append("")
+    lines.append(
+        f"Seed: {settings['speakers']} public voices x {settings['utterances']} sentences, "
+        f"{len(probes['phones'])} frame labels, {settings['steps']} steps (loss "
+        f"{probes['loss_first_50']:.2f} -> {probes['loss_last_50']:.2f}, first and last 50 "
+        f"steps); probes on {settings['probe_speakers']} other voices x "
+        f"{settings['probe_utterances']} sentences (chance: voice 1/{settings['probe_speakers']})."
+    )
+    return "\n".join(lines)
+
+
 def root_row(default, memory):
     """The SUPERB row of the root README's results table."""
     tests = sorted(default["test"].items(), key=lambda kv: int(kv[0]))
@@ -151,6 +178,7 @@ def render(results=RESULTS):
         "superb-default": default_table(default, memory),
         "superb-memory": memory_table(memory),
         "superb-depth": depth_table(load("depth_by_exit.json", results)),
+        "superb-probes": probe_table(load("phone_seed.json", results)),
     }
     return tables, root_row(default, memory)
 
@@ -168,7 +196,7 @@ def differences(readme=README, root_readme=ROOT_README, results=RESULTS):
 
 
 def write(readme=README, root_readme=ROOT_README, results=RESULTS):
-    """Write the three tables into ``readme`` and the row into ``root_readme``."""
+    """Write the four tables into ``readme`` and the row into ``root_readme``."""
     from speechbrain_fl.recipe import update_readme_table
 
     tables, row = render(results)
@@ -186,8 +214,8 @@ def write(readme=README, root_readme=ROOT_README, results=RESULTS):
 def ingest_default(folder, results=RESULTS):
     """Copy what the tables read from a default run's ``results.json``."""
     run = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
-    keep = {k: run[k] for k in ("task", "scenario", "aggregation", "weighting", "rounds",
-                                 "num_clients", "seed", "test", "memory_mb") if k in run}  # fmt: skip
+    keys = ("task", "scenario", "aggregation", "weighting", "rounds", "num_clients", "seed")
+    keep = {k: run[k] for k in (*keys, "test", "memory_mb") if k in run}
     (Path(results) / "default_kws12.json").write_text(json.dumps(keep, indent=1) + "\n")
 
 
@@ -198,7 +226,9 @@ def ingest_depth(label, shallow_folder, deep_folder, results=RESULTS):
     runs = []
     for folder in (shallow_folder, deep_folder):
         run = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
-        runs.append({**run, "_folder": str(folder), "_exit": str(run["exit"])})
+        if len(run["test"]) != 1:
+            raise ValueError(f"{folder}: a centralized run tests one exit, not {list(run['test'])}")
+        runs.append({**run, "_folder": str(folder), "_exit": next(iter(run["test"]))})
     metric = "WER" if "WER" in runs[0]["test"][runs[0]["_exit"]] else "accuracy"
     diff = paired_difference(runs[1], runs[1]["_exit"], runs[0], runs[0]["_exit"])
     row = {

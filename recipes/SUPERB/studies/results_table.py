@@ -255,8 +255,7 @@ def _table1_lines(results, best_exit, shallow, *, metric, better):
         top = better(scored.values()) if scored else None
         best[name] = [e for e in EXITS if e in scored and scored[e] == top]  # ties: all
     lines += [
-        f"Table 1: test {metric} [95% CI] by exit and scenario (best exit of each column "
-        "in bold)",
+        f"Table 1: test {metric} [95% CI] by exit and scenario (best exit of each column in bold)",
         "",
         "| Exit | " + " | ".join(name for name, _ in columns) + " |",
         "|---|" + "---|" * len(columns),
