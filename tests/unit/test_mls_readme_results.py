@@ -38,21 +38,38 @@ def test_the_block_carries_the_results_files_figures(readme_results):
     }  # fmt: skip
     grid = {
         "seeds": [11, 12],
-        "rows": [{"name": "Flat", "wers": [0.6, 0.62], "wer_pooled": 0.61, "change": -0.2,
+        "rows": [{"method": "flat", "name": "Flat", "wers": [0.6, 0.62], "wer_pooled": 0.61, "change": -0.2,
                   "change_ci": [-0.3, -0.1], "ce": [1.0, 1.2]}],
         "pairs": [{"a": "pfl_uniform", "b": "flat", "seeds": 2, "difference": 0.05,
                    "ci95": [0.01, 0.09], "p": 0.02, "significant": True}],
     }  # fmt: skip
     block = readme_results.recipe_block(main, grid)
     assert "0.800 at round 0 -> 0.612" in block and "ε = 1.23" in block and "555 s" in block
-    assert "| Flat | 0.600 / 0.620 | 0.610 | -0.200 [-0.300, -0.100] | 1.100 ± 0.141 |" in block
+    assert (
+        "| Flat | 0.1685 | 0.1959\\* | 0.600 / 0.620 | 0.610 | -0.200 [-0.300, -0.100] "
+        "| 1.100 ± 0.141 |" in block
+    )
+    assert "| PFL-Uniform | 0.4643 | 0.9944† | not run |" in block
     assert "| PFL-Uniform - Flat | 2 | +0.050 [+0.010, +0.090] | 0.020 | yes |" in block
+    assert "- PFL-Uniform significantly worse than Flat: **met**" in block
+    assert "- FedAvg at or below Flat: **not measured**" in block
     row = readme_results.root_row(main, grid)
     assert row.startswith(readme_results.ROW_PREFIX) and "Flat 0.610" in row
+    assert "0.800 at round 0 -> 0.612 [0.550, 0.660]" in readme_results.main_line(main)
+    main["simulated_deployment"] = {"population": 100000}
+    text = readme_results.quickstart(main)
+    assert text.startswith(readme_results.QUICKSTART_PREFIX) and "9.2 minutes" in text
+    assert "100,000 clients" in text
 
 
 def test_markers_are_required(readme_results):
     with pytest.raises(ValueError, match="needs exactly one"):
         readme_results.replace_between("no markers", readme_results.MARKERS, "x", where="R")
+    with pytest.raises(ValueError, match="needs exactly one paragraph"):
+        readme_results.replace_paragraph("text", "The main job", "x", where="R")
+    text = "a\nThe main job x\ny\n\nnext"
+    assert readme_results.replace_paragraph(text, "The main job", "NEW", where="R") == (
+        "a\nNEW\n\nnext"
+    )
     with pytest.raises(ValueError, match="needs exactly one line"):
         readme_results.replace_row("| SUPERB | a |", "| MLS | b |", where="R")
