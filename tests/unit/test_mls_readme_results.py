@@ -23,7 +23,7 @@ def test_readmes_equal_the_results_files(readme_results):
     """Regenerate in memory: the recipe README's block and the root README's MLS row."""
     differ = readme_results.update(check=True)
     assert differ == [], (
-        f"{differ} differ from recipes/MLS/studies/results/: run "
+        f"{differ} differ from recipes/MLS/studies/measured/: run "
         "python recipes/MLS/studies/readme_results.py write"
     )
 

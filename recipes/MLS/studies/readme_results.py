@@ -4,7 +4,7 @@
 Two steps:
 
 1. ``collect`` reads finished runs and writes the results files this folder commits
-   (``results/``): ``main_command.json`` (the main command's run: test WER against round 0,
+   (``measured/``): ``main_command.json`` (the main command's run: test WER against round 0,
    epsilon, the time of each stage) and ``table3.json`` (the Table III grid over test-only
    seeds: per method the seeds' test WER and CE, the pooled change from round 0 with its
    paired speaker-level CI, and the paired method comparisons of :mod:`seed_table`).
@@ -40,7 +40,7 @@ from method_tables import METHODS, _get, run_folder  # noqa: E402
 from seed_table import collect as collect_runs  # noqa: E402
 from seed_table import comparisons, method_rows, seed_root  # noqa: E402
 
-RESULTS = STUDY_DIR / "results"
+RESULTS = STUDY_DIR / "measured"
 RECIPE_README = STUDY_DIR.parent / "README.md"
 ROOT_README = STUDY_DIR.parents[2] / "README.md"
 MARKERS = ("<!-- mls-results:start -->", "<!-- mls-results:end -->")
