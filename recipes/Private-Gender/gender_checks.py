@@ -165,8 +165,7 @@ def check_teacher_hparams(hparams: Mapping, path, overrides: Mapping | None = No
         c.integer("audit_canaries", minimum=0)
         if hparams["audit_canaries"] == 1:
             c.fail("audit_canaries", "must be 0 (off) or >= 2 (half inserted, half held out)")
-        if hparams["audit_canaries"]:
-            c.number("audit_confidence", low=0, high=1, high_open=True)
+        c.number("audit_confidence", low=0, high=1, high_open=True)
     c.boolean("aw_dp")
     if hparams["aw_dp"]:
         c.one_of("aw_source", ("aux_counts", "prior"))
