@@ -10,8 +10,8 @@ The one source of the recipe's reported figures is ``recipes/SUPERB/studies/resu
 - ``phone_seed.json``: the phone seed's per-layer probes (``phone_seed.py``'s output);
 - ``depth_by_exit.json``: centralized runs at a shallow and a deep exit from the same start,
   one row per corpus and start, each with its paired difference (``--ingest_depth`` computes
-  it from two run folders' ``test_predictions.csv``: the paired speaker bootstrap of
-  ``results_table.paired_difference``).
+  it from the runs' ``test_predictions.csv``, comma-separated folders one per seed: the
+  (seed, speaker) bootstrap of ``results_table.paired_difference``).
 
 From them it renders four tables into ``recipes/SUPERB/README.md``, between the markers
 ``<!-- results:superb-default:start -->`` / ``...:end -->`` (and ``superb-memory``,
@@ -219,31 +219,53 @@ def ingest_default(folder, results=RESULTS):
     (Path(results) / "default_kws12.json").write_text(json.dumps(keep, indent=1) + "\n")
 
 
-def ingest_depth(label, shallow_folder, deep_folder, results=RESULTS):
-    """Append (or replace) a row of ``depth_by_exit.json`` from two one-seed centralized runs."""
-    from results_table import paired_difference
-
+def _seed_runs(folders):
+    """The results of one exit's runs, one per seed (comma-separated run folders)."""
     runs = []
-    for folder in (shallow_folder, deep_folder):
+    for folder in folders.split(","):
         run = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
         if len(run["test"]) != 1:
             raise ValueError(f"{folder}: a centralized run tests one exit, not {list(run['test'])}")
         runs.append({**run, "_folder": str(folder), "_exit": next(iter(run["test"]))})
-    metric = "WER" if "WER" in runs[0]["test"][runs[0]["_exit"]] else "accuracy"
-    diff = paired_difference(runs[1], runs[1]["_exit"], runs[0], runs[0]["_exit"])
+    if len({r["_exit"] for r in runs}) != 1:
+        raise ValueError(f"{folders}: the runs test different exits")
+    return runs
+
+
+def ingest_depth(label, shallow_folders, deep_folders, results=RESULTS):
+    """Append (or replace) a row of ``depth_by_exit.json`` from centralized runs.
+
+    ``shallow_folders`` and ``deep_folders`` are comma-separated run folders, one per seed in
+    the same seed order. Each exit's value is pooled over the seeds' test clips and the
+    difference is paired over (seed, speaker) units (``results_table``'s bootstrap).
+    """
+    from results_table import paired_difference, pooled_accuracy
+
+    shallow, deep = _seed_runs(shallow_folders), _seed_runs(deep_folders)
+    if [r["seed"] for r in shallow] != [r["seed"] for r in deep]:
+        raise ValueError("the shallow and deep runs must list the same seeds in the same order")
+    exits = shallow[0]["_exit"], deep[0]["_exit"]
+    diff = paired_difference(deep, exits[1], shallow, exits[0])
+    values = [pooled_accuracy(runs, e) for runs, e in ((shallow, exits[0]), (deep, exits[1]))]
     row = {
         "label": label,
-        "seeds": 1,
-        "metric": metric,
-        "shallow": runs[0]["test"][runs[0]["_exit"]][metric],
-        "deep": runs[1]["test"][runs[1]["_exit"]][metric],
-        "deep_exit": int(runs[1]["_exit"]),
+        "seeds": len(shallow),
+        "seed_list": [r["seed"] for r in shallow],
+        "metric": "accuracy",
+        "shallow": values[0][0],
+        "deep": values[1][0],
+        "deep_exit": int(exits[1]),
+        "per_seed": [
+            [a["test"][exits[0]]["accuracy"], b["test"][exits[1]]["accuracy"]]
+            for a, b in zip(shallow, deep, strict=True)
+        ],
         "difference": None if diff is None else [diff[0], *diff[1]],
     }
     path = Path(results) / "depth_by_exit.json"
     table = json.loads(path.read_text()) if path.is_file() else {"rows": []}
     table["rows"] = [r for r in table["rows"] if r["label"] != label] + [row]
     path.write_text(json.dumps(table, indent=1) + "\n")
+    return row
 
 
 def main(argv=None):
@@ -252,7 +274,7 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="exit 1 if a README differs")
     parser.add_argument("--ingest_default", default=None, help="a default run's output folder")
     parser.add_argument("--ingest_depth", nargs=3, default=None,
-                        metavar=("LABEL", "SHALLOW_RUN", "DEEP_RUN"))  # fmt: skip
+                        metavar=("LABEL", "SHALLOW_RUNS", "DEEP_RUNS"))  # fmt: skip
     args = parser.parse_args(argv)
     if args.check:
         stale = differences()
