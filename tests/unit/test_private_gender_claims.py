@@ -120,6 +120,8 @@ def test_record_and_summary_pair_the_models_seed_by_seed(tmp_path):
     assert [summary["claims"][name]["p_holm"] for name, _, _ in claims.CLAIMS] == holm(ps)
     assert summary["models"]["student"]["collapsed"] == 0 and summary["n"] == 5
     assert claims.verdict(c) == "holds"
+    assert summary["collapse"] == {"n": 5, "a": 0, "b": 0, "only_a": 0, "only_b": 0, "p": 1.0}
+    assert claims._p(0.0) == "< 0.0001" and claims._p(0.01234, "=") == "= 0.0123"
     block = claims.readme_block(summary)
     assert "| student − DP-direct | +0.080 [" in block and "**holds**" in block
     row = claims.root_row(summary)

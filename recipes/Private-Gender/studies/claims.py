@@ -45,6 +45,7 @@ sys.path[:0] = [str(STUDIES_DIR), str(RECIPE_DIR)]
 from gender_stats import (  # noqa: E402
     balanced_accuracy_difference_sd,
     collapsed,
+    exact_mcnemar,
     holm,
     paired,
     seeds_for_power,
@@ -184,9 +185,14 @@ def summarise(store: dict) -> dict:
         }
     for (name, _, _), p in zip(CLAIMS, holm([c["p"] for c in claims.values()]), strict=True):
         claims[name]["p_holm"] = p
+    collapse = exact_mcnemar(
+        [r["models"]["dp_direct"]["collapsed"] for r in runs],
+        [r["models"]["student"]["collapsed"] for r in runs],
+    )
     return {
         "seeds": seeds,
         "n": len(seeds),
+        "collapse": collapse,
         "epsilon": runs[0]["epsilon"],
         "epsilon_joint": runs[0]["epsilon_joint"],
         "test_records": runs[0]["test_records"],
@@ -210,6 +216,13 @@ def verdict(claim: dict) -> str:
     return "not established"
 
 
+def _p(p: float, equals: str = "") -> str:
+    """A p-value as printed: 4 decimals, ``< 0.0001`` below that."""
+    if p < 1e-4:
+        return "< 0.0001"
+    return f"{equals} {p:.4f}".strip()
+
+
 def _seed_list(seeds: list[str]) -> str:
     return ", ".join(seeds) if len(seeds) <= 5 else f"{', '.join(seeds[:3])}, …, {seeds[-1]}"
 
@@ -219,14 +232,14 @@ def _share(split: dict) -> str:
 
 
 def _power_note(claim: dict, n: int) -> str:
+    """Seeds for 80% power at level 0.05 and at 0.05 / #claims, and whether ``n`` reaches
+    the latter."""
     need, strict = claim["seeds_for_power"], claim["seeds_for_power_bonferroni"]
     if need is None:
-        return "no positive effect to power"
-    at_strict = "more than 1000" if strict is None else str(strict)
-    return (
-        f"{need} seeds for 80% power at level 0.05, {at_strict} at 0.05/{len(CLAIMS)} "
-        f"({'reached' if strict is not None and n >= strict else 'not reached'} at the latter)"
-    )
+        return "no positive effect"
+    at_strict = "> 1000" if strict is None else str(strict)
+    reached = strict is not None and n >= strict
+    return f"{need} / {at_strict} ({'reached' if reached else 'not reached'})"
 
 
 def readme_block(summary: dict) -> str:
@@ -253,21 +266,20 @@ def readme_block(summary: dict) -> str:
     lines += [
         "",
         "| Claim (balanced acc., A − B) | Mean [95% CI] | p | p, Holm (3 claims) | A > B in | "
-        "Seeds for 80% power | Verdict |",
+        f"Seeds for 80% power, level 0.05 / 0.05/{len(CLAIMS)} | Verdict |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, c in summary["claims"].items():
         lines.append(
-            f"| {name} | {c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] | {c['p']:.4f} | "
-            f"{c['p_holm']:.4f} | {c['wins']}/{n} | {_power_note(c, n)} | **{verdict(c)}** |"
+            f"| {name} | {c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] | {_p(c['p'])} | "
+            f"{_p(c['p_holm'])} | {c['wins']}/{n} | {_power_note(c, n)} | **{verdict(c)}** |"
         )
-    lines.append("")
-    for name, c in summary["claims"].items():
-        lines.append(
-            f"- **{name}**: {verdict(c)} ({c['mean']:+.3f} [{c['ci'][0]:+.3f}, "
-            f"{c['ci'][1]:+.3f}], p = {c['p']:.4f}, Holm p = {c['p_holm']:.4f}; A above B in "
-            f"{c['wins']} of {n} seeds; {_power_note(c, n)})."
-        )
+    mc = summary["collapse"]
+    lines += [
+        "",
+        f"Collapse over the same seeds: DP-direct {mc['a']}/{n}, the student {mc['b']}/{n} "
+        f"(exact McNemar p = {_p(mc['p'])}).",
+    ]
     lines += [
         "",
         f"| Claim: sd of A − B over seeds | {summary['test_records']} test clips: total | "
@@ -292,7 +304,7 @@ def root_row(summary: dict) -> str:
         f"| Private-Gender | Student balanced accuracy {_ms(m['student']['balanced_accuracy'])} vs "
         f"DP-direct {_ms(m['dp_direct']['balanced_accuracy'])} at ε = {summary['epsilon']:.3f} "
         f"({summary['n']} paired seeds, no canaries in training; {c['mean']:+.3f} "
-        f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}], Holm p = {c['p_holm']:.4f}: {verdict(c)}); "
+        f"[{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}], Holm p {_p(c['p_holm'], '=')}: {verdict(c)}); "
         f"vs the label-only control {label['mean']:+.3f} [{label['ci'][0]:+.3f}, "
         f"{label['ci'][1]:+.3f}]: {verdict(label)} | Tables lost from the paper's text; no paper "
         "column |"
