@@ -84,6 +84,14 @@ def test_variance_split_adds_up():
     assert v["test_share"] == pytest.approx(v["sd_test"] ** 2 / total**2, abs=1e-3)
 
 
+def test_interval_with_the_test_sample_widens_by_the_mean_bootstrap_sd():
+    d = paired([0.1, 0.3, 0.2, 0.4], [0.0] * 4)
+    half_t = d["ci"][1] - d["mean"]
+    low, high = claims.with_test_sample(d, [0.02, 0.04, 0.03, 0.03])
+    assert high - d["mean"] == pytest.approx(math.hypot(half_t, 1.96 * 0.03), abs=1e-4)
+    assert low < d["ci"][0] and claims.with_test_sample(d, [0.0] * 4) == d["ci"]
+
+
 def _report(bacc, predictions, recall_other=0.5):
     return {"balanced_accuracy": {"value": bacc}, "majpred": {"value": 0.7},
             "per_class_recall": {"male": {"value": 0.9}, "female": {"value": 0.8},
