@@ -432,7 +432,6 @@ TIMED = [
     ("    load global into model (x2)", "speechbrain_fl.fl.client", "load_trainable"),
     ("    local training (lean loop, or Brain.fit)", "speechbrain_fl.fl.client", "_local_fit"),
     ("    local training (lean loop, or Brain.fit)", "speechbrain.core", "Brain.fit"),
-    ("      DataLoader + PaddedBatch collation", "speechbrain_fl.fl.collation", "next_batch"),
     (
         "      DataLoader + PaddedBatch collation",
         "torch.utils.data.dataloader",
@@ -440,12 +439,7 @@ TIMED = [
     ),
     ("        of which the collation", "speechbrain_fl.fl.client_data", "_stacked_padded_batch"),
     ("        of which PaddedBatch (fallback)", "speechbrain.dataio.batch", "PaddedBatch.__init__"),
-    (
-        "      fit_batch: lean step (forward, backward, step)",
-        "speechbrain_fl.fl.local_fit",
-        "lean_fit_batch",
-    ),
-    ("      fit_batch: lean step (forward, backward, step)", "speechbrain.core", "Brain.fit_batch"),
+    ("      fit_batch (forward, backward, step)", "speechbrain.core", "Brain.fit_batch"),
     ("        the Brain's compute_forward", "speechbrain_fl.fl.toy", "ToyBrain.compute_forward"),
     (
         "        the Brain's compute_objectives",
@@ -453,7 +447,6 @@ TIMED = [
         "ToyBrain.compute_objectives",
     ),
     ("        backward", "torch", "Tensor.backward"),
-    ("        optimiser step (lean)", "speechbrain_fl.fl.lean_step", "_optimizers_step"),
     ("        Brain.optimizers_step", "speechbrain.core", "Brain.optimizers_step"),
     (
         "          clip_grad_norm_ (SpeechBrain's max_grad_norm)",

@@ -32,8 +32,7 @@ Where each part of a round lives (one job per module):
 
 - :mod:`.client_data`: the training DataLoader, made once per ClientTask, its sampler seeded
   afresh every round and client, its collation and the skipping of unreadable audio;
-- :mod:`.client_optimizer`: the optimiser built once per Brain and reset before every round,
-  and ``Brain.optimizers_step`` without its no-op ``clip_grad_norm_`` at ``max_grad_norm: inf``;
+- :mod:`.client_optimizer`: the optimiser built once per Brain and reset before every round;
 - :mod:`.local_fit`: the local training itself (:func:`.local_fit.lean_fit`, the calls
   ``Brain.fit`` makes, or ``brain.fit``) and the recording of ``on_stage_end``'s loss;
 - :mod:`.client_update`: the round's global tensors decoded once, the delta and the clip
@@ -62,12 +61,10 @@ the data, optimiser, training and update costs are described in the modules abov
   reference to this round's global tensors per cached client until its next round: with
   Poisson sampling, up to one model copy per client. The reset is one copy (~13 us here).
 
-Bit-identical replies for all of these: ``tests/unit/test_fl_client_lean_step.py``,
-``test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
+Bit-identical replies for all of these: ``tests/unit/test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
 ``test_fl_client_collation.py``, ``test_fl_client_reply.py`` (a reply against ``brain.fit`` on
 ``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids),
-``test_fl_client_epoch_batches.py`` (batches and random draws against torch's iterator),
-``test_fl_client_optimizer_step.py`` and ``test_fl_client_clip.py`` (the clip against the
+and ``test_fl_client_clip.py`` (the clip against the
 per-tensor arithmetic it replaces).
 """
 
@@ -88,7 +85,7 @@ from speechbrain_fl.privacy import Layout, clip_update
 
 from ..utils.gc_freeze import refreeze
 from .client_data import _round_sampler_seed, _skipping_collate, _train_loader
-from .client_optimizer import _reset_optimizer, _skip_disabled_clipping
+from .client_optimizer import _reset_optimizer
 from .client_update import (
     _NORMS_ONLY_JSON,
     NORMS_ONLY_BUDGET,
@@ -98,7 +95,6 @@ from .client_update import (
     _parsed,
 )
 from .collation import pad_right_stacked
-from .lean_step import lean_fit_batch_applies
 from .local_fit import _local_fit, _record_stage_end, lean_fit, lean_fit_applies
 from .npy_codec import encode_record
 from .params import ParameterIndex, load_trainable
@@ -143,10 +139,8 @@ class ClientTask:
     lean_fit : bool
         Train with :func:`.local_fit.lean_fit` (default, our choice) instead of ``brain.fit``:
         the same Brain hooks and arithmetic without ``Brain.fit``'s per-call overhead; a Brain
-        that needs ``Brain.fit`` (see :func:`.local_fit.lean_fit_applies`) gets it either way;
-        its steps are :func:`.lean_step.lean_fit_batch` where
-        :func:`.lean_step.lean_fit_batch_applies`, the Brain's ``fit_batch`` otherwise.
-        ``False`` always calls ``brain.fit`` (with SpeechBrain's ``fit_batch``).
+        that needs ``Brain.fit`` (see :func:`.local_fit.lean_fit_applies`) gets it either way.
+        ``False`` always calls ``brain.fit``.
     fast_collate : bool
         Where ``train_loader_kwargs["collate_fn"]`` is SpeechBrain's ``PaddedBatch`` itself,
         collate with :func:`.collation.stacked_padded_batch`: the same ``PaddedBatch``, built
@@ -218,13 +212,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         # cosine learning-rate decay over rounds read in ``init_optimizers``).
         task.brain.fl_round = int(config.get("server-round", 1))
         task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
-        # checked before the contexts below put methods in the Brain's __dict__
-        lean_step = task.lean_fit and lean_fit_batch_applies(task.brain)
-        with (
-            _record_stage_end(task.brain) as records,
-            _reset_optimizer(task.brain, parameters),
-            _skip_disabled_clipping(task.brain),
-        ):
+        with _record_stage_end(task.brain) as records, _reset_optimizer(task.brain, parameters):
             loader = _train_loader(task)
             _round_sampler_seed(
                 task.brain.train_sampler or getattr(loader, "sampler", None),
@@ -234,7 +222,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             collate = _skipping_collate(loader)
             if collate is not None:
                 collate.reset()
-            _local_fit(task, loader, epochs, lean_step=lean_step)
+            _local_fit(task, loader, epochs)
         with torch.no_grad():
             delta = {n: _difference(params[n], v) for n, v in global_params.items()}
         train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]

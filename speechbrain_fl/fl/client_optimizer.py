@@ -1,31 +1,24 @@
-"""The client Brain's optimiser across rounds: built once and reset, stepped without a no-op clip.
+"""The client Brain's optimiser across rounds: built once, reset before every round.
 
 Used by :func:`speechbrain_fl.fl.client.train_round` around each round's local training.
 
-- The optimiser is made once per Brain and *reset* before every round instead of rebuilt:
-  its per-parameter state (momenta, Adam moments, step counts) is cleared and its param
-  groups' hyperparameters are put back to the values it was built with, so round r+1 starts
-  from the same optimiser as a freshly built one and no local state crosses rounds
-  (``tests/unit/test_fl_speed.py``). Only a Brain that keeps SpeechBrain's own
-  ``init_optimizers`` (one optimiser over ``brain.modules.parameters()``) is treated so; a
-  Brain that overrides it (e.g. a learning rate that follows the federated round) gets its
-  own ``init_optimizers`` every round, as before. The hyperparameters are restored without
-  deep copies of immutable values (:func:`_restore_groups`).
-- No per-step work a setting switches off: with ``max_grad_norm: inf`` (SpeechBrain's per-step
-  gradient clipping off) ``Brain.optimizers_step`` runs without its ``clip_grad_norm_``, which
-  SpeechBrain 1.1 calls every step whatever the bound (a norm over every gradient, then a
-  multiplication by 1.0): :func:`_unclipped_optimizers_step`, the same steps otherwise.
+The optimiser is made once per Brain and *reset* before every round instead of rebuilt:
+its per-parameter state (momenta, Adam moments, step counts) is cleared and its param
+groups' hyperparameters are put back to the values it was built with, so round r+1 starts
+from the same optimiser as a freshly built one and no local state crosses rounds
+(``tests/unit/test_fl_speed.py``). Only a Brain that keeps SpeechBrain's own
+``init_optimizers`` (one optimiser over ``brain.modules.parameters()``) is treated so; a
+Brain that overrides it (e.g. a learning rate that follows the federated round) gets its
+own ``init_optimizers`` every round, as before. The hyperparameters are restored without
+deep copies of immutable values (:func:`_restore_groups`).
 
-Tested in ``tests/unit/test_fl_client_rounds.py``, ``test_fl_speed.py`` and
-``test_fl_client_step.py``.
+Tested in ``tests/unit/test_fl_client_rounds.py`` and ``test_fl_speed.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,68 +93,3 @@ def _reset_optimizer(
         yield
     finally:
         del brain.init_optimizers  # back to the class method
-
-
-def _unclipped_optimizers_step(brain: sb.Brain) -> None:
-    """SpeechBrain 1.1's ``Brain.optimizers_step`` without its step 3, the per-step
-    ``clip_grad_norm_(params, max_grad_norm)``, for ``max_grad_norm = inf``.
-
-    With an infinite bound that call computes the gradients' global L2 norm ``||g||`` and
-    multiplies every gradient by ``min(1, inf / (||g|| + 1e-6)) = 1.0``: nothing, at the cost
-    of a pass over every gradient each step (~2 ms of ~10 ms a client round in
-    ``benchmarks/fl_overhead.py``). Steps 1, 2 and 4 (the optimisers ``freeze_optimizers``
-    leaves, the AMP scaler's unscale, SpeechBrain's non-finite check when
-    ``skip_nonfinite_grads``, the scaler's step and update, ``zero_grad(set_to_none=True)``,
-    ``optimizer_step += 1``) are SpeechBrain's, in its order, so for finite gradients the update
-    is bit-identical (``tests/unit/test_fl_client_step.py``). A non-finite gradient differs:
-    SpeechBrain's ``clip_grad_norm_`` with an infinite bound multiplies every gradient by
-    ``inf / inf = nan``, this leaves the finite ones as they are; the update is non-finite
-    either way, and the server drops a non-finite reply.
-    """
-    if brain.optimizers_dict is not None:
-        valid_optimizers = brain.freeze_optimizers(brain.optimizers_dict)
-    elif brain.opt_class is not None:
-        valid_optimizers = {"optimizer": brain.optimizer}
-    else:
-        return
-    for opt in valid_optimizers.values():
-        brain.scaler.unscale_(opt)
-    if not brain.scaler.is_enabled() and brain.skip_nonfinite_grads:
-        brain.check_gradients()
-    for opt in valid_optimizers.values():
-        brain.scaler.step(opt)
-    brain.scaler.update()
-    for opt in valid_optimizers.values():
-        opt.zero_grad(set_to_none=True)
-    brain.optimizer_step += 1
-
-
-#: SpeechBrain releases whose ``Brain.optimizers_step`` :func:`_unclipped_optimizers_step`
-#: reproduces (read from speechbrain/core.py of 1.1.x); another release keeps its own.
-_OPTIMIZERS_STEP_RELEASES = ("1.1.",)
-
-
-@contextlib.contextmanager
-def _skip_disabled_clipping(brain: sb.Brain) -> Iterator[None]:
-    """Use :func:`_unclipped_optimizers_step` for this round when it applies.
-
-    It applies to a Brain that keeps SpeechBrain's ``optimizers_step`` and
-    ``freeze_optimizers``-based flow (the class attribute is ``sb.Brain``'s), has
-    ``max_grad_norm == inf``, and runs on a SpeechBrain release in
-    :data:`_OPTIMIZERS_STEP_RELEASES`; otherwise the Brain's own method runs unchanged.
-    """
-    applies = (
-        type(brain).optimizers_step is sb.Brain.optimizers_step
-        and "optimizers_step" not in brain.__dict__
-        and math.isinf(float(getattr(brain, "max_grad_norm", 0.0)))
-        and float(brain.max_grad_norm) > 0
-        and sb.__version__.startswith(_OPTIMIZERS_STEP_RELEASES)
-    )
-    if not applies:
-        yield
-        return
-    brain.optimizers_step = functools.partial(_unclipped_optimizers_step, brain)
-    try:
-        yield
-    finally:
-        del brain.optimizers_step  # back to the class method

@@ -27,18 +27,13 @@ save.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from speechbrain.dataio.batch import PaddedBatch, PaddedData
-from speechbrain.dataio.dataloader import SaveableDataLoader
-from speechbrain.dataio.sampler import ReproducibleRandomSampler
 from speechbrain.utils.data_utils import batch_pad_right
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
-from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-__all__ = ["TensorRows", "epoch_batches", "pad_right_stacked", "stacked_padded_batch"]
+__all__ = ["TensorRows", "pad_right_stacked", "stacked_padded_batch"]
 
 
 class TensorRows(list):
@@ -170,94 +165,3 @@ def stacked_padded_batch(examples: list[Any]) -> PaddedBatch:
             return _build(keys, examples)
     tensors = all(isinstance(v, torch.Tensor) for example in examples for v in example.values())
     return PaddedBatch(examples, padding_func=pad_right_stacked, apply_default_convert=not tensors)
-
-
-#: Loader classes whose ``__iter__`` :func:`epoch_batches` stands in for: torch's (a
-#: ``_SingleProcessDataLoaderIter`` when ``num_workers == 0``) and SpeechBrain's
-#: ``SaveableDataLoader`` (the same, keeping a reference to the iterator for its checkpoints).
-_LOADERS = {DataLoader: DataLoader.__iter__, SaveableDataLoader: SaveableDataLoader.__iter__}
-#: Index samplers inside torch's ``BatchSampler`` whose iteration is left to them as is, all
-#: three torch's or SpeechBrain's own; any other sampler keeps torch's iterator (our choice).
-_SAMPLERS = (SequentialSampler, RandomSampler, ReproducibleRandomSampler)
-#: torch releases whose single-process iterator :func:`epoch_batches` reproduces (read from
-#: ``torch/utils/data/dataloader.py`` and ``_utils/fetch.py`` of 2.11).
-_TORCH_RELEASES = ("2.11.",)
-
-
-def _single_process(loader: Any) -> bool:
-    """Whether iterating ``loader`` is exactly :func:`_batches` (see :func:`epoch_batches`)."""
-    cls = type(loader)
-    return (
-        _LOADERS.get(cls) is not None
-        and cls.__iter__ is _LOADERS[cls]
-        and torch.__version__.startswith(_TORCH_RELEASES)
-        and loader.num_workers == 0
-        and loader.timeout == 0
-        and not loader.pin_memory
-        and type(loader.batch_sampler) is BatchSampler
-        and type(loader.batch_sampler.sampler) in _SAMPLERS
-        and not isinstance(loader.dataset, (torch.utils.data.IterableDataset, IterDataPipe))
-        and not isinstance(loader.dataset, MapDataPipe)
-        and getattr(loader, "_speechbrain_recovery_skip_to", None) is None
-        and not torch.autograd._profiler_enabled()
-    )
-
-
-def epoch_batches(loader: Iterable) -> Iterable:
-    """The batches of one pass over ``loader``: ``loader`` itself, or, where torch's
-    single-process iterator does exactly this, the same batches without the iterator object.
-
-    For a map-style dataset with ``num_workers == 0``, automatic batching (a torch
-    ``BatchSampler`` over a torch or SpeechBrain sampler), no memory pinning and no profiler,
-    ``iter(loader)`` makes a ``_SingleProcessDataLoaderIter`` (torch 2.11
-    ``torch/utils/data/dataloader.py``) that, at creation, calls ``iter(loader.batch_sampler)``
-    and draws its unused base seed, ``torch.empty((), dtype=torch.int64).random_(generator=
-    loader.generator)`` (one draw from that generator, the global one by default), then per
-    batch takes the next indices and returns ``collate_fn(dataset.__getitems__(indices))``
-    (``[dataset[i] for i in indices]`` without a ``__getitems__``; ``_MapDatasetFetcher``),
-    inside a ``record_function`` profiler scope. :func:`_batches` makes those calls in that
-    order, the seed draw included, so the batches and every random draw are the same (tested
-    against the DataLoader: shuffled or not, ``drop_last``, with and without ``__getitems__``);
-    it leaves out the iterator's construction (its per-call checks of workers, pinning and
-    distributed settings) and the profiler scope per batch, ~10 us a batch here. It does not
-    set a ``SaveableDataLoader``'s ``_speechbrain_iterator`` (read only by its checkpoint
-    hooks; a client's Brain has no checkpointer). Any other loader (workers, a custom sampler
-    or batch sampler, an iterable dataset, a subclass with its own ``__iter__``, a
-    SpeechBrain ``LoopedLoader``, a running profiler) is returned as is.
-
-    Example
-    -------
-    >>> loader = DataLoader(list(range(5)), batch_size=2)
-    >>> [b.tolist() for b in epoch_batches(loader)] == [b.tolist() for b in loader]
-    True
-    """
-    if not _single_process(loader):
-        return loader
-    indices = iter(loader.batch_sampler)
-    torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()  # base seed
-    return _batches(loader.dataset, indices, loader.collate_fn)
-
-
-def _batches(dataset: Any, indices: Iterator[list[int]], collate_fn: Any) -> Iterator[Any]:
-    """The batches of :func:`epoch_batches`, one :func:`next_batch` call each."""
-    getitems = getattr(dataset, "__getitems__", None)
-    while (batch := next_batch(dataset, getitems, indices, collate_fn)) is not _END:
-        yield batch
-
-
-#: What :func:`next_batch` returns when the batch sampler is exhausted.
-_END = object()
-
-
-def next_batch(dataset: Any, getitems: Any, indices: Iterator[list[int]], collate_fn: Any) -> Any:
-    """One batch as torch's ``_SingleProcessDataLoaderIter.__next__`` makes it without its
-    profiler scope: the next indices, the examples (``_MapDatasetFetcher.fetch``: the dataset's
-    ``__getitems__`` when it has a true one, else one ``dataset[i]`` each), ``collate_fn`` of
-    them; ``_END`` after the last batch. One call a batch, so a timer around it sees what
-    one around ``__next__`` would (``benchmarks/fl_overhead.py --breakdown``)."""
-    index = next(indices, None)
-    if index is None:
-        return _END
-    if getitems:
-        return collate_fn(getitems(index))
-    return collate_fn([dataset[i] for i in index])

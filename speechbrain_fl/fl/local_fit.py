@@ -1,37 +1,17 @@
 """One round's local training: the calls SpeechBrain's ``Brain.fit`` makes, without its extras.
 
-Used by :func:`speechbrain_fl.fl.client.train_round`, which trains ``local-epochs`` epochs with
-:func:`_local_fit`: :func:`lean_fit`, or ``brain.fit`` where that does not apply, and reads the
-loss the Brain passes to ``on_stage_end`` (recorded by :func:`_record_stage_end`, a wrapper
-around the instance's hook, so neither the Brain's class nor its hooks are changed). The task
-:func:`_local_fit` takes is a :class:`~speechbrain_fl.fl.client.ClientTask`, typed ``Any`` here
-(:mod:`.client` imports this module; importing ``ClientTask`` back would make an import loop).
-
-- Local training makes the calls ``Brain.fit`` makes on the Brain for a training-only round,
-  without ``Brain.fit``'s per-call extras (:func:`lean_fit`; bit-identical updates).
-- The training step in fp32: a Brain that keeps SpeechBrain's ``fit_batch`` and
-  ``optimizers_step`` (fp32, no gradient accumulation, no DDP) is stepped by
-  :func:`.lean_step.lean_fit_batch`: SpeechBrain 1.1's calls without the no-op ``no_sync``,
-  autocast and disabled-scaler calls, the loss's finiteness read once a step (for
-  ``check_loss_isfinite`` and the running average); any other Brain gets its ``fit_batch``.
-  The per-epoch ``zero_grad`` is left out where no optimised parameter has a gradient.
-- One pass over the loader per epoch without torch's iterator object where its
-  single-process iterator does exactly the same calls (:func:`.collation.epoch_batches`: the
-  batch sampler's indices, the iterator's base-seed draw, ``__getitems__`` and the collate
-  function; the same batches and random draws, tested against the DataLoader), without its
-  construction and its profiler scope per batch; any other loader is iterated as is.
-- ``modules.train()`` is left out where every submodule is already in training mode and keeps
-  ``torch.nn.Module.train`` (it would only set ``training = True`` again).
-- A batch whose every example was unreadable (``EMPTY_BATCH``) is no step.
-
-Bit-identical updates: ``tests/unit/test_fl_speed.py``, ``test_fl_client_lean_step.py``,
-``test_fl_client_epoch_batches.py`` (batches and random draws against torch's iterator).
+:func:`speechbrain_fl.fl.client.train_round` trains ``local-epochs`` epochs with
+:func:`_local_fit`: :func:`lean_fit` where it applies, else ``brain.fit``. Either way the
+Brain's own ``fit_batch`` trains each batch, and the loss it passes to ``on_stage_end`` is read
+by :func:`_record_stage_end` (a wrapper around the instance's hook). :func:`lean_fit` leaves out
+``Brain.fit``'s per-call extras (tqdm, profiler, checkpoints, validation); the update is
+bit-identical (``tests/unit/test_fl_speed.py``). A batch whose every example was unreadable
+(``EMPTY_BATCH``) is no step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,8 +20,6 @@ import torch
 from speechbrain.dataio.dataloader import LoopedLoader
 
 from ..data.audio_check import EMPTY_BATCH
-from .collation import epoch_batches
-from .lean_step import is_speechbrains_method, lean_fit_batch
 
 __all__ = ["lean_fit", "lean_fit_applies"]
 
@@ -100,7 +78,12 @@ def lean_fit_applies(brain: sb.Brain) -> bool:
     )
 
 
-def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool = False) -> None:
+def is_speechbrains_method(brain: sb.Brain, name: str) -> bool:
+    """Whether ``brain.<name>`` is ``sb.Brain``'s method (class attribute, not in ``__dict__``)."""
+    return getattr(type(brain), name) is getattr(sb.Brain, name) and name not in brain.__dict__
+
+
+def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
     """``brain.fit(range(1, epochs + 1), train_loader, progressbar=False)`` without its
     per-call overhead, for a Brain where :func:`lean_fit_applies`.
 
@@ -127,15 +110,8 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
         The client's training loader (not a Dataset).
     epochs : int
         Local epochs (1, 2, ..., ``epochs``).
-    lean_step : bool
-        Train each batch with :func:`.lean_step.lean_fit_batch` instead of
-        ``brain.fit_batch`` (the caller checked :func:`.lean_step.lean_fit_batch_applies`
-        before anything was put in the Brain's ``__dict__``). With SpeechBrain's
-        ``update_average``, the running loss is then its arithmetic on the step's
-        ``loss.item()`` (one finiteness check a step instead of two).
     """
     brain.init_optimizers()  # on_fit_start with no compile, wrapping or checkpointer
-    own_average = not is_speechbrains_method(brain, "update_average")
     for epoch in range(1, epochs + 1):
         brain.on_stage_start(sb.Stage.TRAIN, epoch)
         if not _in_train_mode(brain.modules):
@@ -145,25 +121,14 @@ def lean_fit(brain: sb.Brain, train_loader: Any, epochs: int, *, lean_step: bool
         sampler = brain.train_sampler
         if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        for batch in epoch_batches(train_loader):
+        for batch in train_loader:
             if brain._optimizer_step_limit_exceeded:
                 break
             if batch is EMPTY_BATCH:  # every example unreadable: nothing to train on
                 continue
             brain.step += 1
-            if not lean_step:
-                loss = brain.fit_batch(batch)
-                brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
-            elif own_average:
-                loss, _ = lean_fit_batch(brain, batch)
-                brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
-            else:  # SpeechBrain's update_average on float(loss), its finiteness read once
-                _, value = lean_fit_batch(brain, batch)
-                if math.isfinite(value):
-                    avg = brain.avg_train_loss
-                    avg -= avg / brain.step
-                    avg += value / brain.step
-                    brain.avg_train_loss = avg
+            loss = brain.fit_batch(batch)
+            brain.avg_train_loss = brain.update_average(loss, brain.avg_train_loss)
             if brain.debug and brain.step == brain.debug_batches:
                 break
         _zero_grad(brain, set_to_none=True)
@@ -203,27 +168,19 @@ def _zero_grad(brain: sb.Brain, *, set_to_none: bool) -> None:
     brain.zero_grad(set_to_none=set_to_none)
 
 
-def _local_fit(task: Any, train_loader: Any, epochs: int, *, lean_step: bool = False) -> None:
+def _local_fit(task: Any, train_loader: Any, epochs: int) -> None:
     """One round's local training of ``task`` (a ClientTask): :func:`lean_fit` where it applies
-    (a DataLoader or LoopedLoader, which ``Brain.fit`` would use as is), else ``brain.fit``;
-    with ``lean_step`` (checked by the caller: :func:`.lean_step.lean_fit_batch_applies`) the
-    steps are :func:`.lean_step.lean_fit_batch` in both (for ``brain.fit``, as the Brain's
-    ``fit_batch`` for this call only, so a Brain with its own ``on_fit_start``, e.g. SUPERB's,
-    steps lean)."""
+    (a DataLoader or LoopedLoader, which ``Brain.fit`` would use as is), else ``brain.fit``
+    with a ``fit_batch`` that skips an ``EMPTY_BATCH`` for this call only."""
     brain = task.brain
     if (
         task.lean_fit
         and isinstance(train_loader, torch.utils.data.DataLoader | LoopedLoader)
         and lean_fit_applies(brain)
     ):
-        lean_fit(brain, train_loader, epochs, lean_step=lean_step)
+        lean_fit(brain, train_loader, epochs)
         return
-    if not lean_step:
-        fit_batch = brain.fit_batch
-    else:
-
-        def fit_batch(batch):
-            return lean_fit_batch(brain, batch)[0]
+    fit_batch = brain.fit_batch
 
     def skipping_fit_batch(batch):
         if batch is EMPTY_BATCH:  # every example unreadable: no step, a zero loss

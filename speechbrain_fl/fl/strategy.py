@@ -280,7 +280,7 @@ class DPFedAvg(PrivacyStateMixin, ReplyCollectionMixin, FedAvg):
         new_params, bad = apply_aggregate(global_params, aggregate)
         if bad is not None:
             reason = (
-                f"the update made parameter {bad!r} non-finite; the global model was not " "changed"
+                f"the update made parameter {bad!r} non-finite; the global model was not changed"
             )
             if self.config.private:
                 raise FloatingPointError(f"round {server_round}: {reason}")
