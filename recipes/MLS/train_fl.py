@@ -52,11 +52,11 @@ import torch
 from speechbrain_fl.data.audio_check import guarded_read
 from speechbrain_fl.data.mls_synth import generate_mls_corpus
 from speechbrain_fl.data.partition import partition_manifest, read_manifest
-from speechbrain_fl.fl.client import ClientTask
-from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.clientapp.train import ClientTask
+from speechbrain_fl.fl.dp.profile import format_profile, norm_profile, profile_config, write_profile
 from speechbrain_fl.fl.params import load_trainable
-from speechbrain_fl.fl.profile import format_profile, norm_profile, profile_config, write_profile
-from speechbrain_fl.fl.server import ServerTask
+from speechbrain_fl.fl.serverapp.task import ServerTask
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.fl.task import import_factory
 from speechbrain_fl.models.checkpoint import save_federated_model
 from speechbrain_fl.privacy import layout_from_model
@@ -318,7 +318,7 @@ def mls_task(hparams_path=None, overrides=None):
     overrides : dict, optional
         Hparams overrides and SpeechBrain run options in one mapping (as ``flwr run
         --run-config`` sends them; hyphens read as underscores), plus ``stage: profile`` for
-        the norm-profiling rounds (:mod:`speechbrain_fl.fl.profile`).
+        the norm-profiling rounds (:mod:`speechbrain_fl.fl.dp.profile`).
 
     Returns
     -------

@@ -177,7 +177,7 @@ class SkippingCollate:
     ``collate(examples)`` with those examples left out; :data:`EMPTY_BATCH` when none is left.
     The dropped files are kept in :attr:`skipped` (``{path: reason}``, across calls until
     :meth:`reset`), so a client reports how many of its utterances it could not read. A batch
-    of a ``trusted`` type (e.g. :class:`speechbrain_fl.fl.collation.TensorRows`, whose dataset
+    of a ``trusted`` type (e.g. :class:`speechbrain_fl.fl.clientapp.collation.TensorRows`, whose dataset
     guarantees tensor values) goes to ``collate`` unchecked.
     Picklable when ``collate`` is (a Ray actor or a SuperNode process builds its own).
 

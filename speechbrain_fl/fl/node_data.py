@@ -20,7 +20,7 @@ key                value
 
 A node with ``data-folder`` or ``data-manifest`` is *data-owning*: the recipe prepares nothing
 of the corpus (no other client's data, no seed model pretraining) and its task's settings are
-the server's, sent in the setup message (:mod:`speechbrain_fl.fl.apps`), with the data paths
+the server's, sent in the setup message (:mod:`speechbrain_fl.fl.engines.flwr_apps`), with the data paths
 replaced by the node's own (:func:`localize_settings`). A node without them is a *simulated*
 node: the one corpus of the run, prepared once, partitioned by ``partition-id`` (the simulation's
 convenience); both go through the same settings field, ``clients[partition-id]``.

@@ -7,7 +7,7 @@ A recipe's hparams may build the method with HyperPyYAML instead of naming it, e
         noise_multiplier: !ref <noise_multiplier>
         alpha: 0.05
 
-:meth:`speechbrain_fl.fl.config.FLConfig.from_hparams` accepts such an object as well as the
+:meth:`speechbrain_fl.fl.settings.config.FLConfig.from_hparams` accepts such an object as well as the
 registered name (``method: flat``, ``--method flat`` on the command line). Each class carries
 the settings its method reads and nothing else: the clip norm C, the noise multiplier sigma,
 the encoder share alpha of alpha-split, the EMA rate, exponent, warm-up and signal of the

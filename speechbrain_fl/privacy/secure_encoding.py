@@ -1,6 +1,6 @@
 """The integer encoding of a clipped update under secure aggregation, and its sensitivity bound.
 
-Under secure aggregation (Flower's SecAgg+, :mod:`speechbrain_fl.fl.secure_aggregation`) the
+Under secure aggregation (Flower's SecAgg+, :mod:`speechbrain_fl.fl.secagg.train_stage`) the
 server never sees a client's update, so it cannot re-clip it: the client's own clip and the
 encoding must carry the bound. The encoding is SecAgg+'s quantiser
 (``flwr.common.secure_aggregation.quantization``): each coordinate x is clipped to the box

@@ -1,5 +1,5 @@
 """A client's reply is what SpeechBrain and Flower would make of the round, byte for byte
-(speechbrain_fl/fl/client.py:train_round, npy_codec.encode_record, params.load_trainable):
+(speechbrain_fl/fl/clientapp/train.py:train_round, npy_codec.encode_record, params.load_trainable):
 the reference below trains with ``brain.fit`` on SpeechBrain's own ``PaddedBatch``
 loader, loads with ``param.copy_``, subtracts, clips with a copy (``inplace=False``) and wraps
 the result in ``ArrayRecord(delta)`` and ``MetricRecord(metrics)``."""
@@ -15,12 +15,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from speechbrain.dataio.batch import PaddedBatch
 
-from speechbrain_fl.fl import client_data, npy_codec
-from speechbrain_fl.fl.client import train_round
-from speechbrain_fl.fl.client_update import _client_metrics
-from speechbrain_fl.fl.local_fit import _in_train_mode, _record_stage_end, lean_fit
+from speechbrain_fl.fl import npy_codec
+from speechbrain_fl.fl.clientapp import data as client_data
+from speechbrain_fl.fl.clientapp.local_fit import _in_train_mode, _record_stage_end, lean_fit
+from speechbrain_fl.fl.clientapp.records import metric_record, reply_record
+from speechbrain_fl.fl.clientapp.train import train_round
+from speechbrain_fl.fl.clientapp.update import _client_metrics
 from speechbrain_fl.fl.params import load_trainable, trainable_state
-from speechbrain_fl.fl.records import metric_record, reply_record
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 from speechbrain_fl.privacy import clip_update
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from speechbrain_fl.fl.client import train_round
-from speechbrain_fl.fl.client_optimizer import _restore_groups
+from speechbrain_fl.fl.clientapp.optimizer import _restore_groups
+from speechbrain_fl.fl.clientapp.train import train_round
 from speechbrain_fl.fl.params import ParameterIndex, trainable_parameters, trainable_state
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 

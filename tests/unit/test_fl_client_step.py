@@ -10,7 +10,7 @@ import speechbrain as sb
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from speechbrain_fl.fl.client import train_round
+from speechbrain_fl.fl.clientapp.train import train_round
 from speechbrain_fl.fl.params import trainable_state
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 

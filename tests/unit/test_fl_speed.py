@@ -123,7 +123,7 @@ def _update(reply):
 def test_round_update_does_not_depend_on_the_previous_rounds_optimiser_state():
     import torch
 
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
 
     fresh, used = _adam_client(), _adam_client()
@@ -143,7 +143,7 @@ def test_round_update_does_not_depend_on_the_previous_rounds_optimiser_state():
 def test_hyperparameters_changed_during_a_round_are_put_back():
     import torch
 
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
 
     client = _adam_client()
@@ -160,7 +160,7 @@ def test_hyperparameters_changed_during_a_round_are_put_back():
 def test_an_overridden_init_optimizers_runs_every_round():
     import torch
 
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
     from speechbrain_fl.fl.toy import ToyBrain
 
@@ -180,7 +180,7 @@ def test_an_overridden_init_optimizers_runs_every_round():
     assert calls == [1, 2, 3]
 
 
-# --- the lean local loop (speechbrain_fl/fl/local_fit.py:lean_fit) against Brain.fit
+# --- the lean local loop (speechbrain_fl/fl/clientapp/local_fit.py:lean_fit) against Brain.fit
 
 
 def _recording_client(lean: bool, calls: list):
@@ -207,7 +207,7 @@ def _recording_client(lean: bool, calls: list):
 
 
 def _two_rounds(client):
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
 
     start = trainable_state(client.brain.modules)
@@ -245,7 +245,7 @@ def test_lean_loop_comparison_catches_a_wrong_loop(monkeypatch):
     """The equality above has power: a loop that forgets the sampler's set_epoch differs."""
     import pytest
 
-    from speechbrain_fl.fl import local_fit
+    from speechbrain_fl.fl.clientapp import local_fit
 
     expected = _two_rounds(_recording_client(False, []))
     real = local_fit.lean_fit
@@ -263,7 +263,8 @@ def test_lean_loop_comparison_catches_a_wrong_loop(monkeypatch):
 
 
 def test_brain_needing_fit_gets_fit():
-    from speechbrain_fl.fl.client import lean_fit_applies, train_round
+    from speechbrain_fl.fl.clientapp.local_fit import lean_fit_applies
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
     from speechbrain_fl.fl.toy import ToyBrain
 
@@ -288,10 +289,11 @@ def test_brain_needing_fit_gets_fit():
 
 
 def test_in_place_weighted_sum_is_the_allocating_formula():
-    """speechbrain_fl/fl/aggregation.py:_weighted_sum accumulates in place, same roundings."""
+    """speechbrain_fl/fl/aggregate/rules.py:_weighted_sum accumulates in place, same roundings."""
     import torch
 
-    from speechbrain_fl.fl.aggregation import ClientUpdate, _weighted_sum
+    from speechbrain_fl.fl.aggregate.rules import _weighted_sum
+    from speechbrain_fl.fl.aggregate.update import ClientUpdate
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float16, torch.float32, torch.float64):
@@ -318,7 +320,7 @@ def test_pad_right_stacked_is_batch_pad_right():
     import torch
     from speechbrain.utils.data_utils import batch_pad_right
 
-    from speechbrain_fl.fl.client import pad_right_stacked
+    from speechbrain_fl.fl.clientapp.collation import pad_right_stacked
 
     gen = torch.Generator().manual_seed(0)
     cases = [
@@ -340,7 +342,7 @@ def test_fast_collation_and_lean_loop_equal_the_plain_speechbrain_path():
     """Updates bit for bit: fast collation + lean loop against PaddedBatch + Brain.fit."""
     import speechbrain as sb
 
-    from speechbrain_fl.fl.client_data import _stacked_padded_batch
+    from speechbrain_fl.fl.clientapp.collation import _stacked_padded_batch
 
     old = _recording_client(False, old_calls := [])
     old.fast_collate = False

@@ -1,4 +1,4 @@
-"""The local backend's message copy and process-state restore (speechbrain_fl/fl/local_grid.py).
+"""The local backend's message copy and process-state restore (speechbrain_fl/fl/engines/local_grid.py).
 
 A client that edits its message must not change what the server or the next client sees; a
 client that draws from or reseeds the process RNGs, or changes torch's thread count, must leave
@@ -19,8 +19,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from speechbrain_fl.fl.local_grid import LocalGrid
-from speechbrain_fl.fl.message_copy import _ATOMIC, STRUCTURAL, message_copy
+from speechbrain_fl.fl.engines.local_grid import LocalGrid
+from speechbrain_fl.fl.engines.message_copy import _ATOMIC, STRUCTURAL, message_copy
 from speechbrain_fl.fl.npy_codec import encode_record
 
 TENSORS = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}
@@ -202,7 +202,7 @@ def test_message_copy_of_what_deepcopy_would_recurse_into():
 
 
 def test_process_state_falls_back_to_numpys_own_state_form(monkeypatch):
-    from speechbrain_fl.fl.local_grid import _ProcessState
+    from speechbrain_fl.fl.engines.local_grid import _ProcessState
 
     np.random.seed(3)
     expected = np.random.random(4)

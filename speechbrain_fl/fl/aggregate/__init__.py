@@ -1,0 +1,1 @@
+"""Aggregation rules, registered by name, and the validated client update they read."""
