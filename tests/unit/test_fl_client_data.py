@@ -11,8 +11,7 @@ import torch
 from flwr.app import Context, RecordDict
 from speechbrain.dataio.batch import PaddedBatch
 
-from speechbrain_fl.fl.clientapp.collation import _stacked_padded_batch
-from speechbrain_fl.fl.clientapp.data import _train_loader
+from speechbrain_fl.fl.clientapp.data import _stacked_padded_batch, _train_loader
 from speechbrain_fl.fl.toy import _Examples, toy_client, toy_settings
 
 

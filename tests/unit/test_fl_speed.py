@@ -342,7 +342,7 @@ def test_fast_collation_and_lean_loop_equal_the_plain_speechbrain_path():
     """Updates bit for bit: fast collation + lean loop against PaddedBatch + Brain.fit."""
     import speechbrain as sb
 
-    from speechbrain_fl.fl.clientapp.collation import _stacked_padded_batch
+    from speechbrain_fl.fl.clientapp.data import _stacked_padded_batch
 
     old = _recording_client(False, old_calls := [])
     old.fast_collate = False

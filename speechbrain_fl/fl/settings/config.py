@@ -10,8 +10,8 @@ field names themselves. Both reject bad values with a message naming the key. De
   (FedAvg's num-examples mean) otherwise.
 - A run is *private* when ``noise_multiplier > 0`` (:attr:`FLConfig.private`, the only
   definition): it then needs ``clip``, gets an accountant and reports epsilon. The YAML
-  ``method`` names the clip-budget allocator; ``fedavg`` means no clipping and no noise (a
-  ``noise_multiplier > 0`` with it is an error: noise without a clip bounds nothing). A clipping
+  ``method`` is a :mod:`speechbrain_fl.privacy.methods` class that checks its own settings;
+  ``FedAvg`` clips nothing and adds no noise. A clipping
   method with ``noise_multiplier: 0`` is a well-defined *non-private* run: updates are clipped
   to the method's budgets, no noise is added, no epsilon is reported (``None``, never
   ``Infinity``), and :meth:`from_hparams` logs a warning saying so.
@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from speechbrain_fl.fl.settings.checks import check_config
-from speechbrain_fl.privacy import PrivacyMethod, budget_methods, get_budget_method
+from speechbrain_fl.privacy import FedAvg, PrivacyMethod, get_budget_method, privacy_method
+from speechbrain_fl.privacy.methods import method_name
 
-__all__ = ["FLConfig", "NO_CLIP_METHOD", "YAML_KEYS", "ema_base_of"]
+__all__ = ["FLConfig", "YAML_KEYS", "ema_base_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,6 @@ def ema_base_of(method: str) -> str | None:
         return get_budget_method(method).ema_base
     except ValueError:
         return None
-
-
-# The YAML method that clips nothing and adds no noise (plain FedAvg, McMahan et al. 2017).
-NO_CLIP_METHOD = "fedavg"
 
 
 # YAML key -> FLConfig field, for every key whose name differs; every other field is read under
@@ -283,10 +280,12 @@ class FLConfig:
         ---------
         hparams : mapping
             Loaded hparams; the keys of :data:`YAML_KEYS` and the fields named alike are read,
-            the rest (model, data, logging keys) ignored. ``method`` is a registered name
-            (default ``fedavg``) or a :class:`~speechbrain_fl.privacy.methods.PrivacyMethod`
-            built by the YAML (``!new:speechbrain_fl.privacy.methods.Flat``), whose own
-            settings (``clip``, ``noise_multiplier``, ``alpha``, the EMA keys) are the ones read.
+            the rest (model, data, logging keys) ignored. ``method`` is a
+            :class:`~speechbrain_fl.privacy.methods.PrivacyMethod` built by the YAML
+            (``!new:speechbrain_fl.privacy.methods.Flat``; default ``FedAvg()``), or the
+            registered name of one (``--method flat``), built from the hparams' keys; its own
+            settings (``clip``, ``noise_multiplier``, ``alpha``, the EMA keys) are the ones read
+            and checked (:meth:`~speechbrain_fl.privacy.methods.PrivacyMethod.check`).
         **changes
             FLConfig fields to set after the mapping (e.g. ``output_folder`` of a profiling run).
 
@@ -308,42 +307,23 @@ class FLConfig:
         >>> cfg.method, cfg.clip, cfg.ema_warmup_rounds
         ('pfl_dim_ema', 1.0, 1)
         """
-        if isinstance(hparams.get("method"), PrivacyMethod):
-            hparams = {**hparams, **hparams["method"].settings()}
+        method = hparams.get("method", FedAvg())
+        if not isinstance(method, PrivacyMethod):  # ``--method <name>``: the registered class
+            method = privacy_method(method_name(method), **hparams)
+        method.check()
         keys = cls.yaml_keys()
-        values = {YAML_KEYS.get(k, k): v for k, v in hparams.items() if k in keys}
-        method = values.pop("method", NO_CLIP_METHOD)
+        values = {YAML_KEYS.get(k, k): v for k, v in {**hparams, **method.settings()}.items()
+                  if k in keys}  # fmt: skip
+        values.pop("method")
+        if method.clips:  # FedAvg's FLConfig has no clip, noise or method of its own
+            values["method"] = method.name
         sigma = values.get("noise_multiplier") or 0.0
-        if method == NO_CLIP_METHOD:
-            if sigma > 0:
-                raise ValueError(
-                    f"method: {NO_CLIP_METHOD} clips nothing, so noise_multiplier: {sigma} "
-                    "bounds no sensitivity; choose a clipping method (flat, pfl_dim, ...) or set "
-                    "noise_multiplier: 0"
-                )
-            values.update(noise_multiplier=0.0, clip=None, alpha=None)
-        elif method not in budget_methods():  # the live registry: plug-in methods included
-            raise ValueError(
-                f"method: {method!r} is not one of {[NO_CLIP_METHOD, *budget_methods()]}"
+        if method.clips and sigma == 0:
+            logger.warning(
+                "method: %s with noise_multiplier: 0 clips the updates but adds no noise: "
+                "a non-private run (no epsilon is reported)",
+                method.name,
             )
-        else:
-            values["method"] = method
-            if method != "alpha_split":
-                values["alpha"] = None
-            else:
-                alpha = values.get("alpha")
-                if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-                    raise ValueError(f"alpha: {alpha!r} must be a number in (0, 1) for alpha_split")
-                if not 0.0 < alpha < 1.0:
-                    raise ValueError(f"alpha: {alpha!r} must be in (0, 1) for alpha_split")
-            if values.get("clip") is None or values["clip"] <= 0:
-                raise ValueError(f"clip: {values.get('clip')!r} must be > 0 for method {method}")
-            if sigma == 0:
-                logger.warning(
-                    "method: %s with noise_multiplier: 0 clips the updates but adds no noise: "
-                    "a non-private run (no epsilon is reported)",
-                    method,
-                )
         if not sigma and values.get("audit_canaries"):
             logger.warning(
                 "audit_canaries: %s is ignored: the audit checks a private run's epsilon and "
