@@ -26,7 +26,7 @@ To run this recipe (from the repository root or from recipes/MLS/):
     > python recipes/MLS/train_fl.py hparams/flat.yaml --freeze_encoder True
     > python recipes/MLS/train_fl.py hparams/pfl_dim_ema.yaml --data_folder /data/mls \\
           --model whisper_tinyllama --device cuda --precision bf16
-    > flwr run . local-simulation --run-config \\
+    > flwr run . speechbrain-fl --run-config \\
           'task="recipes/MLS/train_fl.py:mls_task" hparams="recipes/MLS/hparams/flat.yaml"'
 
 Outputs (``output_folder``): train_log.txt, hyperparams.yaml, results.json, rounds.csv,
