@@ -1,1 +1,2 @@
-"""Aggregation rules, registered by name, and the validated client update they read."""
+"""Aggregation: the rules, registered by name, the validated client update they read, what an
+aggregated round reports, and the global model's step."""

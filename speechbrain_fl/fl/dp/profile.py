@@ -3,7 +3,7 @@
 Before choosing a privacy method, a few federated rounds run without noise and with a clip no
 update reaches (``C = 1e6``, ``pfl_dim`` groups), so the engine records every client's pre-clip
 norms without changing any update (:func:`profile_config`). :func:`norm_profile` turns the last
-round's :class:`~speechbrain_fl.fl.serverapp.round_report.RoundReport` into the paper's diagnostics: the mean
+round's :class:`~speechbrain_fl.fl.aggregate.round_report.RoundReport` into the paper's diagnostics: the mean
 per-matrix update norm of each component, the LLM/encoder ratio, the alpha that makes the
 encoder pool budget twice the observed encoder norm (:func:`speechbrain_fl.privacy.select_alpha`)
 and a recommended method. The thresholds are ours: a ratio of 5 or more recommends alpha-split

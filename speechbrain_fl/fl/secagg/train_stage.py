@@ -72,17 +72,17 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 
+from speechbrain_fl.fl.aggregate.global_update import apply_aggregate
 from speechbrain_fl.fl.aggregate.layerwise import DEPTH_METRIC
-from speechbrain_fl.fl.aggregate.update import ClientUpdate
-from speechbrain_fl.fl.npy_codec import decode_record, encode_record
-from speechbrain_fl.fl.secagg.layerwise import layerwise_average, layerwise_vector, weight_scale
-from speechbrain_fl.fl.serverapp.global_update import apply_aggregate
-from speechbrain_fl.fl.serverapp.round_report import (
+from speechbrain_fl.fl.aggregate.round_report import (
     RoundFailed,
     RoundReport,
     client_statistics,
     cohort_report,
 )
+from speechbrain_fl.fl.aggregate.update import ClientUpdate
+from speechbrain_fl.fl.npy_codec import decode_record, encode_record
+from speechbrain_fl.fl.secagg.layerwise import layerwise_average, layerwise_vector, weight_scale
 from speechbrain_fl.fl.settings.secagg import REVEALED_METRICS, secure_weighting
 from speechbrain_fl.privacy.secure_encoding import (
     MODULUS_BITS,

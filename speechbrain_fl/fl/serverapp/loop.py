@@ -1,11 +1,9 @@
 """The server's round loop, in named steps (:func:`speechbrain_fl.fl.serverapp.main.run_server`).
 
-:class:`RoundLoop` holds what a run carries from round to round (the strategy, the global
-tensors, the telemetry, the train logger) and runs it as the module docstring of
-:mod:`speechbrain_fl.fl.serverapp.main` describes: start fresh or resume (:meth:`RoundLoop.start`),
-then per round the ``max_epsilon`` check (:meth:`RoundLoop.budget_exhausted`), the training
-with its retries (:meth:`RoundLoop.train_round`), the commit and the outputs
-(:meth:`RoundLoop.commit_round`), and at the end the privacy report (:meth:`RoundLoop.finish`).
+:class:`RoundLoop` carries the strategy, the global tensors and the telemetry across rounds:
+:meth:`~RoundLoop.start` (fresh or resumed), per round :meth:`~RoundLoop.budget_exhausted`,
+:meth:`~RoundLoop.train_round` (with retries) and :meth:`~RoundLoop.commit_round`, then
+:meth:`~RoundLoop.finish` (the privacy report).
 """
 
 from __future__ import annotations
@@ -22,17 +20,17 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from speechbrain.utils.train_logger import FileTrainLogger, TrainLogger
 
-from speechbrain_fl.fl.dp.budget_log import BudgetLog
-from speechbrain_fl.fl.dp.disclosure import simulated_deployment, simulation_label
-from speechbrain_fl.fl.npy_codec import decode_record
-from speechbrain_fl.fl.params import load_trainable, params_fingerprint, trainable_state
-from speechbrain_fl.fl.secagg.train_stage import secure_train_round
-from speechbrain_fl.fl.serverapp.round_report import (
+from speechbrain_fl.fl.aggregate.round_report import (
     AggregateFailed,
     RoundFailed,
     RoundReport,
     UnreadableTally,
 )
+from speechbrain_fl.fl.dp.budget_log import BudgetLog
+from speechbrain_fl.fl.dp.disclosure import simulated_deployment, simulation_label
+from speechbrain_fl.fl.npy_codec import decode_record
+from speechbrain_fl.fl.params import load_trainable, params_fingerprint, trainable_state
+from speechbrain_fl.fl.secagg.train_stage import secure_train_round
 from speechbrain_fl.fl.serverapp.state import (
     STATE_FILE,
     atomic_torch_save,

@@ -14,7 +14,7 @@ exactly as ``start`` does (``configure_train`` -> ``grid.send_and_receive`` ->
 Per round: refuse to start if the run's accountant says it would exceed ``max_epsilon`` (the
 last round within it is found once,
 :meth:`~speechbrain_fl.privacy.PrivacyAccountant.max_rounds`); train (a non-private run
-retries up to ``max_retries`` times on :class:`~speechbrain_fl.fl.serverapp.round_report.RoundFailed`, then records the round
+retries up to ``max_retries`` times on :class:`~speechbrain_fl.fl.aggregate.round_report.RoundFailed`, then records the round
 as failed, keeps the global model and goes on: no reply can end a run; it stops only when
 fewer nodes are connected than ``min_clients``; a private run releases every draw and never
 retries);

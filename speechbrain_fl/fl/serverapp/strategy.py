@@ -63,23 +63,23 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from speechbrain_fl.fl.aggregate.global_update import apply_aggregate
+from speechbrain_fl.fl.aggregate.round_report import (
+    AggregateFailed,
+    RoundReport,
+    client_statistics,
+)
 from speechbrain_fl.fl.aggregate.rules import get_rule
 from speechbrain_fl.fl.aggregate.update import ClientUpdate
 from speechbrain_fl.fl.dp.canaries import FederatedAudit
 from speechbrain_fl.fl.dp.mechanism import privacy_mechanism
 from speechbrain_fl.fl.npy_codec import decode_record, encode_record
-from speechbrain_fl.fl.serverapp.global_update import apply_aggregate
 from speechbrain_fl.fl.serverapp.node_order import (
     connected_nodes,
     enrol_nodes,
     query_partitions,
 )
 from speechbrain_fl.fl.serverapp.replies import BufferPool
-from speechbrain_fl.fl.serverapp.round_report import (
-    AggregateFailed,
-    RoundReport,
-    client_statistics,
-)
 from speechbrain_fl.fl.serverapp.strategy_privacy import PrivacyStateMixin
 from speechbrain_fl.fl.serverapp.strategy_replies import ReplyCollectionMixin
 from speechbrain_fl.fl.settings.config import FLConfig

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from flwr.common.logger import log
 
+from speechbrain_fl.fl.aggregate.round_report import RoundReport
 from speechbrain_fl.fl.aggregate.update import ClientUpdate
 from speechbrain_fl.fl.dp.canaries import FederatedAudit
 from speechbrain_fl.fl.dp.disclosure import privacy_disclosure
 from speechbrain_fl.fl.dp.sampling import PoissonSampler
-from speechbrain_fl.fl.serverapp.round_report import RoundReport
 from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.fl.settings.resume import check_privacy_settings, privacy_settings
 from speechbrain_fl.privacy import (

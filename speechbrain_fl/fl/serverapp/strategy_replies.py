@@ -29,18 +29,18 @@ import torch
 from flwr.app import Message
 from flwr.common.logger import log
 
+from speechbrain_fl.fl.aggregate.round_report import (
+    RoundFailed,
+    RoundReport,
+    cohort_report,
+    mean_or_none,
+)
 from speechbrain_fl.fl.aggregate.update import ClientUpdate
 from speechbrain_fl.fl.serverapp.replies import (
     BufferPool,
     ReplyLimits,
     ReplyRejected,
     parse_train_reply,
-)
-from speechbrain_fl.fl.serverapp.round_report import (
-    RoundFailed,
-    RoundReport,
-    cohort_report,
-    mean_or_none,
 )
 from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.privacy import Layout, clip_update

@@ -111,7 +111,7 @@ class ServerResult:
         a report reads it from here instead of building its own.
     unreadable_in_training : dict, optional
         The training utterances whose audio failed to decode, over the whole run (resumed
-        runs included): :meth:`speechbrain_fl.fl.serverapp.round_report.UnreadableTally.as_dict`
+        runs included): :meth:`speechbrain_fl.fl.aggregate.round_report.UnreadableTally.as_dict`
         (results.json ``data.unreadable_in_training``).
     """
 

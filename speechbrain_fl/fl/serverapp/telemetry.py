@@ -9,7 +9,7 @@ does not apply. ``num_failed`` counts the sampled nodes whose reply did not coun
 missing), ``dropped_replies`` the replies that arrived and were dropped by a check
 (:mod:`speechbrain_fl.fl.serverapp.replies`, one log line each), ``unreadable_utterances`` the training utterances
 the counted replies skipped because their audio failed to decode
-(:func:`speechbrain_fl.fl.serverapp.round_report.unreadable_counts`). ``epsilon`` is the running figure after the round
+(:func:`speechbrain_fl.fl.aggregate.round_report.unreadable_counts`). ``epsilon`` is the running figure after the round
 from FLConfig's ``round_accountant`` (Opacus RDP by default, an upper bound of the same
 mechanism's); the run's guarantee, from its ``accountant`` (PLD by default), is results.json's
 ``privacy.epsilon`` and is at most the last row's figure for RDP over PLD.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.fl.serverapp.round_report import RoundReport
+from speechbrain_fl.fl.aggregate.round_report import RoundReport
 from speechbrain_fl.privacy import Layout
 from speechbrain_fl.run_outputs import COMPONENT_COLUMN_KINDS, GROUP_COLUMNS, ROUND_COLUMNS
 from speechbrain_fl.utils.atomic import atomic_open
