@@ -1,5 +1,4 @@
-"""The server's round loop, in named steps (:func:`speechbrain_fl.fl.serverapp.main.run_server`).
-
+"""The server's round loop, in named steps (:func:`speechbrain_fl.fl.serverapp.main.run_server`):
 :class:`RoundLoop` carries the strategy, the global tensors and the telemetry across rounds:
 :meth:`~RoundLoop.start` (fresh or resumed), per round :meth:`~RoundLoop.budget_exhausted`,
 :meth:`~RoundLoop.train_round` (with retries) and :meth:`~RoundLoop.commit_round`, then
