@@ -1,4 +1,4 @@
-"""Each client draws a fresh batch order every round (speechbrain_fl/fl/clientapp/data.py):
+"""Each client draws a fresh batch order every round (speechbrain_fl/fl/clientapp/train.py):
 SpeechBrain's ``ReproducibleRandomSampler`` shuffles with ``seed + epoch`` and a round runs
 epochs 1..E, so without a per-round seed a client would see the same order every round, and two
 clients with as many examples one permutation. The order is still a function of the run's seed."""

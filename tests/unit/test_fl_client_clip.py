@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from speechbrain_fl.privacy import Group, Layout, clip_update
-from speechbrain_fl.privacy import clipping as C
+from speechbrain_fl.privacy.clipping import clip as C
 from speechbrain_fl.privacy.clipping import norms as N
 from speechbrain_fl.privacy.clipping import packing as P
 

@@ -52,13 +52,13 @@ def clip_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("adam", [True, False])
-def test_lean_loop_and_brain_fit_step_alike_at_an_infinite_bound(clip_calls, adam):
-    """``max_grad_norm: inf``: SpeechBrain's clip runs (a multiplication by 1) in both loops."""
+def test_an_infinite_bound_steps_alike_every_round(clip_calls, adam):
+    """``max_grad_norm: inf``: SpeechBrain's clip runs (a multiplication by 1); a second client
+    replies the same, bit for bit."""
     expected = _rounds(_client(math.inf, adam))
     calls = len(clip_calls)
     assert calls == 2 * 2 * 4 and all(math.isinf(c) for c in clip_calls)
     client = _client(math.inf, adam)
-    client.lean_fit = False  # Brain.fit
     got = _rounds(client)
     assert len(clip_calls) == 2 * calls
     for (update_a, loss_a), (update_b, loss_b) in zip(got, expected, strict=True):

@@ -1,2 +1,2 @@
-"""Client side: the ClientApp's train handler (:mod:`.train`) and the parts of a client round
-(data, optimiser, local training, the update and its reply)."""
+"""Client side: one client round in :mod:`.train` (the ClientApp's train handler on SpeechBrain's
+``Brain``), and the batches its DataLoader collates (:mod:`.collation`)."""

@@ -1,107 +1,49 @@
-"""ClientApp factory: a SpeechBrain ``Brain`` trained locally (``Brain.fit``'s calls, see
-:func:`speechbrain_fl.fl.clientapp.local_fit.lean_fit`).
+"""One client round, in one module: the ClientApp's train handler on SpeechBrain's ``Brain``.
 
-The recipe supplies ``build_client(context) -> ClientTask``: the Brain (built *without* a
-checkpointer, since ``Brain.on_fit_start`` would otherwise recover an old checkpoint over the
-global parameters), this client's training set and loader options, and optionally the privacy
-layout (for module-level groups and component labels; without it every tensor is its own group
-of component ``all``). The built task is cached per partition inside the worker process, so a
-simulation actor or a SuperNode builds the Brain and reads its manifest once, not every round.
-The cache is a module-level dict (:data:`_TASKS`), not a closure of the ClientApp: Flower's
-Simulation Engine pickles the ClientApp with every message, so a closure would arrive empty in
-every message. It is keyed by the builder's ``cache_key`` attribute (a
-:class:`~speechbrain_fl.fl.task.TaskSpec` builder has one), the run and the partition; a builder
-without a ``cache_key`` is cached per ClientApp object only (one hit per unpickled copy).
+:func:`train_round` is the round, in order: load the global *trainable* tensors into the Brain
+(the names in the message's ArrayRecord), seed torch with the round seed plus the partition id,
+train ``local-epochs`` epochs with ``brain.fit`` on the client's DataLoader, read the loss the
+Brain passes to ``on_stage_end``, compute delta = local - global, clip it with the budgets of
+the round's ConfigRecord (:func:`speechbrain_fl.privacy.clip_update`; with ``clip-groups`` and no
+budgets the norms are only measured) and reply with Flower's records: the delta and
+``num-examples``, ``train-loss`` and the clip statistics. The model is put back to the global
+tensors before the function returns, so a cached Brain carries no local state across rounds.
 
-One training message: load the global *trainable* tensors (exactly the names in the ArrayRecord,
-which must all be ``requires_grad`` parameters of ``brain.modules``), set ``brain.fl_round`` and
-``brain.fl_num_rounds`` from the round's config (for schedules that span the run), seed torch
-with the round seed plus the partition id (reproducible runs and resumes), train for
-``local-epochs`` epochs (:func:`speechbrain_fl.fl.clientapp.local_fit.lean_fit`, or ``brain.fit`` where that does not
-apply), read the loss the Brain passes to ``on_stage_end`` (recorded by a wrapper around the
-instance's hook, so neither the Brain's class nor its hooks are changed), compute
-delta = local - global, clip it with the budgets from the ConfigRecord
-(:func:`speechbrain_fl.privacy.clip_update`) and reply with the clipped delta and a MetricRecord:
-``num-examples``, ``train-loss``, and, when clipping or when the server sends ``clip-groups``
-without budgets (FLConfig ``record_norms``: measured, nothing clipped), the pre-clip
-``group-norms``, ``group-clipped``, ``component-norms``, ``component-clipped`` (lists in the
-order the server sent), ``joint-norm`` and ``clip-ratio``. The model is reset to the global
-parameters after each round, so a cached Brain never carries local state into the next round.
-
-Where each part of a round lives (one job per module):
-
-- :mod:`speechbrain_fl.fl.clientapp.data`: the training DataLoader, made once per ClientTask, its sampler seeded
-  afresh every round and client, its collation and the skipping of unreadable audio;
-- :mod:`speechbrain_fl.fl.clientapp.optimizer`: the optimiser built once per Brain and reset before every round;
-- :mod:`speechbrain_fl.fl.clientapp.local_fit`: the local training itself (:func:`speechbrain_fl.fl.clientapp.local_fit.lean_fit`, the calls
-  ``Brain.fit`` makes, or ``brain.fit``) and the recording of ``on_stage_end``'s loss;
-- :mod:`speechbrain_fl.fl.clientapp.update`: the round's global tensors decoded once, the delta and the clip
-  statistics of the reply;
-- this module: :class:`ClientTask`, :func:`train_round` (one message, the steps above in
-  order) and :func:`make_client_app` (the ClientApp and its per-process task cache).
-
-Steady-state costs cut here (measured per client message in ``benchmarks/fl_overhead.py``;
-the data, optimiser, training and update costs are described in the modules above):
-
-- Seeding: the CPU generator and, if present, CUDA's, not every accelerator backend torch
-  knows (``torch.manual_seed`` also seeds XPU, MTIA, MPS: ~1 ms per call for nothing here).
-- The reply: its ArrayRecord is written by :func:`speechbrain_fl.fl.npy_codec.encode_record` (Flower's ``.npy``
-  bytes, byte for byte, one copy of each tensor, the header and dtype name made once per dtype
-  and shape), its MetricRecord and RecordDict by :mod:`speechbrain_fl.fl.clientapp.records` (Flower's records without the
-  per-item checks where every value passes them). The clip and the encoding run before the
-  model is reset, while the delta is in cache.
-- The parameters are listed once per client (:class:`speechbrain_fl.fl.params.ParameterIndex`, rebuilt when
-  the module's structure or a ``requires_grad`` changed), for the loads, the delta and the
-  optimiser's parameter check; the global tensors are copied into the model in one
-  ``torch._foreach_copy_`` call.
-- The global tensors are loaded into the model twice a round, and both are needed: before
-  training (this round's model) and after it (the reset above, in a ``finally``). Leaving the
-  reset to the next round's load would be exact only if that round sent every name this one
-  did and nothing read the Brain in between (``ClientTask.partial`` does), and would keep a
-  reference to this round's global tensors per cached client until its next round: with
-  Poisson sampling, up to one model copy per client. The reset is one copy (~13 us here).
-
-Bit-identical replies for all of these: ``tests/unit/test_fl_client_data.py``, ``test_fl_client_rounds.py``, ``test_fl_speed.py``,
-``test_fl_client_collation.py``, ``test_fl_client_reply.py`` (a reply against ``brain.fit`` on
-``PaddedBatch`` batches wrapped in Flower's own records: bytes, metrics, object ids),
-and ``test_fl_client_clip.py`` (the clip against the
-per-tensor arithmetic it replaces).
+The recipe's ``build_client(context) -> ClientTask`` is called once per partition and process
+(:func:`make_client_app` caches the task in a module-level dict: Flower's Simulation Engine
+pickles the ClientApp with every message). The DataLoader is made once per task; its shuffling
+sampler gets a seed mixed from the round seed and the partition id every round.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import speechbrain as sb
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from speechbrain.dataio.batch import PaddedBatch
+from speechbrain.dataio.dataset import DynamicItemDataset
 
-from speechbrain_fl.fl.clientapp.data import _round_sampler_seed, _skipping_collate, _train_loader
-from speechbrain_fl.fl.clientapp.local_fit import (
-    _local_fit,
-    _record_stage_end,
-)
-from speechbrain_fl.fl.clientapp.optimizer import _reset_optimizer
-from speechbrain_fl.fl.clientapp.records import metric_record, reply_record
-from speechbrain_fl.fl.clientapp.update import (
-    _NORMS_ONLY_JSON,
-    _client_metrics,
-    _difference,
-    _global_tensors,
-    _parsed,
-)
-from speechbrain_fl.fl.npy_codec import encode_record
+from speechbrain_fl.data.audio_check import EMPTY_BATCH, SkippingCollate
+from speechbrain_fl.fl.clientapp.collation import TensorRows
+from speechbrain_fl.fl.clientapp.collation import stacked_padded_batch as _stacked_padded_batch
+from speechbrain_fl.fl.npy_codec import decode_record, encode_record
 from speechbrain_fl.fl.params import ParameterIndex, load_trainable
 from speechbrain_fl.fl.secagg.train_stage import secure_aggregation_mod
 from speechbrain_fl.privacy import Layout, clip_update
 from speechbrain_fl.utils.gc_freeze import refreeze
 
-__all__ = ["ClientTask", "make_client_app", "train_round"]
+__all__ = ["NORMS_ONLY_BUDGET", "ClientTask", "make_client_app", "train_round"]
 
 # Built ClientTasks of this process, least recently used first (see the module docstring).
 _TASKS: OrderedDict[Any, ClientTask] = OrderedDict()
@@ -126,11 +68,6 @@ class ClientTask:
         carries only the tensors in ``names`` (those this client trained, for a rule with
         ``accepts_partial`` such as :mod:`speechbrain_fl.fl.aggregate.layerwise`) and adds ``metrics`` (e.g. the
         client's ``exit-depth``) to its MetricRecord.
-    lean_fit : bool
-        Train with :func:`speechbrain_fl.fl.clientapp.local_fit.lean_fit` (default, our choice) instead of ``brain.fit``:
-        the same Brain hooks and arithmetic without ``Brain.fit``'s per-call overhead; a Brain
-        that needs ``Brain.fit`` (see :func:`speechbrain_fl.fl.clientapp.local_fit.lean_fit_applies`) gets it either way.
-        ``False`` always calls ``brain.fit``.
     fast_collate : bool
         Where ``train_loader_kwargs["collate_fn"]`` is SpeechBrain's ``PaddedBatch`` itself,
         collate with :func:`speechbrain_fl.fl.clientapp.collation.stacked_padded_batch`: the same ``PaddedBatch``, built
@@ -144,7 +81,6 @@ class ClientTask:
     train_loader_kwargs: dict[str, Any] = field(default_factory=dict)
     layout: Layout | None = None
     partial: Callable[[sb.Brain], tuple[Any, dict[str, Any]]] | None = None
-    lean_fit: bool = True
     fast_collate: bool = True
     _loader: Any = field(default=None, init=False, repr=False, compare=False)
     _index: ParameterIndex | None = field(default=None, init=False, repr=False, compare=False)
@@ -162,6 +98,168 @@ def _seed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def _train_loader(task: Any) -> Any:
+    """The training DataLoader of ``task`` (a ClientTask), made once (see the module docstring).
+
+    ``brain.make_dataloader`` also sets ``brain.train_sampler`` (the sampler ``Brain.fit``
+    calls ``set_epoch`` on); it is put back before every round, as a fresh loader would set it.
+    """
+    if isinstance(task.train_set, torch.utils.data.DataLoader) or hasattr(
+        task.train_set, "__next__"
+    ):
+        return task.train_set  # the recipe's own loader (or a LoopedLoader)
+    if task._loader is None:
+        kwargs = dict(task.train_loader_kwargs)
+        if task.fast_collate and kwargs.get("collate_fn") is PaddedBatch:
+            kwargs["collate_fn"] = _stacked_padded_batch
+        collate = kwargs.get("collate_fn")
+        if collate is None and isinstance(task.train_set, DynamicItemDataset):
+            collate = PaddedBatch  # what make_dataloader gives such a dataset
+        if collate is not None:  # an unreadable example is dropped, not the client's round
+            kwargs["collate_fn"] = SkippingCollate(collate, trusted=(TensorRows,))
+        loader = task.brain.make_dataloader(task.train_set, stage=sb.Stage.TRAIN, **kwargs)
+        task._loader = (loader, task.brain.train_sampler)
+    loader, task.brain.train_sampler = task._loader
+    return loader
+
+
+#: The seed attribute of a sampler that shuffles with ``seed + epoch``: SpeechBrain's
+#: ``ReproducibleRandomSampler`` (``seed``) and ``DynamicBatchSampler`` (``_seed``).
+_SEED_ATTRIBUTES = ("seed", "_seed")
+
+
+def _round_sampler_seed(sampler: Any, *, round_seed: int, partition_id: int) -> None:
+    """Give a ``seed + epoch`` sampler this round's and this client's seed.
+
+    SpeechBrain's shuffling samplers draw epoch ``e``'s order from ``seed + e``, and a round
+    runs epochs ``1..E``: with one seed, a client would see the same orders every round and
+    clients with as many examples the same permutation. The sampler's seed for a round is
+    ``SeedSequence([s0, round_seed, partition_id])``'s first 32-bit word, ``s0`` the seed it
+    was built with: a new order every round and client, the same for the same run seed (the
+    server draws ``round_seed`` from it). A sampler without such a seed (torch's
+    ``RandomSampler``, drawing from the torch generator the round reseeds) is left as is.
+    """
+    if sampler is None or not hasattr(sampler, "set_epoch"):
+        return
+    name = next((a for a in _SEED_ATTRIBUTES if isinstance(getattr(sampler, a, None), int)), None)
+    if name is None:
+        return
+    base = sampler.__dict__.setdefault("_fl_base_seed", getattr(sampler, name))
+    entropy = [base % 2**32, round_seed % 2**32, partition_id]
+    setattr(sampler, name, int(np.random.SeedSequence(entropy).generate_state(1)[0]))
+
+
+def _skipping_collate(loader: Any) -> SkippingCollate | None:
+    """The loader's :class:`SkippingCollate` (:func:`_train_loader`'s), else ``None``."""
+    collate = getattr(loader, "collate_fn", None)
+    return collate if isinstance(collate, SkippingCollate) else None
+
+
+# The last round's decoded global tensors: (names, the Arrays' bytes objects, tensors).
+_DECODED: list[Any] = []
+
+
+def _global_tensors(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays.to_torch_state_dict()`` (:func:`speechbrain_fl.fl.npy_codec.decode_record`: the same tensors,
+    without ``np.load``'s header parsing), decoded once per distinct payload (read-only)."""
+    names = tuple(arrays.keys())
+    payload = tuple(a.data for a in arrays.values())
+    if (
+        _DECODED
+        and _DECODED[0] == names
+        and all(x is y for x, y in zip(_DECODED[1], payload, strict=True))
+    ):
+        return _DECODED[2]
+    tensors = decode_record(arrays)
+    _DECODED[:] = [names, payload, tensors]  # keeps the bytes alive, so their ids stay unique
+    return tensors
+
+
+def _difference(param: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """``param - start`` in float32 on the CPU: one new tensor (the reply's), no other copy.
+
+    ``param.detach().cpu().to(float32) - start.to(float32)``, whose conversions return their
+    input when ``param`` already is a float32 CPU tensor (the subtraction is then done
+    directly; under ``torch.no_grad`` no graph is recorded either way).
+    """
+    if param.dtype is torch.float32 and start.dtype is torch.float32 and param.device.type == "cpu":
+        return torch.sub(param, start)
+    return param.detach().cpu().to(torch.float32) - start.to(torch.float32)
+
+
+#: The bound used when the server asks for group norms without clipping (``clip-groups`` and
+#: no ``clip-budgets``): no finite update reaches it, so nothing is clipped.
+NORMS_ONLY_BUDGET = 1e300
+
+
+_NORMS_ONLY_JSON = json.dumps(NORMS_ONLY_BUDGET)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> Any:
+    """``json.loads(text)``, parsed once per distinct string: the clip budgets, groups and
+    components a server sends are the same string round after round (and for every client of
+    a round). The result is shared: read it, never modify it (``clip_update`` and
+    :func:`_client_metrics` only read)."""
+    return json.loads(text)
+
+
+def _client_metrics(stats: Any, groups: list[str], comps: list[str]) -> dict[str, Any]:
+    """The reply's clip statistics from ``clip_update``'s ``stats``: per group and component
+    (in the server's order ``groups``, ``comps``) the pre-clip norm and whether it was
+    clipped, the joint norm and the clip ratio."""
+    return {
+        "group-norms": [float(stats.group_norms.get(g, 0.0)) for g in groups],
+        "group-clipped": [float(bool(stats.clipped.get(g, False))) for g in groups],
+        "component-norms": [float(stats.component_norms.get(c, 0.0)) for c in comps],
+        "component-clipped": [float(bool(stats.component_clipped.get(c, False))) for c in comps],
+        "joint-norm": float(stats.joint_norm),
+        "clip-ratio": float(stats.clip_ratio),
+    }
+
+
+@contextlib.contextmanager
+def _record_stage_end(brain: sb.Brain) -> Iterator[list[tuple[Any, float]]]:
+    """Record ``(stage, loss)`` from ``brain.on_stage_end`` calls (instance-level wrapper)."""
+    records: list[tuple[Any, float]] = []
+    original = brain.on_stage_end
+
+    def hook(stage, stage_loss, epoch=None):
+        records.append((stage, float(stage_loss)))
+        return original(stage, stage_loss, epoch)
+
+    own = brain.__dict__.get("on_stage_end")
+    brain.on_stage_end = hook
+    try:
+        yield records
+    finally:
+        if own is None:
+            del brain.on_stage_end  # back to the class method
+        else:
+            brain.on_stage_end = own
+
+
+def _local_fit(brain: sb.Brain, train_loader: Any, epochs: int) -> None:
+    """``brain.fit`` for the round's local epochs, with a ``fit_batch`` that makes no step on a
+    batch whose every example was unreadable (``EMPTY_BATCH``), for this call only."""
+    fit_batch = brain.fit_batch
+
+    def skipping_fit_batch(batch):
+        if batch is EMPTY_BATCH:
+            return torch.zeros(())
+        return fit_batch(batch)
+
+    own = brain.__dict__.get("fit_batch")
+    brain.fit_batch = skipping_fit_batch
+    try:
+        brain.fit(range(1, epochs + 1), train_loader, progressbar=False)
+    finally:
+        if own is None:
+            del brain.fit_batch  # back to the class method
+        else:
+            brain.fit_batch = own
 
 
 def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0) -> RecordDict:
@@ -185,7 +283,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
     global_params = _global_tensors(content["arrays"])
     if task._index is None:
         task._index = ParameterIndex(task.brain.modules)
-    params, parameters = task._index.get()
+    params = task._index.get()[0]
     load_trainable(task.brain.modules, global_params, own=params)
     reset = [True]  # the model still to be put back to global_params
 
@@ -202,7 +300,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         # cosine learning-rate decay over rounds read in ``init_optimizers``).
         task.brain.fl_round = int(config.get("server-round", 1))
         task.brain.fl_num_rounds = int(config.get("num-rounds", 1))
-        with _record_stage_end(task.brain) as records, _reset_optimizer(task.brain, parameters):
+        with _record_stage_end(task.brain) as records:
             loader = _train_loader(task)
             _round_sampler_seed(
                 task.brain.train_sampler or getattr(loader, "sampler", None),
@@ -212,7 +310,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
             collate = _skipping_collate(loader)
             if collate is not None:
                 collate.reset()
-            _local_fit(task, loader, epochs)
+            _local_fit(task.brain, loader, epochs)
         with torch.no_grad():
             delta = {n: _difference(params[n], v) for n, v in global_params.items()}
         train_losses = [loss for stage, loss in records if stage == sb.Stage.TRAIN]
@@ -249,7 +347,7 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
         arrays = encode_record(delta)
     finally:
         reset_model()
-    return reply_record(arrays, metric_record(metrics))
+    return RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
 
 
 def _unreadable_metrics(skipped: dict[str, str], size: int, partition_id: int) -> dict[str, int]:
