@@ -426,7 +426,6 @@ TIMED = [
         "speechbrain_fl.fl.engines.local_grid",
         "LocalGrid._deliver",
     ),
-    ("  message copy (local backend)", "speechbrain_fl.fl.engines.local_grid", "message_copy"),
     ("  ClientApp train handler (ours)", "speechbrain_fl.fl.clientapp.train", "train_round"),
     (
         "    decode global tensors (cached per round)",

@@ -4,8 +4,7 @@ A Flower :class:`flwr.app.Array` of ``stype`` ``numpy.ndarray`` holds the bytes 
 writes: a header (magic, version, and the ``repr`` of ``{'descr', 'fortran_order', 'shape'}``
 padded to a multiple of 64 bytes) followed by the array's raw bytes. ``np.save`` formats that
 header and ``np.load`` parses it back with ``ast.literal_eval`` on every call, which for the
-small tensors of a reply costs more than copying their data (measured: ~50 us a tensor each way
-on one CPU thread). The header depends only on the dtype and the shape, so here it is made once
+small tensors of a reply costs more than copying their data. The header depends only on the dtype and the shape, so here it is made once
 per ``(dtype, shape)`` by ``np.save`` itself and reused:
 
 - :func:`encode` returns the very ``Array`` that ``Array.from_torch_tensor`` would (the same
@@ -13,7 +12,7 @@ per ``(dtype, shape)`` by ``np.save`` itself and reused:
   for a C-contiguous array, with the data copied once (``header + tobytes()`` copies twice);
   anything else goes through Flower's own ``Array.from_numpy_ndarray``. The Array is made
   with the ``__dict__`` Flower's constructor gives it, without the constructor's argument
-  checks (~4 us an Array), where the installed Flower's constructor stores exactly that
+  checks, where the installed Flower's constructor stores exactly that
   (checked once at import; otherwise the constructor is called). :func:`encode_record` puts
   them into an empty ArrayRecord one by one, as ``ArrayRecord(tensors)`` does (an
   ``ArrayRecord({name: Array})`` would build every Array a second time).
@@ -81,8 +80,7 @@ def _fields_only() -> bool:
 
 
 #: Flower's ``Array`` constructor checks its arguments through closures and sets each field
-#: through ``__setattr__``: ~4 us an Array, 12 per reply (``ArrayRecord(dict)`` builds every
-#: Array again). Where the constructor stores only the fields (checked once, above), the
+#: through ``__setattr__`` (``ArrayRecord(dict)`` builds every Array again). Where the constructor stores only the fields (checked once, above), the
 #: Array is made with the same ``__dict__`` directly.
 _DIRECT = _fields_only()
 
@@ -120,8 +118,7 @@ def encode(tensor: torch.Tensor) -> Array:
     return _array(name, shape, data)
 
 
-#: ``str(dtype)`` per NumPy dtype (``Array.dtype``; ~2 us a call, as much as the header and
-#: the Array together).
+#: ``str(dtype)`` per NumPy dtype (``Array.dtype``), made once.
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
@@ -161,7 +158,7 @@ def _record_fields_only() -> bool:
 
 
 #: ``ArrayRecord.__setitem__`` checks the key's and the value's type through two closures and
-#: sets the dirty flag through a property: ~2 us an item. Where it stores only those (checked
+#: sets the dirty flag through a property. Where it stores only those (checked
 #: once, above), :func:`encode_record` fills the record's dict directly.
 _DIRECT_RECORD = _record_fields_only()
 

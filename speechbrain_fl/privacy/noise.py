@@ -33,7 +33,7 @@ Decisions
   ``standard_normal(a + b)`` yields the draws of ``standard_normal(a)`` then
   ``standard_normal(b)``, tested) and leaves the draw's generator where its own draws would
   have left it; otherwise it draws as before, from a generator the preparation never touched.
-  The same noise, bit for bit, ~1 ms less of a small model's private round (101k draws); the
+  The same noise, bit for bit; the
   normals are held in memory only, never written, and not prepared beyond
   :data:`PREPARE_MAX_BYTES`.
 - Floating-point sampling is not hardened against the floating-point attacks on the Gaussian

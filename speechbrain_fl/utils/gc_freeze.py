@@ -1,11 +1,9 @@
 """Keep the objects that exist before a long run out of the cyclic garbage collector's scans.
 
-Why (measured with ``benchmarks/fl_overhead.py``): after importing torch, SpeechBrain and
-Flower a process holds millions of tracked objects, and each full (generation 2) collection
-walks all of them: ~0.15 s each on the development machine. The first round of a run allocates
-enough (``torch._dynamo``'s import at the first optimiser, the clients' Brains) to trigger two
-or three of them, ~0.4-0.5 s of a 5 s run; none of those imported objects will ever become
-garbage. :func:`gc.freeze` (CPython >= 3.7) moves every object tracked so far into a permanent
+Why: after importing torch, SpeechBrain and Flower a process holds millions of tracked
+objects, and each full (generation 2) collection walks all of them. The first round of a run
+allocates enough (``torch._dynamo``'s import at the first optimiser, the clients' Brains) to
+trigger several of them; none of those imported objects will ever become garbage. :func:`gc.freeze` (CPython >= 3.7) moves every object tracked so far into a permanent
 generation that collections skip; objects created afterwards are collected as usual, and
 reference counting frees everything, frozen or not, as before. :func:`frozen_heap` undoes it
 (:func:`gc.unfreeze`) when the run ends, so a cycle among pre-existing objects that became
@@ -14,8 +12,7 @@ garbage during the run is collected by the next full collection after it.
 Objects a run builds once and keeps to its end (a client's Brain, loader and optimiser, built
 at its first message; ``torch._dynamo``, imported by the first optimiser) are frozen by
 :func:`refreeze` after they are built (the ClientApp calls it after a client's first round):
-without it one full collection of ~344,000 objects landed inside the benchmark's steady rounds,
-190-370 ms at load 2.5-3.5, ~0.8 ms per client update. The price: cyclic garbage that is alive
+without it a full collection lands inside the steady rounds. The price: cyclic garbage that is alive
 (not yet collected) at a freeze stays until the run ends; that is what the young generations
 held at that moment, once per client built, not a growth per round.
 

@@ -217,8 +217,7 @@ def _hf_bars_off() -> None:
     without importing either.
 
     Already imported: their own switches. Not imported (a run that loads no Hugging Face model,
-    e.g. the toy task; importing ``transformers`` only to switch its bars off cost ~1 s of such a
-    run's start, ``benchmarks/fl_overhead.py``): ``HF_HUB_DISABLE_PROGRESS_BARS=1``, unless set
+    e.g. the toy task, which should not import ``transformers`` only to switch its bars off): ``HF_HUB_DISABLE_PROGRESS_BARS=1``, unless set
     already, which both read when imported (``transformers``' ``_tqdm_active`` starts as ``not
     huggingface_hub.utils.are_progress_bars_disabled()``).
     """

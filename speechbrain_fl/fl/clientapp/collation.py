@@ -15,14 +15,6 @@ dtypes, shapes, strides; tested against ``PaddedBatch(examples)``), and hands an
 A dataset that knows its examples are such rows (:class:`TensorRows`, e.g. the toy dataset's
 rows of two tensors) returns its batch as a ``TensorRows`` list from ``__getitems__``, and the
 per-value check is skipped: decided once by the dataset, not per example.
-
-Measured (fl_overhead's workload, 16 examples of two keys, one CPU thread, load ~1):
-``PaddedBatch`` ~110 us a batch, the ``pad_right_stacked`` path ~15 us, the direct build ~14 us
-with the per-value check and ~9 us from a ``TensorRows`` batch, of which the two
-``torch.stack`` calls ~6.5 us. Gathering the rows with one
-``index_select`` on the dataset's tensors instead was no faster: the batch's indices arrive as
-a Python list, and ``torch.tensor(indices)`` alone (~3.7 us) costs more than the per-row views
-save.
 """
 
 from __future__ import annotations

@@ -31,9 +31,7 @@ Decisions (ours):
 
 - Isolation. The ClientApp gets a copy of each message (the Ray path pickles it; a client
   that edits its message must not edit the server's copy, whose ArrayRecord is the strategy's
-  ``current_arrays``, or the next client's): :func:`speechbrain_fl.fl.engines.message_copy.message_copy`, what
-  ``copy.deepcopy`` returns (new records, ``Array`` objects, lists and dicts; the immutable
-  leaves shared, among them the arrays' ``bytes``) at a fifth of its cost.
+  ``current_arrays``, or the next client's): ``copy.deepcopy`` of the message.
 - Process-global state a client touches is put back after each call: the torch, NumPy and
   ``random`` RNG states (the client's ``torch.manual_seed`` must not reseed the server, whose
   RNG states the checkpoint saves: the server's random stream is the Ray path's) and torch's
@@ -41,7 +39,7 @@ Decisions (ours):
   must not slow the server's evaluation). The states are read once per ``send_and_receive``
   (or ``pull_messages``) and written back after every client: nothing runs between two clients
   of one call but this class, so every client starts from the states the server had when it
-  called, as when each call was wrapped on its own (reading NumPy's state costs ~25 us).
+  called, as when each call was wrapped on its own.
 - Sequential, not a process pool: on this 2-core machine the clients of a small model take
   milliseconds each, and a pool would bring back the per-process imports, model builds and
   pickling that make the Ray path slow (one build per partition per worker instead of one per
@@ -63,6 +61,7 @@ Example
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import secrets
 import time
@@ -88,8 +87,6 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from speechbrain_fl.fl.engines.message_copy import message_copy
-
 __all__ = ["LocalGrid"]
 
 
@@ -107,7 +104,7 @@ class _ProcessState:
 
     NumPy's legacy state is kept with its 624-word key as a list: ``np.random.set_state``
     copies the key word by word, and indexing a list costs a fraction of indexing an ndarray
-    (~1.5 us a restore instead of ~30 us; the same state, tested). Should a NumPy release
+    (the same state, tested). Should a NumPy release
     refuse the list, the key goes back as the ndarray ``get_state`` returned.
     """
 
@@ -287,7 +284,7 @@ class LocalGrid(Grid):
         start = time.perf_counter()
         try:
             try:
-                reply = self.client_app(message=message_copy(message), context=context)
+                reply = self.client_app(message=copy.deepcopy(message), context=context)
             finally:
                 process.restore()
             if dict(context.run_config) != run_config:

@@ -160,7 +160,7 @@ def run_simulation(
 
     Notes
     -----
-    The process's exit afterwards skips CPython's final collections of the heap (~1 s with
+    The process's exit afterwards skips CPython's final collections of the heap (long with
     torch, SpeechBrain and Flower loaded): :func:`~speechbrain_fl.utils.gc_freeze.freeze_at_exit`
     (``SB_FL_EXIT_GC=1`` keeps them).
     """
@@ -221,7 +221,7 @@ def _run_local(server_app, client_app, *, num_supernodes: int) -> None:
 
     The objects that exist before the run (the imported libraries, the server's task) are kept
     out of the garbage collector's full scans for its duration
-    (:func:`~speechbrain_fl.utils.gc_freeze.frozen_heap`: ~0.4 s of the benchmark's 5 s run).
+    (:func:`~speechbrain_fl.utils.gc_freeze.frozen_heap`).
     """
     from speechbrain_fl.fl.engines.local_grid import LocalGrid
     from speechbrain_fl.utils.gc_freeze import frozen_heap

@@ -531,7 +531,7 @@ def _log_unreadable(report: RoundReport | None) -> None:
 def _report_dict(report: RoundReport) -> dict[str, Any]:
     """``dataclasses.asdict(report)`` for :class:`RoundReport`, whose fields are numbers,
     strings, ``None`` and flat lists and dicts of those: the containers are copied one level
-    (``asdict`` deep-copies every leaf, ~80 us a round).
+    (``asdict`` deep-copies every leaf).
 
     Example
     -------

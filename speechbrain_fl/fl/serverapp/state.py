@@ -16,25 +16,13 @@ Checkpointer writes ``CKPT.yaml`` into a fresh directory *before* the recoverabl
 checkpoint that looks complete. One file written to a temporary name, fsynced and renamed with
 ``os.replace`` (atomic on POSIX and Windows) cannot be seen half-written.
 
-Cost per round (the commit is on every round's critical path, before anything of the round is
-released): the state is serialised into memory and written with one ``O_DSYNC`` write
-(:func:`~speechbrain_fl.utils.atomic.atomic_write_bytes`; ``torch.save`` into the file object
-makes one Python-level write per zip record and header, ~0.3 ms more for a small model, the same
-bytes), and the Python ``random`` state, a tuple of 625 ints that the pickler visits one by one
-(~0.15 ms), is kept as one ``uint32`` array (:func:`capture_rng_states`). The syncs (the file's
-data, then the folder's entry after the rename) and the rename stay: without them a crash of
-the machine could resume from a state older than a released round, whose accountant step
-would be lost.
-
-Decision (measured): the write is not moved to a background thread. Anything of the
-round may be released (its rows, its log line, the next round's messages) only once it is
-committed (docs/design.md "Privacy invariants" 5), and before the next round's messages leave
-there is ~0.5 ms of server work (``configure_train``) against ~1.5 ms of write + sync for the
-0.4 MB state of ``benchmarks/fl_overhead.py``: a thread that wrote while the server prepared the
-next round and was waited for before the send saved nothing on the 2-core test machine
-(serialise + wait 2.2-2.3 ms a round against 2.3 ms in line, ``configure_train`` 0.15 ms
-slower beside the write). Waiting only before the next commit would overlap the next round's
-training but would send a model derived from an uncommitted noisy aggregate.
+The commit is on every round's critical path, before anything of the round is released: the
+state is serialised into memory and written with one ``O_DSYNC`` write
+(:func:`~speechbrain_fl.utils.atomic.atomic_write_bytes`), the Python ``random`` state kept as
+one ``uint32`` array (:func:`capture_rng_states`). The syncs and the rename stay: without them
+a crash of the machine could resume from a state older than a released round, whose accountant
+step would be lost. The write is not moved to a background thread: nothing of a round may be
+released before it is committed (docs/design.md "Privacy invariants").
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ class FLConfig:
         The accountant of the *running* figure after each round (``rounds.csv``'s ``epsilon``,
         the ``train_log.txt`` line, the progress line, the strategy's round metrics); default
         ``rdp`` (our choice): Opacus's RDP upper bound, the PLD's at the recipes' settings within
-        ~10% above it (tests/unit/test_accounting_round_figure.py), at ~0.05 ms a round where the
-        PLD's self-composition costs ~70 ms and more with the rounds. Every figure it produces is
+        ~10% above it (tests/unit/test_accounting_round_figure.py), at a fraction of the cost of
+        the PLD's self-composition, which grows with the rounds. Every figure it produces is
         labelled with its accountant (``epsilon_rdp`` in the log line, ``eps (rdp)`` in the
         progress line); ``round_accountant: pld`` gives the per-round PLD figure as before.
     audit_canaries : int
