@@ -1,33 +1,8 @@
 """Module-level ServerApp and ClientApp for ``flwr run`` (simulation federation or Deployment).
 
-``pyproject.toml`` names ``speechbrain_fl.fl.engines.flwr_apps:server_app`` and ``...:client_app``. Both read
-the run config (``[tool.flwr.app.config]``, overridable with ``flwr run --run-config``) as a
-:class:`~speechbrain_fl.fl.task.TaskSpec` (:meth:`~speechbrain_fl.fl.task.TaskSpec.from_run_config`: the typed
-kebab-case keys ``num-server-rounds``, ``sampling-rate``, ``method``, ``clip``,
-``noise-multiplier``, ``local-epochs``, and ``task``, ``hparams``, ``overrides`` for the rest).
-
-Before the first round the ServerApp *sets up* every node it will sample (a ``query.setup``
-message, :class:`AdmittingGrid`), so the model comes from the server and no file is shared:
-
-- the server sends the SHA-256 fingerprint of its frozen base
-  (:func:`speechbrain_fl.fl.engines.fingerprint.frozen_fingerprint`), the run's prepared settings
-  (``FLTask.node_setup["prepared"]``: what a data-owning node needs to build its side without
-  preparing anything) and, when it is a small local folder, the model folder itself (the tiny
-  embedded seed models: shipped whole, :func:`~speechbrain_fl.fl.node_data.pack_folder`);
-- the node writes what it got under ``<work-dir>/sbfl_run_<run id>/``, builds its client from
-  its own data (``node_config`` ``data-folder`` / ``data-manifest``,
-  :mod:`speechbrain_fl.fl.node_data`) and its own base (``base-model``, or the shipped copy),
-  and compares the fingerprints; a mismatch is refused with
-  :class:`~speechbrain_fl.fl.engines.fingerprint.BaseModelMismatch`, named in the server's log, and the
-  node is never sampled;
-- the starting *trainable* state is the server's: every round's train message carries the
-  global trainable tensors and the client loads them before training
-  (:func:`speechbrain_fl.fl.clientapp.train.train_round`), so a node's own initialisation of them is
-  never used.
-
-Every later build of the client (one per message on a SuperNode, whose ClientApp is a fresh
-process per message) checks the fingerprint again against the one kept in the node's
-``Context.state``; a node that skipped the setup is refused (:class:`NodeNotSetUp`).
+``pyproject.toml`` names ``speechbrain_fl.fl.engines.flwr_apps:server_app`` and ``...:client_app``;
+both read the run config as a :class:`~speechbrain_fl.fl.task.TaskSpec` and build the recipe's
+task from it (how a node is set up and admitted: :class:`AdmittingGrid`'s notes).
 """
 
 from __future__ import annotations
@@ -97,6 +72,39 @@ class AdmittingGrid:
     answers that it lost its setup (:meth:`send_and_receive`), is set up again when it is next
     connected: a SuperNode restarted with its key keeps its node ID but not the setup held in
     its run state. Everything else is the wrapped Grid's.
+
+    Notes
+    -----
+    ``pyproject.toml`` names ``speechbrain_fl.fl.engines.flwr_apps:server_app`` and
+    ``...:client_app``. Both read the run config (``[tool.flwr.app.config]``, overridable with
+    ``flwr run --run-config``) as a :class:`~speechbrain_fl.fl.task.TaskSpec`
+    (:meth:`~speechbrain_fl.fl.task.TaskSpec.from_run_config`: the typed kebab-case keys
+    ``num-server-rounds``, ``sampling-rate``, ``method``, ``clip``, ``noise-multiplier``,
+    ``local-epochs``, and ``task``, ``hparams``, ``overrides`` for the rest).
+
+    Before the first round the ServerApp *sets up* every node it will sample (a ``query.setup``
+    message, :class:`AdmittingGrid`), so the model comes from the server and no file is shared:
+
+    - the server sends the SHA-256 fingerprint of its frozen base
+      (:func:`speechbrain_fl.fl.engines.fingerprint.frozen_fingerprint`), the run's prepared
+      settings (``FLTask.node_setup["prepared"]``: what a data-owning node needs to build its side
+      without preparing anything) and, when it is a small local folder, the model folder itself
+      (the tiny embedded seed models: shipped whole,
+      :func:`~speechbrain_fl.fl.node_data.pack_folder`);
+    - the node writes what it got under ``<work-dir>/sbfl_run_<run id>/``, builds its client from
+      its own data (``node_config`` ``data-folder`` / ``data-manifest``,
+      :mod:`speechbrain_fl.fl.node_data`) and its own base (``base-model``, or the shipped copy),
+      and compares the fingerprints; a mismatch is refused with
+      :class:`~speechbrain_fl.fl.engines.fingerprint.BaseModelMismatch`, named in the server's log,
+      and the node is never sampled;
+    - the starting *trainable* state is the server's: every round's train message carries the
+      global trainable tensors and the client loads them before training
+      (:func:`speechbrain_fl.fl.clientapp.train.train_round`), so a node's own initialisation of
+      them is never used.
+
+    Every later build of the client (one per message on a SuperNode, whose ClientApp is a fresh
+    process per message) checks the fingerprint again against the one kept in the node's
+    ``Context.state``; a node that skipped the setup is refused (:class:`NodeNotSetUp`).
     """
 
     def __init__(self, grid: Grid, content: RecordDict, *, timeout: float = SETUP_TIMEOUT):

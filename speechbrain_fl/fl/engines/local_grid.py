@@ -1,61 +1,10 @@
 """A Flower Grid that runs the ClientApp in this process: the ``local`` simulation backend.
 
-Flower's Simulation Engine puts an :class:`flwr.superlink.grid.InMemoryGrid` in front of a
-LinkState, three hand-off threads polling every 0.1 s, and a pool of Ray actors, each a separate
-process that imports torch, Flower and the recipe and receives the ClientApp and every message
-pickled. On one machine that machinery costs more than a small model's whole round (measured in
-``benchmarks/fl_overhead.py``). :class:`LocalGrid` implements the same
-:class:`flwr.serverapp.Grid` interface with none of it: ``send_and_receive`` hands each message
-to the ClientApp in the calling thread, one after another, and returns the replies. The
-ServerApp, the ClientApp and the Messages are the very objects the Ray backend runs, so a
-recipe changes nothing but the ``backend`` key (:func:`speechbrain_fl.fl.engines.run.run_simulation`).
-
-What it keeps of Flower's Simulation Engine (``flwr/server/superlink/fleet/vce/vce_api.py``):
-
-- one virtual node per partition with a random 64-bit node id and a persistent
-  :class:`flwr.app.Context` (``node_config`` ``partition-id`` / ``num-partitions``, a
-  ``state`` RecordDict kept across rounds, an empty ``run_config`` that must not change);
-- message ids, ``run_id``/``src_node_id`` checks on push, ``delivered_at`` on delivery;
-- a ClientApp that raises becomes an error reply (``ErrorCode.CLIENT_APP_RAISED_EXCEPTION``,
-  the same reason text), so the strategy sees a failed client, not a crashed run;
-- ``timeout``, per client (ours). Flower's engines run a cohort's clients side by side, so
-  their round timeout bounds each client's own time; run one after another, a timeout for the
-  whole cohort would drop every client not started before it ran out (on one GPU, a
-  real-preset round of ~94 clients takes far longer than 900 s) while the noise stays
-  calibrated to the expected cohort qK. Here each client gets ``timeout`` seconds of its own:
-  a client whose call took longer gets no reply, as a slow client of a parallel engine, and is
-  logged and recorded in :attr:`LocalGrid.dropped` (a running client is not interrupted:
-  there is no other thread to interrupt it from).
-
-Decisions (ours):
-
-- Isolation. The ClientApp gets a copy of each message (the Ray path pickles it; a client
-  that edits its message must not edit the server's copy, whose ArrayRecord is the strategy's
-  ``current_arrays``, or the next client's): ``copy.deepcopy`` of the message.
-- Process-global state a client touches is put back after each call: the torch, NumPy and
-  ``random`` RNG states (the client's ``torch.manual_seed`` must not reseed the server, whose
-  RNG states the checkpoint saves: the server's random stream is the Ray path's) and torch's
-  intra-op thread count (a builder's ``torch.set_num_threads``, meant for one Ray actor per CPU,
-  must not slow the server's evaluation). The states are read once per ``send_and_receive``
-  (or ``pull_messages``) and written back after every client: nothing runs between two clients
-  of one call but this class, so every client starts from the states the server had when it
-  called, as when each call was wrapped on its own.
-- Sequential, not a process pool: on this 2-core machine the clients of a small model take
-  milliseconds each, and a pool would bring back the per-process imports, model builds and
-  pickling that make the Ray path slow (one build per partition per worker instead of one per
-  partition); a GPU machine runs one model best from one process.
-
-Example
--------
->>> from flwr.app import RecordDict, Message
->>> from speechbrain_fl.fl.clientapp.train import make_client_app
->>> from speechbrain_fl.fl.toy import toy_client
->>> grid = LocalGrid(make_client_app(toy_client), num_nodes=2)
->>> with grid.identity():
-...     queries = [Message(RecordDict(), n, "query") for n in grid.get_node_ids()]
-...     replies = grid.send_and_receive(queries)
->>> sorted(int(r.content["metrics"]["partition-id"]) for r in replies)
-[0, 1]
+:class:`LocalGrid` implements :class:`flwr.serverapp.Grid` without the Simulation Engine's
+LinkState, threads and Ray actors: ``send_and_receive`` hands each message to the ClientApp in
+the calling thread, one after another. The ServerApp, ClientApp and Messages are those the Ray
+backend runs, so a recipe changes only its ``backend`` key (what Flower's engine keeps and what
+this class decides: :class:`LocalGrid`'s notes).
 """
 
 from __future__ import annotations
@@ -141,6 +90,66 @@ class LocalGrid(Grid):
         Virtual nodes; node ``i`` gets ``partition-id`` ``i`` of ``num_nodes``.
     run_id : int, optional
         The run's id; random by default (as Flower's ``run_simulation``).
+
+    Notes
+    -----
+    Flower's Simulation Engine puts an :class:`flwr.superlink.grid.InMemoryGrid` in front of a
+    LinkState, three hand-off threads polling every 0.1 s, and a pool of Ray actors, each a
+    separate process that imports torch, Flower and the recipe and receives the ClientApp and every
+    message pickled. On one machine that machinery costs more than a small model's whole round
+    (measured in ``benchmarks/fl_overhead.py``). :class:`LocalGrid` implements the same
+    :class:`flwr.serverapp.Grid` interface with none of it: ``send_and_receive`` hands each message
+    to the ClientApp in the calling thread, one after another, and returns the replies. The
+    ServerApp, the ClientApp and the Messages are the very objects the Ray backend runs, so a
+    recipe changes nothing but the ``backend`` key
+    (:func:`speechbrain_fl.fl.engines.run.run_simulation`).
+
+    What it keeps of Flower's Simulation Engine (``flwr/server/superlink/fleet/vce/vce_api.py``):
+
+    - one virtual node per partition with a random 64-bit node id and a persistent
+      :class:`flwr.app.Context` (``node_config`` ``partition-id`` / ``num-partitions``, a ``state``
+      RecordDict kept across rounds, an empty ``run_config`` that must not change);
+    - message ids, ``run_id``/``src_node_id`` checks on push, ``delivered_at`` on delivery;
+    - a ClientApp that raises becomes an error reply (``ErrorCode.CLIENT_APP_RAISED_EXCEPTION``,
+      the same reason text), so the strategy sees a failed client, not a crashed run;
+    - ``timeout``, per client (ours). Flower's engines run a cohort's clients side by side, so
+      their round timeout bounds each client's own time; run one after another, a timeout for the
+      whole cohort would drop every client not started before it ran out (on one GPU, a real-preset
+      round of ~94 clients takes far longer than 900 s) while the noise stays calibrated to the
+      expected cohort qK. Here each client gets ``timeout`` seconds of its own: a client whose call
+      took longer gets no reply, as a slow client of a parallel engine, and is logged and recorded
+      in :attr:`LocalGrid.dropped` (a running client is not interrupted: there is no other thread
+      to interrupt it from).
+
+    Decisions (ours):
+
+    - Isolation. The ClientApp gets a copy of each message (the Ray path pickles it; a client that
+      edits its message must not edit the server's copy, whose ArrayRecord is the strategy's
+      ``current_arrays``, or the next client's): ``copy.deepcopy`` of the message.
+    - Process-global state a client touches is put back after each call: the torch, NumPy and
+      ``random`` RNG states (the client's ``torch.manual_seed`` must not reseed the server, whose
+      RNG states the checkpoint saves: the server's random stream is the Ray path's) and torch's
+      intra-op thread count (a builder's ``torch.set_num_threads``, meant for one Ray actor per
+      CPU, must not slow the server's evaluation). The states are read once per
+      ``send_and_receive`` (or ``pull_messages``) and written back after every client: nothing runs
+      between two clients of one call but this class, so every client starts from the states the
+      server had when it called, as when each call was wrapped on its own.
+    - Sequential, not a process pool: on this 2-core machine the clients of a small model take
+      milliseconds each, and a pool would bring back the per-process imports, model builds and
+      pickling that make the Ray path slow (one build per partition per worker instead of one per
+      partition); a GPU machine runs one model best from one process.
+
+    Example
+    -------
+    >>> from flwr.app import RecordDict, Message
+    >>> from speechbrain_fl.fl.clientapp.train import make_client_app
+    >>> from speechbrain_fl.fl.toy import toy_client
+    >>> grid = LocalGrid(make_client_app(toy_client), num_nodes=2)
+    >>> with grid.identity():
+    ...     queries = [Message(RecordDict(), n, "query") for n in grid.get_node_ids()]
+    ...     replies = grid.send_and_receive(queries)
+    >>> sorted(int(r.content["metrics"]["partition-id"]) for r in replies)
+    [0, 1]
     """
 
     def __init__(self, client_app: ClientApp, *, num_nodes: int, run_id: int | None = None) -> None:

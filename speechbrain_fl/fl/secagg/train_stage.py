@@ -1,44 +1,9 @@
 """The train stage under secure aggregation: Flower's SecAgg+ between the clients and the noise.
 
 With ``secure_aggregation: secaggplus`` the ServerApp learns only the sum of the cohort's
-clipped updates. One round (:func:`secure_train_round`):
-
-1. the strategy Poisson-samples the cohort and builds its train messages as in every run
-   (:meth:`speechbrain_fl.fl.serverapp.strategy.DPFedAvg.configure_train`); the round's clip budgets C_l in them are
-   replaced by the shrunk budgets C_l' of
-   :func:`speechbrain_fl.privacy.secure_encoding.shrunk_budgets`, so that the rounding of
-   the encoding cannot push a client past C_l (without a clip: the box
-   ``secagg_clipping_range``); a layer-wise rule adds its weighting (:mod:`speechbrain_fl.fl.secagg.layerwise`);
-2. Flower's ``SecAggPlusWorkflow`` runs its four stages (setup, share keys, collect masked
-   vectors, unmask) over the Grid; in the third the clients train, clip to C_l' (every clip
-   method: the client code is unchanged), and Flower's ``secaggplus_mod`` encodes the update
-   into Z_{2^32} and masks it (:func:`secure_aggregation_mod` puts the reply in the form the
-   mod reads); the server sums the masked vectors and removes the masks with the shares of the
-   surviving clients, dropped clients included up to the threshold;
-3. the decoded sum goes through the run's mechanism: sum / n with n = qK, the Gaussian noise
-   N(0, (sigma C / n)^2) added once by the server after unmasking, one accountant step, the
-   EMA budgets from the noisy aggregate; the accountant is the central run's.
-
-Why the workflow's stages and not ``SecAggPlusWorkflow.__call__``: the workflow expects a
-``LegacyContext`` whose (legacy) strategy samples the cohort and builds ``FitIns`` messages,
-whereas this engine samples with its own Poisson sampler and sends its own train content
-(global tensors, budgets, round seed). :func:`secure_train_round` calls the workflow's four
-public stage methods in ``__call__``'s order with a legacy strategy that only hands the
-sampled cohort over and receives the unmasked aggregate (:class:`_Cohort`), and gives each
-client this engine's train content in place of the converted ``FitIns`` after the setup
-stage. The cryptography, the quantisation and the unmasking are Flower's, unchanged.
-
-What the server receives from a client: its two public keys, its encrypted key shares (for
-other clients), its masked vector, its shares for unmasking, and in plaintext only the
-metrics of :data:`REVEALED_METRICS` (its partition id, and the count of audio files it could
-not decode). A partition id that differs from the one the node answered to the server's query
-is logged; the reply cannot be dropped (it is already in the sum), the node is refused from the
-next round on. Its pre-clip norms, clip indicators and train loss are not
-sent: the round's norm and clip-rate columns are empty and its ``train_loss`` is ``None``.
-
-A cohort of fewer than two clients cannot be summed securely (the sum would be the update):
-its replies are not requested and the round is released with the noise alone (a private run
-releases every Poisson draw), as is a round the protocol halted (too few live neighbours).
+clipped, integer-encoded updates, then adds the noise after unmasking. One round is
+:func:`secure_train_round` (its steps in its notes); :func:`secure_aggregation_mod` is the
+ClientApp's side.
 """
 
 from __future__ import annotations
@@ -276,6 +241,47 @@ def secure_train_round(grid: Any, strategy: Any, server_round: int, arrays: Arra
     -------
     flwr.app.ArrayRecord
         The new global tensors (theta + (sum / n + noise)).
+
+    Notes
+    -----
+    With ``secure_aggregation: secaggplus`` the ServerApp learns only the sum of the cohort's
+    clipped updates. One round (:func:`secure_train_round`):
+
+    1. the strategy Poisson-samples the cohort and builds its train messages as in every run
+    (:meth:`speechbrain_fl.fl.serverapp.strategy.DPFedAvg.configure_train`); the round's clip
+    budgets C_l in them are replaced by the shrunk budgets C_l' of
+    :func:`speechbrain_fl.privacy.secure_encoding.shrunk_budgets`, so that the rounding of the
+    encoding cannot push a client past C_l (without a clip: the box ``secagg_clipping_range``); a
+    layer-wise rule adds its weighting (:mod:`speechbrain_fl.fl.secagg.layerwise`); 2. Flower's
+    ``SecAggPlusWorkflow`` runs its four stages (setup, share keys, collect masked vectors, unmask)
+    over the Grid; in the third the clients train, clip to C_l' (every clip method: the client code
+    is unchanged), and Flower's ``secaggplus_mod`` encodes the update into Z_{2^32} and masks it
+    (:func:`secure_aggregation_mod` puts the reply in the form the mod reads); the server sums the
+    masked vectors and removes the masks with the shares of the surviving clients, dropped clients
+    included up to the threshold; 3. the decoded sum goes through the run's mechanism: sum / n with
+    n = qK, the Gaussian noise N(0, (sigma C / n)^2) added once by the server after unmasking, one
+    accountant step, the EMA budgets from the noisy aggregate; the accountant is the central run's.
+
+    Why the workflow's stages and not ``SecAggPlusWorkflow.__call__``: the workflow expects a
+    ``LegacyContext`` whose (legacy) strategy samples the cohort and builds ``FitIns`` messages,
+    whereas this engine samples with its own Poisson sampler and sends its own train content
+    (global tensors, budgets, round seed). :func:`secure_train_round` calls the workflow's four
+    public stage methods in ``__call__``'s order with a legacy strategy that only hands the sampled
+    cohort over and receives the unmasked aggregate (:class:`_Cohort`), and gives each client this
+    engine's train content in place of the converted ``FitIns`` after the setup stage. The
+    cryptography, the quantisation and the unmasking are Flower's, unchanged.
+
+    What the server receives from a client: its two public keys, its encrypted key shares (for
+    other clients), its masked vector, its shares for unmasking, and in plaintext only the metrics
+    of :data:`REVEALED_METRICS` (its partition id, and the count of audio files it could not
+    decode). A partition id that differs from the one the node answered to the server's query is
+    logged; the reply cannot be dropped (it is already in the sum), the node is refused from the
+    next round on. Its pre-clip norms, clip indicators and train loss are not sent: the round's
+    norm and clip-rate columns are empty and its ``train_loss`` is ``None``.
+
+    A cohort of fewer than two clients cannot be summed securely (the sum would be the update): its
+    replies are not requested and the round is released with the noise alone (a private run
+    releases every Poisson draw), as is a round the protocol halted (too few live neighbours).
     """
     config = strategy.config
     strategy.learn_node_order(grid, timeout=config.round_timeout)

@@ -1,52 +1,8 @@
 """Server strategy: Poisson sampling, server-side re-clipping, pluggable aggregation, noise.
 
-:class:`DPFedAvg` subclasses Flower's message-based :class:`flwr.serverapp.strategy.FedAvg` and
-overrides only ``configure_train`` and ``aggregate_train`` (federated evaluation is switched off
-with ``fraction_evaluate=0``; the server evaluates centrally, see :mod:`speechbrain_fl.fl.serverapp.main`). Why not wrap
-FedAvg with Flower's ``DifferentialPrivacyServerSideFixedClipping``: that wrapper clips the whole
-model with one norm, samples a fixed count, averages over the realised replies and accounts only
-without amplification, whereas the contracts here need per-group budgets (docs/design.md 2-3),
-Poisson sampling with a fixed denominator n = qK (contract 4) and an RDP accountant with
-subsampling (contract 5). The structure is the same as Flower's wrapper: keep the global arrays
-seen in ``configure_train``, clip every reply, aggregate, add noise once, return global + update.
-
-One round, for replies u_1..u_m of a cohort drawn with rate q from the declared population K
-(``population_size``, default the number of partitions; n = qK):
-
-1. take one reply per sampled node, reject faulty ones (:mod:`speechbrain_fl.fl.serverapp.replies`), each with a log line;
-2. a non-private round with fewer than ``min_clients`` valid replies -> :class:`RoundFailed` (the
-   server may re-sample it); a private round is *always* released, whoever replied (possibly
-   nobody): every Poisson draw is one application of the sampled Gaussian mechanism, and a
-   re-sampled round would release a cohort that is no longer Poisson(q);
-3. re-clip: u_i <- clip(u_i, C_l) per group, so a client that skipped clipping cannot raise the
-   sensitivity above C (contract 3);
-4. aggregate with the rule (default DP rule sum_i u_i / n, McMahan et al. 2018, Alg. 1);
-5. add N(0, (sigma C / n)^2 I) once (contract 4) to every parameter, one accountant step (the
-   round's standard normals are drawn in a worker thread while the clients train,
-   :meth:`~speechbrain_fl.privacy.GaussianNoise.prepare`, the same draws bit for bit);
-6. EMA budgets: update from ``noisy_norm_signal`` of the released aggregate (post-processing) or,
-   with ``ema_signal="raw"``, from the clients' reported norms (outside the DP guarantee);
-7. theta <- theta + update; a non-finite result raises instead of being applied.
-
-Audit (``audit_canaries: m`` > 0, private runs; :mod:`speechbrain_fl.fl.dp.canaries`): each inserted canary is
-drawn every round by the run's own Poisson sampler; a drawn one adds a re-clipped update at the
-clip bound to the sum of step 4, before the noise of step 5 (calibrated to n = qK real clients,
-so the real clients' epsilon is unchanged). :meth:`DPFedAvg.audit_report` scores them.
-
-Randomness (docs/design.md "Privacy invariants"): a private run draws the cohort sampler's and the
-noise's seeds from the OS and keeps them in memory only; ``seed`` seeds the clients' training
-only. :meth:`DPFedAvg.state_dict` holds the accountant, the EMA budgets and the privacy settings,
-nothing from which past cohorts or noise could be derived; a resume with other privacy settings
-is refused (:meth:`DPFedAvg.load_state_dict`).
-
-Clients receive their budgets in the round's ConfigRecord as JSON (``clip-budgets``: a float
-for ``flat`` or ``{group: C_l}``), not the method and EMA state: clients then need no privacy
-state, cannot drift from the server's budgets, and a resumed server sends the same numbers.
-
-Where the parts of :class:`DPFedAvg` live: this module holds the class, its cohort drawing and
-``configure_train``, and steps 4-7 of ``aggregate_train``; steps 1-3 (the replies) are
-:class:`speechbrain_fl.fl.serverapp.strategy_replies.ReplyCollectionMixin`'s; the budgets, epsilon, EMA update, audit
-report and resume state are :class:`speechbrain_fl.fl.serverapp.strategy_privacy.PrivacyStateMixin`'s.
+:class:`DPFedAvg` subclasses Flower's :class:`flwr.serverapp.strategy.FedAvg` and overrides only
+``configure_train`` and ``aggregate_train``; why not Flower's DP wrappers, and the order of a
+round's steps, are in its notes.
 """
 
 from __future__ import annotations
@@ -108,6 +64,59 @@ class DPFedAvg(PrivacyStateMixin, ReplyCollectionMixin, FedAvg):
     depth_names : mapping of int to collection of str, optional
         For a model with exits: exit -> the tensors a client of that depth trains; a partial
         (layer-wise) reply must declare one of these exits and carry only tensors at or below it.
+
+    Notes
+    -----
+    :class:`DPFedAvg` subclasses Flower's message-based :class:`flwr.serverapp.strategy.FedAvg` and
+    overrides only ``configure_train`` and ``aggregate_train`` (federated evaluation is switched
+    off with ``fraction_evaluate=0``; the server evaluates centrally, see
+    :mod:`speechbrain_fl.fl.serverapp.main`). Why not wrap FedAvg with Flower's
+    ``DifferentialPrivacyServerSideFixedClipping``: that wrapper clips the whole model with one
+    norm, samples a fixed count, averages over the realised replies and accounts only without
+    amplification, whereas the contracts here need per-group budgets (docs/design.md 2-3), Poisson
+    sampling with a fixed denominator n = qK (contract 4) and an RDP accountant with subsampling
+    (contract 5). The structure is the same as Flower's wrapper: keep the global arrays seen in
+    ``configure_train``, clip every reply, aggregate, add noise once, return global + update.
+
+    One round, for replies u_1..u_m of a cohort drawn with rate q from the declared population K
+    (``population_size``, default the number of partitions; n = qK):
+
+    1. take one reply per sampled node, reject faulty ones
+    (:mod:`speechbrain_fl.fl.serverapp.replies`), each with a log line; 2. a non-private round with
+    fewer than ``min_clients`` valid replies -> :class:`RoundFailed` (the server may re-sample it);
+    a private round is *always* released, whoever replied (possibly nobody): every Poisson draw is
+    one application of the sampled Gaussian mechanism, and a re-sampled round would release a
+    cohort that is no longer Poisson(q); 3. re-clip: u_i <- clip(u_i, C_l) per group, so a client
+    that skipped clipping cannot raise the sensitivity above C (contract 3); 4. aggregate with the
+    rule (default DP rule sum_i u_i / n, McMahan et al. 2018, Alg. 1); 5. add N(0, (sigma C / n)^2
+    I) once (contract 4) to every parameter, one accountant step (the round's standard normals are
+    drawn in a worker thread while the clients train,
+    :meth:`~speechbrain_fl.privacy.GaussianNoise.prepare`, the same draws bit for bit); 6. EMA
+    budgets: update from ``noisy_norm_signal`` of the released aggregate (post-processing) or, with
+    ``ema_signal="raw"``, from the clients' reported norms (outside the DP guarantee); 7. theta <-
+    theta + update; a non-finite result raises instead of being applied.
+
+    Audit (``audit_canaries: m`` > 0, private runs; :mod:`speechbrain_fl.fl.dp.canaries`): each
+    inserted canary is drawn every round by the run's own Poisson sampler; a drawn one adds a
+    re-clipped update at the clip bound to the sum of step 4, before the noise of step 5
+    (calibrated to n = qK real clients, so the real clients' epsilon is unchanged).
+    :meth:`DPFedAvg.audit_report` scores them.
+
+    Randomness (docs/design.md "Privacy invariants"): a private run draws the cohort sampler's and
+    the noise's seeds from the OS and keeps them in memory only; ``seed`` seeds the clients'
+    training only. :meth:`DPFedAvg.state_dict` holds the accountant, the EMA budgets and the
+    privacy settings, nothing from which past cohorts or noise could be derived; a resume with
+    other privacy settings is refused (:meth:`DPFedAvg.load_state_dict`).
+
+    Clients receive their budgets in the round's ConfigRecord as JSON (``clip-budgets``: a float
+    for ``flat`` or ``{group: C_l}``), not the method and EMA state: clients then need no privacy
+    state, cannot drift from the server's budgets, and a resumed server sends the same numbers.
+
+    Where the parts of :class:`DPFedAvg` live: this module holds the class, its cohort drawing and
+    ``configure_train``, and steps 4-7 of ``aggregate_train``; steps 1-3 (the replies) are
+    :class:`speechbrain_fl.fl.serverapp.strategy_replies.ReplyCollectionMixin`'s; the budgets,
+    epsilon, EMA update, audit report and resume state are
+    :class:`speechbrain_fl.fl.serverapp.strategy_privacy.PrivacyStateMixin`'s.
 
     Example
     -------

@@ -1,25 +1,7 @@
 """Per-round telemetry: ``rounds.csv``, ``group_norms.csv`` and the progress line.
 
-Columns follow docs/api.md "Run outputs": ``rounds.csv`` has ``round, cohort_size,
-num_replied, num_failed, dropped_replies, unreadable_utterances, epsilon, joint_norm_mean,
-clip_rate, mean_clip_ratio, noise_std, train_loss``, the evaluation metric columns, then
-``norm_<L>, clip_rate_<L>, budget_<L>`` per component label L; ``group_norms.csv`` has one row
-per (round, group). Round 0 is the starting model (evaluation only). Empty cells where a value
-does not apply. ``num_failed`` counts the sampled nodes whose reply did not count (dropped or
-missing), ``dropped_replies`` the replies that arrived and were dropped by a check
-(:mod:`speechbrain_fl.fl.serverapp.replies`, one log line each), ``unreadable_utterances`` the training utterances
-the counted replies skipped because their audio failed to decode
-(:func:`speechbrain_fl.fl.aggregate.round_report.unreadable_counts`). ``epsilon`` is the running figure after the round
-from FLConfig's ``round_accountant`` (Opacus RDP by default, an upper bound of the same
-mechanism's); the run's guarantee, from its ``accountant`` (PLD by default), is results.json's
-``privacy.epsilon`` and is at most the last row's figure for RDP over PLD.
-
-Norms, clip rates and the train loss are means of the *pre-clip* values the clients report (the
-paper's Fig. 3 and 5 quantities), and the cohort columns reveal who took part: diagnostics for
-the operator, computed from raw client statistics, **outside the DP guarantee** (only the
-models and epsilon are covered). results.json lists these files under
-``privacy.outside_guarantee`` (:data:`speechbrain_fl.fl.dp.disclosure.OUTSIDE_GUARANTEE`); keep
-them with the operator.
+Columns follow docs/api.md "Run outputs" (each column in :class:`RoundsTelemetry`'s notes);
+round 0 is the starting model (evaluation only); a cell is empty where a value does not apply.
 """
 
 from __future__ import annotations
@@ -120,6 +102,30 @@ class RoundsTelemetry:
         Groups and components of the trainable parameters.
     metric_names : sequence of str
         Evaluation metric columns (e.g. ``valid_loss``, ``WER``).
+
+    Notes
+    -----
+    Columns follow docs/api.md "Run outputs": ``rounds.csv`` has ``round, cohort_size, num_replied,
+    num_failed, dropped_replies, unreadable_utterances, epsilon, joint_norm_mean, clip_rate,
+    mean_clip_ratio, noise_std, train_loss``, the evaluation metric columns, then ``norm_<L>,
+    clip_rate_<L>, budget_<L>`` per component label L; ``group_norms.csv`` has one row per (round,
+    group). Round 0 is the starting model (evaluation only). Empty cells where a value does not
+    apply. ``num_failed`` counts the sampled nodes whose reply did not count (dropped or missing),
+    ``dropped_replies`` the replies that arrived and were dropped by a check
+    (:mod:`speechbrain_fl.fl.serverapp.replies`, one log line each), ``unreadable_utterances`` the
+    training utterances the counted replies skipped because their audio failed to decode
+    (:func:`speechbrain_fl.fl.aggregate.round_report.unreadable_counts`). ``epsilon`` is the
+    running figure after the round from FLConfig's ``round_accountant`` (Opacus RDP by default, an
+    upper bound of the same mechanism's); the run's guarantee, from its ``accountant`` (PLD by
+    default), is results.json's ``privacy.epsilon`` and is at most the last row's figure for RDP
+    over PLD.
+
+    Norms, clip rates and the train loss are means of the *pre-clip* values the clients report (the
+    paper's Fig. 3 and 5 quantities), and the cohort columns reveal who took part: diagnostics for
+    the operator, computed from raw client statistics, **outside the DP guarantee** (only the
+    models and epsilon are covered). results.json lists these files under
+    ``privacy.outside_guarantee`` (:data:`speechbrain_fl.fl.dp.disclosure.OUTSIDE_GUARANTEE`); keep
+    them with the operator.
 
     Example
     -------

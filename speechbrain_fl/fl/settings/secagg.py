@@ -1,30 +1,8 @@
 """The ``secure_aggregation`` settings of a run, checked (no Flower import: the config's job).
 
 ``secure_aggregation: secaggplus`` runs every round's training through Flower's SecAgg+
-(:mod:`speechbrain_fl.fl.secagg.train_stage`): the server learns only the sum of the clients' clipped, encoded
-updates. Options that need one client's update, or a statistic of it, are refused here with
-the reason, since the server never holds one:
-
-- ``aggregation`` other than ``uniform`` or a layer-wise rule (``layerwise_<weighting>``,
-  with or without server momentum): FedAvg's ``weighted`` mean and ``fedavg_full`` would
-  need each reply's weight in the clear; a layer-wise rule gets its per-layer weights as a
-  second masked vector (:func:`secure_weighting`);
-- the encoding's box: with a ``clip`` it is derived from the clip budgets (so
-  ``secagg_clipping_range`` must stay null); without one (``method: fedavg``)
-  ``secagg_clipping_range`` c is required, and every coordinate of an update is cut to
-  [-c, c] (SecAgg+'s own clipping: the runs' only bound on a client's contribution);
-- ``max_update_norm``: the check reads each reply's norm;
-- ``ema_signal: raw``: the raw EMA signal is the mean of the clients' reported pre-clip norms
-  (the default ``noisy`` signal reads the released aggregate and is unchanged).
-
-``record_norms`` asks clients of a run *without* a clip for their norms; a secure run always
-clips, and its clients send no norms (:data:`REVEALED_METRICS`), so the key has no effect.
-
-``secagg_num_shares`` and ``secagg_reconstruction_threshold`` are passed to Flower's
-``SecAggPlusWorkflow`` as they are (a float is a share of the cohort, resp. of the shares).
-The default threshold 0.7 (ours) is above one half, as SecAgg+ needs against a server that
-would declare a live client dropped to learn its update, and tolerates the loss of 30% of a
-client's neighbours.
+(:mod:`speechbrain_fl.fl.secagg.train_stage`); the options that need one client's update are
+refused by :func:`check_secure_aggregation` (the list in its notes).
 """
 
 from __future__ import annotations
@@ -79,6 +57,34 @@ def secure_weighting(aggregation: Any) -> str | None:
 
 def check_secure_aggregation(cfg: Any, bad) -> None:
     """Raise ``bad(key, why)`` for the first setting that secure aggregation cannot honour.
+
+    Notes
+    -----
+    ``secure_aggregation: secaggplus`` runs every round's training through Flower's SecAgg+
+    (:mod:`speechbrain_fl.fl.secagg.train_stage`): the server learns only the sum of the clients'
+    clipped, encoded updates. Options that need one client's update, or a statistic of it, are
+    refused here with the reason, since the server never holds one:
+
+    - ``aggregation`` other than ``uniform`` or a layer-wise rule (``layerwise_<weighting>``, with
+      or without server momentum): FedAvg's ``weighted`` mean and ``fedavg_full`` would need each
+      reply's weight in the clear; a layer-wise rule gets its per-layer weights as a second masked
+      vector (:func:`secure_weighting`);
+    - the encoding's box: with a ``clip`` it is derived from the clip budgets (so
+      ``secagg_clipping_range`` must stay null); without one (``method: fedavg``)
+      ``secagg_clipping_range`` c is required, and every coordinate of an update is cut to [-c, c]
+      (SecAgg+'s own clipping: the runs' only bound on a client's contribution);
+    - ``max_update_norm``: the check reads each reply's norm;
+    - ``ema_signal: raw``: the raw EMA signal is the mean of the clients' reported pre-clip norms
+      (the default ``noisy`` signal reads the released aggregate and is unchanged).
+
+    ``record_norms`` asks clients of a run *without* a clip for their norms; a secure run always
+    clips, and its clients send no norms (:data:`REVEALED_METRICS`), so the key has no effect.
+
+    ``secagg_num_shares`` and ``secagg_reconstruction_threshold`` are passed to Flower's
+    ``SecAggPlusWorkflow`` as they are (a float is a share of the cohort, resp. of the shares). The
+    default threshold 0.7 (ours) is above one half, as SecAgg+ needs against a server that would
+    declare a live client dropped to learn its update, and tolerates the loss of 30% of a client's
+    neighbours.
 
     Example
     -------

@@ -4,45 +4,6 @@
 update, Eq. 5) and its per-group generalisation ``Delta_l * min(1, C_l / ||Delta_l||)`` for a
 budget dict (Eq. 9, 12-13). The client runs it on its own update and the server runs it again
 on receipt, so one non-compliant client cannot break the sensitivity bound.
-
-Implementation notes (why hand-written: Opacus clips per-*sample* gradients inside an optimizer,
-not a federated update dict split into groups):
-
-- Norms are exact to ~1e-8 relative at any size (the budget bound then holds to 1e-6 relative
-  up to 2^26 elements and beyond): tensors up to 2^15 elements get theirs from one
-  ``torch._foreach_norm`` call (its float32 accumulation is accurate there), larger ones from
-  row norms of 4,096 elements summed in float64 (a float32 accumulation over 2^24 elements is
-  off by ~8e-4, and casting to float64 first costs ~20x). Group, component and joint sums of
-  squares are Python floats (float64).
-- An update whose tensors are views of one buffer laid end to end (:func:`pack_update`; the
-  server decodes replies that way) is measured with one row-norm and scaled with one multiply
-  over the buffer: on one CPU thread the per-tensor kernels of ~100 separate tensors cost about
-  as much as the arithmetic (``benchmarks/clipping.py``).
-- Separate tensors (a client's fresh delta) are measured in few calls, since at ~100k
-  parameters each call's dispatch (several microseconds when its code is out of cache, as in a
-  client's round between training steps) outweighs its arithmetic (:func:`_tensor_norms`: one
-  ``_foreach_norm`` over the small tensors and the large ones' tails, one row norm per large
-  tensor, their float64 sums batched; the same values bit for bit), and scaled with one
-  ``_foreach_mul_`` by one Scalar where every clipped tensor takes the same factor (a flat
-  clip), or one multiply over the buffer when they tile one.
-- What depends on the layout alone (parameter order, group and component indices) is computed
-  once per :class:`Layout` object (or, without one, per tuple of names) and cached.
-- Groups inside their budget are returned as the caller's own tensor objects (no copy, values
-  bit-identical); clipped groups are new tensors. The caller's tensors are never written; clone
-  a returned tensor before modifying it in place.
-- The scale factor is shrunk by ``2 * eps`` of the tensor's dtype (e.g. ``2^-22`` relative in
-  float32) so that rounding of the scale and of the product cannot push a clipped group above
-  ``C_l``.
-- A group whose norm over- or underflows (``inf`` with finite values, e.g. entries ~1e30 in
-  float32, or ``0`` with non-zero entries ~1e-30) is recomputed in float64 with rescaling, so
-  huge and tiny updates are clipped correctly. A genuinely non-finite value raises
-  ``ValueError`` naming the group.
-- float16 and bfloat16 tensors are measured and scaled in float32 and cast back, with the scale
-  shrunk by a further ``2 * eps`` of the narrow dtype for the cast's rounding: a float16 row
-  norm and a scale factor rounded to float16 are too coarse for the margin (measured: a float16
-  update of entries ~1e4 clipped to 1.046 C). Below float16's normal range the cast's error
-  is absolute; a clipped group that it would put above its budget is cast toward zero instead
-  (:func:`_clip_narrow`).
 """
 
 from __future__ import annotations
@@ -147,6 +108,47 @@ def clip_update(
     scaled in float32 and cast back (:func:`_clip_narrow`): their own arithmetic (a float16 row
     norm, a scale factor rounded to bfloat16) is too coarse for the 2-ulp margin, and moved a
     clipped update up to 4% above ``C``.
+
+    Notes
+    -----
+    Implementation notes (why hand-written: Opacus clips per-*sample* gradients inside an
+    optimizer, not a federated update dict split into groups):
+
+    - Norms are exact to ~1e-8 relative at any size (the budget bound then holds to 1e-6 relative
+      up to 2^26 elements and beyond): tensors up to 2^15 elements get theirs from one
+      ``torch._foreach_norm`` call (its float32 accumulation is accurate there), larger ones from
+      row norms of 4,096 elements summed in float64 (a float32 accumulation over 2^24 elements is
+      off by ~8e-4, and casting to float64 first costs ~20x). Group, component and joint sums of
+      squares are Python floats (float64).
+    - An update whose tensors are views of one buffer laid end to end (:func:`pack_update`; the
+      server decodes replies that way) is measured with one row-norm and scaled with one multiply
+      over the buffer: on one CPU thread the per-tensor kernels of ~100 separate tensors cost about
+      as much as the arithmetic (``benchmarks/clipping.py``).
+    - Separate tensors (a client's fresh delta) are measured in few calls, since at ~100k
+      parameters each call's dispatch (several microseconds when its code is out of cache, as in a
+      client's round between training steps) outweighs its arithmetic (:func:`_tensor_norms`: one
+      ``_foreach_norm`` over the small tensors and the large ones' tails, one row norm per large
+      tensor, their float64 sums batched; the same values bit for bit), and scaled with one
+      ``_foreach_mul_`` by one Scalar where every clipped tensor takes the same factor (a flat
+      clip), or one multiply over the buffer when they tile one.
+    - What depends on the layout alone (parameter order, group and component indices) is computed
+      once per :class:`Layout` object (or, without one, per tuple of names) and cached.
+    - Groups inside their budget are returned as the caller's own tensor objects (no copy, values
+      bit-identical); clipped groups are new tensors. The caller's tensors are never written; clone
+      a returned tensor before modifying it in place.
+    - The scale factor is shrunk by ``2 * eps`` of the tensor's dtype (e.g. ``2^-22`` relative in
+      float32) so that rounding of the scale and of the product cannot push a clipped group above
+      ``C_l``.
+    - A group whose norm over- or underflows (``inf`` with finite values, e.g. entries ~1e30 in
+      float32, or ``0`` with non-zero entries ~1e-30) is recomputed in float64 with rescaling, so
+      huge and tiny updates are clipped correctly. A genuinely non-finite value raises
+      ``ValueError`` naming the group.
+    - float16 and bfloat16 tensors are measured and scaled in float32 and cast back, with the scale
+      shrunk by a further ``2 * eps`` of the narrow dtype for the cast's rounding: a float16 row
+      norm and a scale factor rounded to float16 are too coarse for the margin (measured: a float16
+      update of entries ~1e4 clipped to 1.046 C). Below float16's normal range the cast's error is
+      absolute; a clipped group that it would put above its budget is cast toward zero instead
+      (:func:`_clip_narrow`).
 
     Example
     -------
