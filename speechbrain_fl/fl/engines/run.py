@@ -1,49 +1,10 @@
 """Run an :class:`~speechbrain_fl.fl.task.FLTask` on Flower's Simulation or Deployment Engine.
 
-- ``engine: simulation``: :func:`run_simulation` runs the recipe's ServerApp and ClientApp on one
-  of two backends, chosen by the ``backend`` key of the federated config
-  (:class:`~speechbrain_fl.fl.settings.config.FLConfig`, YAML ``backend: local | ray``) or the
-  ``backend`` argument:
-
-  - ``local`` (the default): :class:`~speechbrain_fl.fl.engines.local_grid.LocalGrid`, a Flower Grid
-    that hands each message to the ClientApp in this process, one after another, each node
-    with its own persistent Context. Same ServerApp, ClientApp and Messages as the Ray
-    backend, and the same results for the same seeds
-    (``tests/integration/test_fl_local_backend.py``). Each partition's client is built once
-    per run and reused across rounds.
-  - ``ray``: ``flwr.simulation.run_simulation`` with the Ray backend; one virtual SuperNode per
-    partition, ``client_resources`` (``num_cpus``, ``num_gpus``) per ClientApp, and
-    ``ray_address`` to join a running Ray cluster (a ``ray_address`` selects this backend).
-    Given a :class:`~speechbrain_fl.fl.task.TaskSpec` (what a recipe script passes), only the
-    spec travels to the Ray actors, which load the recipe's factory once each.
-
-  Why ``local`` is the default on one machine (measured with ``benchmarks/fl_overhead.py``,
-  README "Overhead of the Simulation Engine"): Ray's start, its actors' imports of torch,
-  Flower and the recipe, the per-message pickling of the ClientApp and Flower's 0.1 s
-  hand-off threads cost seconds per run and tens of milliseconds per client, more than a
-  small model's training; the local backend has none of them. On the benchmark's workload
-  (32 clients, 10 rounds, shared 2-core machine) the whole run took 2.0x the plain loop on
-  ``local`` against 7.9x on ``ray`` (DP: 1.7x against 7.3x), the steady round 2.6x against
-  6.9x (DP: 2.5x against 6.4x); the MLS default's federated stage 133 s against 147 s. Ray
-  stays the backend for a cluster (``ray_address``) and for several GPUs shared by fractional
-  ``client_resources``; the Deployment Engine for many machines. The server task is built in this process before
-  the backend starts (its config names the backend), then handed to the ServerApp.
-- Why not ``flwr run`` here: Flower 1.42 marks ``run_simulation`` deprecated in favour of
-  ``flwr run`` against a simulation federation, and ``flwr run`` with the apps of
-  :mod:`speechbrain_fl.fl.engines.flwr_apps` does run the same recipes (recipes/MLS/README.md). A recipe
-  script keeps the in-process call because the ServerApp then runs in the script's process:
-  its :class:`~speechbrain_fl.fl.serverapp.task.ServerResult` (final tensors, per-round budgets, privacy
-  report) comes back as an object for the test evaluation and results.json, with no SuperLink
-  process, no app bundle to build and no result file to read back. The deprecation notice,
-  which Flower logs on every call, is filtered out of that one call; any other Flower warning
-  still shows. Flower's lines are printed once: when the script has configured logging (a
-  root handler, as ``sb.create_experiment_directory`` does), Flower's own console handler is
-  detached for the call and its records go through the script's handlers (console and log
-  file) only.
-- ``engine: deployment``: :func:`run_deployment` submits the apps declared in the repository's
-  ``pyproject.toml`` (``[tool.flwr.app.components]``) with ``flwr run <app_dir> <superlink>`` to a
-  running ``flower-superlink`` whose ``flower-supernode`` processes were each started with
-  ``--node-config "partition-id=i num-partitions=K"``.
+:func:`run_simulation` runs the ServerApp and ClientApp on one machine: ``backend: local`` (the
+default: clients one after another in this process,
+:class:`~speechbrain_fl.fl.engines.local_grid.LocalGrid`) or ``backend: ray`` (Flower's
+Simulation Engine, for clusters); why, in its notes. :func:`run_deployment` submits the same
+task with ``flwr run`` to a SuperLink.
 """
 
 from __future__ import annotations
@@ -163,6 +124,51 @@ def run_simulation(
     The process's exit afterwards skips CPython's final collections of the heap (long with
     torch, SpeechBrain and Flower loaded): :func:`~speechbrain_fl.utils.gc_freeze.freeze_at_exit`
     (``SB_FL_EXIT_GC=1`` keeps them).
+
+    Notes
+    -----
+    - ``engine: simulation``: :func:`run_simulation` runs the recipe's ServerApp and ClientApp on
+      one of two backends, chosen by the ``backend`` key of the federated config
+      (:class:`~speechbrain_fl.fl.settings.config.FLConfig`, YAML ``backend: local | ray``) or the
+      ``backend`` argument:
+
+    - ``local`` (the default): :class:`~speechbrain_fl.fl.engines.local_grid.LocalGrid`, a Flower
+    Grid that hands each message to the ClientApp in this process, one after another, each node
+    with its own persistent Context. Same ServerApp, ClientApp and Messages as the Ray backend, and
+    the same results for the same seeds (``tests/integration/test_fl_local_backend.py``). Each
+    partition's client is built once per run and reused across rounds. - ``ray``:
+    ``flwr.simulation.run_simulation`` with the Ray backend; one virtual SuperNode per partition,
+    ``client_resources`` (``num_cpus``, ``num_gpus``) per ClientApp, and ``ray_address`` to join a
+    running Ray cluster (a ``ray_address`` selects this backend). Given a
+    :class:`~speechbrain_fl.fl.task.TaskSpec` (what a recipe script passes), only the spec travels
+    to the Ray actors, which load the recipe's factory once each.
+
+    Why ``local`` is the default on one machine (measured with ``benchmarks/fl_overhead.py``,
+    README "Overhead of the Simulation Engine"): Ray's start, its actors' imports of torch, Flower
+    and the recipe, the per-message pickling of the ClientApp and Flower's 0.1 s hand-off threads
+    cost seconds per run and tens of milliseconds per client, more than a small model's training;
+    the local backend has none of them. On the benchmark's workload (32 clients, 10 rounds, shared
+    2-core machine) the whole run took 2.0x the plain loop on ``local`` against 7.9x on ``ray``
+    (DP: 1.7x against 7.3x), the steady round 2.6x against 6.9x (DP: 2.5x against 6.4x); the MLS
+    default's federated stage 133 s against 147 s. Ray stays the backend for a cluster
+    (``ray_address``) and for several GPUs shared by fractional ``client_resources``; the
+    Deployment Engine for many machines. The server task is built in this process before the
+    backend starts (its config names the backend), then handed to the ServerApp. - Why not ``flwr
+    run`` here: Flower 1.42 marks ``run_simulation`` deprecated in favour of ``flwr run`` against a
+    simulation federation, and ``flwr run`` with the apps of
+    :mod:`speechbrain_fl.fl.engines.flwr_apps` does run the same recipes (recipes/MLS/README.md). A
+    recipe script keeps the in-process call because the ServerApp then runs in the script's
+    process: its :class:`~speechbrain_fl.fl.serverapp.task.ServerResult` (final tensors, per-round
+    budgets, privacy report) comes back as an object for the test evaluation and results.json, with
+    no SuperLink process, no app bundle to build and no result file to read back. The deprecation
+    notice, which Flower logs on every call, is filtered out of that one call; any other Flower
+    warning still shows. Flower's lines are printed once: when the script has configured logging (a
+    root handler, as ``sb.create_experiment_directory`` does), Flower's own console handler is
+    detached for the call and its records go through the script's handlers (console and log file)
+    only. - ``engine: deployment``: :func:`run_deployment` submits the apps declared in the
+    repository's ``pyproject.toml`` (``[tool.flwr.app.components]``) with ``flwr run <app_dir>
+    <superlink>`` to a running ``flower-superlink`` whose ``flower-supernode`` processes were each
+    started with ``--node-config "partition-id=i num-partitions=K"``.
     """
     from speechbrain_fl.utils.gc_freeze import freeze_at_exit
 

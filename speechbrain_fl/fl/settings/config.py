@@ -1,29 +1,9 @@
 """Configuration of a federated run (the ``# Federated`` and ``# Privacy`` YAML sections).
 
-:class:`FLConfig` is a plain dataclass. A recipe builds it from its hparams with
-:meth:`FLConfig.from_hparams`, the one mapping from the YAML vocabulary (:data:`YAML_KEYS`:
-``number_of_rounds``, ``method``, ``noise_multiplier``, ...) to the engine's fields; the
-``flwr run --run-config`` keys are the same YAML keys. :meth:`FLConfig.from_dict` takes the
-field names themselves. Both reject bad values with a message naming the key. Decisions:
-
-- ``aggregation=None`` picks ``uniform`` (sum / n, n = qK) for a private run and ``weighted``
-  (FedAvg's num-examples mean) otherwise.
-- A run is *private* when ``noise_multiplier > 0`` (:attr:`FLConfig.private`, the only
-  definition): it then needs ``clip``, gets an accountant and reports epsilon. The YAML
-  ``method`` is a :mod:`speechbrain_fl.privacy.methods` class that checks its own settings;
-  ``FedAvg`` clips nothing and adds no noise. A clipping
-  method with ``noise_multiplier: 0`` is a well-defined *non-private* run: updates are clipped
-  to the method's budgets, no noise is added, no epsilon is reported (``None``, never
-  ``Infinity``), and :meth:`from_hparams` logs a warning saying so.
-- ``noise_cohort_size`` (M) and ``accounting_population`` (N) simulate a large deployment, as
-  pfl-research's ``noise_cohort_size`` does (our keys): the n clients of this run are trained
-  with the noise of a cohort of M (std ``sigma C / M`` on their mean) and accounted at the
-  deployment's sampling rate ``q = M / N``. The epsilon is then that of the simulated deployment,
-  not of this run's clients, and every output that shows it says so
-  (:mod:`speechbrain_fl.fl.dp.disclosure`).
-- ``ema_signal="noisy"`` (default) feeds the EMA budgets with the noisy aggregate
-  (post-processing, inside the DP guarantee); ``"raw"`` uses the mean of the clients' reported
-  pre-clip norms, as in the paper's experiments, and warns that it is outside the guarantee.
+:class:`FLConfig` is a plain dataclass, built from a recipe's hparams by
+:meth:`FLConfig.from_hparams` (the one mapping from the YAML vocabulary, :data:`YAML_KEYS`) or
+from field names by :meth:`FLConfig.from_dict`; both refuse a bad value naming the key. A run
+is private when ``noise_multiplier > 0``; the other decisions are in :class:`FLConfig`'s notes.
 """
 
 from __future__ import annotations
@@ -180,6 +160,27 @@ class FLConfig:
     secagg_clipping_range : float, optional
         Secure aggregation without a clip: the box [-c, c] each coordinate is cut to before
         the integer encoding (with a clip the box comes from the clip budgets).
+
+    Notes
+    -----
+    - ``aggregation=None`` picks ``uniform`` (sum / n, n = qK) for a private run and ``weighted``
+      (FedAvg's num-examples mean) otherwise.
+    - A run is *private* when ``noise_multiplier > 0`` (:attr:`FLConfig.private`, the only
+      definition): it then needs ``clip``, gets an accountant and reports epsilon. The YAML
+      ``method`` is a :mod:`speechbrain_fl.privacy.methods` class that checks its own settings;
+      ``FedAvg`` clips nothing and adds no noise. A clipping method with ``noise_multiplier: 0`` is
+      a well-defined *non-private* run: updates are clipped to the method's budgets, no noise is
+      added, no epsilon is reported (``None``, never ``Infinity``), and :meth:`from_hparams` logs a
+      warning saying so.
+    - ``noise_cohort_size`` (M) and ``accounting_population`` (N) simulate a large deployment, as
+      pfl-research's ``noise_cohort_size`` does (our keys): the n clients of this run are trained
+      with the noise of a cohort of M (std ``sigma C / M`` on their mean) and accounted at the
+      deployment's sampling rate ``q = M / N``. The epsilon is then that of the simulated
+      deployment, not of this run's clients, and every output that shows it says so
+      (:mod:`speechbrain_fl.fl.dp.disclosure`).
+    - ``ema_signal="noisy"`` (default) feeds the EMA budgets with the noisy aggregate
+      (post-processing, inside the DP guarantee); ``"raw"`` uses the mean of the clients' reported
+      pre-clip norms, as in the paper's experiments, and warns that it is outside the guarantee.
 
     Example
     -------
