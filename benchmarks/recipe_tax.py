@@ -7,7 +7,7 @@ For one recipe task (an :class:`~speechbrain_fl.fl.task.FLTask` factory, as ``fl
   ``--rounds`` rounds, evaluation off (``eval_every: 0``): the ServerApp, the ClientApp and
   their Messages, the strategy, the reply checks, clipping and noise as the recipe configures
   them, the state file. Timers (``perf_counter`` wrappers, no profiler) split each client update
-  into SpeechBrain's local training (``fl.client._local_fit``: the recipe's Brain), the rest of
+  into SpeechBrain's local training (``fl.clientapp.train._local_fit``: the recipe's Brain), the rest of
   the ClientApp call (ours + Flower) and the LocalGrid delivery, and the server's share.
 - ``plain``: the same clients (``build_client`` of the same factory: the same Brains, data,
   loaders and batch sizes) trained by ``Brain.fit`` for the same local epochs in one Python
