@@ -36,7 +36,7 @@ from speechbrain_fl.privacy import (
     clip_update,
     compute_budgets,
 )
-from speechbrain_fl.privacy.packing import pack_update
+from speechbrain_fl.privacy.clipping.packing import pack_update
 
 
 def table1_layout() -> Layout:

@@ -8,7 +8,7 @@ configuration runs in a fresh Python process, so the "whole run" time is what a 
 (interpreter start, imports, Ray start, rounds, shutdown, process exit):
 
 - ``local``: :func:`speechbrain_fl.fl.run_simulation` on a :class:`TaskSpec` naming
-  :func:`mlp_task` below with ``backend="local"`` (:class:`speechbrain_fl.fl.local_grid.LocalGrid`:
+  :func:`mlp_task` below with ``backend="local"`` (:class:`speechbrain_fl.fl.engines.local_grid.LocalGrid`:
   the same ServerApp, ClientApp and Messages, run in this process, each client built once);
 - ``ray``: the same call with ``backend="ray"`` (Flower's Simulation Engine, Ray backend, one
   ClientApp per CPU, each actor builds the task once);
@@ -33,7 +33,7 @@ round (which builds the clients) and the time from the last round to the end of
 Like with like: the engine's Brain runs with ``max_grad_norm: inf`` (:data:`RUN_OPTS`),
 SpeechBrain's switch for no per-step gradient clipping, so its arithmetic equals the plain
 loop's and pfl's, which do not clip per step; the engine then skips SpeechBrain's per-step
-``clip_grad_norm_`` (``speechbrain_fl/fl/client_optimizer.py``; SpeechBrain's default bound 5,
+``clip_grad_norm_`` (``speechbrain_fl/fl/clientapp/optimizer.py``; SpeechBrain's default bound 5,
 never reached here, would cost ~2 ms a client round). The engine's data path stays
 SpeechBrain's (a DataLoader with ``PaddedBatch`` collation where the plain loop and pfl slice two
 tensors), counted in the engine's figures and in ``brain``'s; ``--breakdown`` measures it.
@@ -131,9 +131,9 @@ def mlp_task(hparams: str | None, overrides: dict):
 
     from speechbrain.dataio.batch import PaddedBatch
 
-    from speechbrain_fl.fl.client import ClientTask
-    from speechbrain_fl.fl.config import FLConfig
-    from speechbrain_fl.fl.server import ServerTask
+    from speechbrain_fl.fl.clientapp.train import ClientTask
+    from speechbrain_fl.fl.serverapp.task import ServerTask
+    from speechbrain_fl.fl.settings.config import FLConfig
     from speechbrain_fl.fl.task import FLTask
     from speechbrain_fl.fl.toy import ToyBrain, _Examples
 
@@ -423,29 +423,29 @@ def run_pfl(dp: bool, accountant: bool = False) -> dict:
 TIMED = [
     (
         "client: LocalGrid delivery (all below + message copy, RNG restore)",
-        "speechbrain_fl.fl.local_grid",
+        "speechbrain_fl.fl.engines.local_grid",
         "LocalGrid._deliver",
     ),
-    ("  message copy (local backend)", "speechbrain_fl.fl.local_grid", "message_copy"),
-    ("  ClientApp train handler (ours)", "speechbrain_fl.fl.client", "train_round"),
-    ("    decode global tensors (cached per round)", "speechbrain_fl.fl.client", "_global_tensors"),
-    ("    load global into model (x2)", "speechbrain_fl.fl.client", "load_trainable"),
-    ("    local training (lean loop, or Brain.fit)", "speechbrain_fl.fl.client", "_local_fit"),
-    ("    local training (lean loop, or Brain.fit)", "speechbrain.core", "Brain.fit"),
-    ("      DataLoader + PaddedBatch collation", "speechbrain_fl.fl.collation", "next_batch"),
+    ("  ClientApp train handler (ours)", "speechbrain_fl.fl.clientapp.train", "train_round"),
+    (
+        "    decode global tensors (cached per round)",
+        "speechbrain_fl.fl.clientapp.train",
+        "_global_tensors",
+    ),
+    ("    load global into model (x2)", "speechbrain_fl.fl.clientapp.train", "load_trainable"),
+    ("    local training (Brain.fit)", "speechbrain.core", "Brain.fit"),
     (
         "      DataLoader + PaddedBatch collation",
         "torch.utils.data.dataloader",
         "_BaseDataLoaderIter.__next__",
     ),
-    ("        of which the collation", "speechbrain_fl.fl.client_data", "_stacked_padded_batch"),
-    ("        of which PaddedBatch (fallback)", "speechbrain.dataio.batch", "PaddedBatch.__init__"),
     (
-        "      fit_batch: lean step (forward, backward, step)",
-        "speechbrain_fl.fl.local_fit",
-        "lean_fit_batch",
+        "        of which the collation",
+        "speechbrain_fl.fl.clientapp.train",
+        "_stacked_padded_batch",
     ),
-    ("      fit_batch: lean step (forward, backward, step)", "speechbrain.core", "Brain.fit_batch"),
+    ("        of which PaddedBatch (fallback)", "speechbrain.dataio.batch", "PaddedBatch.__init__"),
+    ("      fit_batch (forward, backward, step)", "speechbrain.core", "Brain.fit_batch"),
     ("        the Brain's compute_forward", "speechbrain_fl.fl.toy", "ToyBrain.compute_forward"),
     (
         "        the Brain's compute_objectives",
@@ -453,30 +453,41 @@ TIMED = [
         "ToyBrain.compute_objectives",
     ),
     ("        backward", "torch", "Tensor.backward"),
-    ("        optimiser step (lean)", "speechbrain_fl.fl.lean_step", "_optimizers_step"),
     ("        Brain.optimizers_step", "speechbrain.core", "Brain.optimizers_step"),
     (
         "          clip_grad_norm_ (SpeechBrain's max_grad_norm)",
         "torch.nn.utils",
         "clip_grad_norm_",
     ),
-    ("    delta = local - global", "speechbrain_fl.fl.client", "_difference"),
-    ("    clip the update (DP)", "speechbrain_fl.fl.client", "clip_update"),
-    ("    encode the reply (npy_codec.encode_record)", "speechbrain_fl.fl.client", "encode_record"),
-    ("server: aggregate_train", "speechbrain_fl.fl.strategy", "DPFedAvg.aggregate_train"),
-    ("  decode + check a reply", "speechbrain_fl.fl.reply_collection", "parse_train_reply"),
-    ("  re-clip (DP)", "speechbrain_fl.fl.reply_collection", "clip_update"),
+    ("    delta = local - global", "speechbrain_fl.fl.clientapp.train", "_difference"),
+    ("    clip the update (DP)", "speechbrain_fl.fl.clientapp.train", "clip_update"),
+    (
+        "    encode the reply (npy_codec.encode_record)",
+        "speechbrain_fl.fl.clientapp.train",
+        "encode_record",
+    ),
+    ("server: aggregate_train", "speechbrain_fl.fl.serverapp.strategy", "DPFedAvg.aggregate_train"),
+    (
+        "  decode + check a reply",
+        "speechbrain_fl.fl.serverapp.strategy_replies",
+        "parse_train_reply",
+    ),
+    ("  re-clip (DP)", "speechbrain_fl.fl.serverapp.strategy_replies", "clip_update"),
     ("  noise (DP)", "speechbrain_fl.privacy.noise", "GaussianNoise.add"),
-    ("server: configure_train", "speechbrain_fl.fl.strategy", "DPFedAvg.configure_train"),
+    ("server: configure_train", "speechbrain_fl.fl.serverapp.strategy", "DPFedAvg.configure_train"),
     ("  start the noise's draws (DP)", "speechbrain_fl.privacy.noise", "GaussianNoise.prepare"),
-    ("server: save state (atomic, fsync)", "speechbrain_fl.fl.server", "atomic_torch_save"),
-    ("server: rounds.csv / plots", "speechbrain_fl.fl.telemetry", "RoundsTelemetry.write_round"),
+    ("server: save state (atomic, fsync)", "speechbrain_fl.fl.serverapp.main", "atomic_torch_save"),
+    (
+        "server: rounds.csv / plots",
+        "speechbrain_fl.fl.serverapp.telemetry",
+        "RoundsTelemetry.write_round",
+    ),
     (
         "server: per-round epsilon (round_accountant)",
-        "speechbrain_fl.fl.strategy",
+        "speechbrain_fl.fl.serverapp.strategy",
         "DPFedAvg.round_epsilon",
     ),
-    ("server: epsilon (accountant)", "speechbrain_fl.fl.strategy", "DPFedAvg.epsilon"),
+    ("server: epsilon (accountant)", "speechbrain_fl.fl.serverapp.strategy", "DPFedAvg.epsilon"),
 ]
 
 
@@ -489,7 +500,7 @@ def run_breakdown(dp: bool) -> dict:
     import importlib
 
     from speechbrain_fl.fl import TaskSpec, run_simulation
-    from speechbrain_fl.fl import strategy as strategy_module
+    from speechbrain_fl.fl.serverapp import strategy as strategy_module
 
     totals = {label: 0.0 for label, _, _ in TIMED}
     on, wrapped = [False], set()

@@ -14,7 +14,7 @@ For each real preset of ``speechbrain_fl/models/presets.py`` (``whisper_tinyllam
    ``VoxtralForConditionalGeneration`` / ``AutoTokenizer`` / ``AutoFeatureExtractor``
    ``from_pretrained``), with the hub IDs replaced by those folders;
 4. run **one federated client update** per ``--batch-sizes`` entry and ``freeze_encoder``
-   setting through the engine's client code (``speechbrain_fl.fl.client.train_round``: load the
+   setting through the engine's client code (``speechbrain_fl.fl.clientapp.train.train_round``: load the
    global trainable tensors, ``SpeechLLMBrain.fit`` for one step of AdamW under
    ``--precision bf16`` autocast, delta, clip to the method's per-group budgets of
    ``speechbrain_fl.privacy.compute_budgets`` with ``clip_update``) on utterances synthesised
@@ -228,7 +228,7 @@ def run_preset(args) -> dict:
     """Check, write, load, train one step per setting and decode one preset (one process)."""
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-    from speechbrain_fl.fl.client import ClientTask, train_round
+    from speechbrain_fl.fl.clientapp.train import ClientTask, train_round
     from speechbrain_fl.fl.params import trainable_state
     from speechbrain_fl.models.configs import check_preset, offline_preset
     from speechbrain_fl.privacy import compute_budgets

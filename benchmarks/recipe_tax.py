@@ -7,7 +7,7 @@ For one recipe task (an :class:`~speechbrain_fl.fl.task.FLTask` factory, as ``fl
   ``--rounds`` rounds, evaluation off (``eval_every: 0``): the ServerApp, the ClientApp and
   their Messages, the strategy, the reply checks, clipping and noise as the recipe configures
   them, the state file. Timers (``perf_counter`` wrappers, no profiler) split each client update
-  into SpeechBrain's local training (``fl.client._local_fit``: the recipe's Brain), the rest of
+  into SpeechBrain's local training (``fl.clientapp.train._local_fit``: the recipe's Brain), the rest of
   the ClientApp call (ours + Flower) and the LocalGrid delivery, and the server's share.
 - ``plain``: the same clients (``build_client`` of the same factory: the same Brains, data,
   loaders and batch sizes) trained by ``Brain.fit`` for the same local epochs in one Python
@@ -73,9 +73,10 @@ def _timed(owner, name: str, totals: dict, key: str) -> Iterator[None]:
 
 def run_engine(spec, rounds: int) -> dict:
     """The recipe's federated stage on the local backend, with per-round timers."""
-    from speechbrain_fl.fl import client as client_module
-    from speechbrain_fl.fl import local_grid, run_simulation
-    from speechbrain_fl.fl import strategy as strategy_module
+    from speechbrain_fl.fl import run_simulation
+    from speechbrain_fl.fl.clientapp import train as client_module
+    from speechbrain_fl.fl.engines import local_grid
+    from speechbrain_fl.fl.serverapp import strategy as strategy_module
 
     per_round: list[dict] = []
     totals: dict = {}
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from speechbrain_fl.fl import TaskSpec
-    from speechbrain_fl.fl.config import FLConfig
+    from speechbrain_fl.fl.settings.config import FLConfig
     from speechbrain_fl.fl.task import load_task
 
     task_path, hparams, overrides = RECIPES[args.recipe]

@@ -24,9 +24,9 @@ import time
 
 from flwr.app import Context, RecordDict
 
-from speechbrain_fl.fl.client import make_client_app
-from speechbrain_fl.fl.local_grid import LocalGrid
-from speechbrain_fl.fl.server import run_server
+from speechbrain_fl.fl.clientapp.train import make_client_app
+from speechbrain_fl.fl.engines.local_grid import LocalGrid
+from speechbrain_fl.fl.serverapp.main import run_server
 from speechbrain_fl.fl.toy import toy_client, toy_server, toy_settings
 
 

@@ -1,7 +1,7 @@
 """A run's output files: the ``rounds.csv`` / ``group_norms.csv`` contract, their reader, and
 the results tables built from ``results.json`` (docs/api.md "Run outputs").
 
-:mod:`speechbrain_fl.fl.telemetry` writes the CSV files with the columns defined here; the
+:mod:`speechbrain_fl.fl.serverapp.telemetry` writes the CSV files with the columns defined here; the
 figures (:mod:`speechbrain_fl.plots`), the recipes and the method tables read them back through
 :func:`read_table`, :func:`read_rounds` and :func:`read_group_norms`. Component labels are never
 named here: they are whatever the run's layout called them (``encoder``/``connector``/``llm``

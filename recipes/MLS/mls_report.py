@@ -25,8 +25,8 @@ import time
 import speechbrain as sb
 import torch
 
-from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
-from speechbrain_fl.fl.profile import norm_profile, pool_norms, pool_retention
+from speechbrain_fl.fl.dp.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.dp.profile import norm_profile, pool_norms, pool_retention
 from speechbrain_fl.metrics import (
     paired_bootstrap_details,
     utterance_errors_from_stats,
@@ -120,7 +120,7 @@ def privacy_section(hparams, config, result, *, alpha_from_profile=False):
     effective noise multiplier and epsilon, conservative for budgets that move between rounds.
     A run without noise (``fedavg``, or a clipping method with ``noise_multiplier: 0``) reports
     no epsilon. What the epsilon covers and what it does not (test-only seeds, raw-norm EMA
-    signal, profiling, telemetry) comes from :func:`speechbrain_fl.fl.disclosure.privacy_disclosure`.
+    signal, profiling, telemetry) comes from :func:`speechbrain_fl.fl.dp.disclosure.privacy_disclosure`.
     """
     disclosure = privacy_disclosure(
         config, profile_rounds=hparams["profile_rounds"], alpha_from_profile=alpha_from_profile
@@ -157,7 +157,7 @@ def noise_vs_update(reports, layout, *, noise_multiplier, clip, expected_cohort_
     averaged over the rounds. When the noise norm is several times the update norm, every DP
     method drowns alike; of the order of 1 or below, the clipping policy decides. A run without
     noise (FedAvg) reports the noise its cohort would get at the paper's sigma = 0.1 (C = 1),
-    marked in ``sigma_source``. ``norm_profile`` is :func:`speechbrain_fl.fl.profile.norm_profile`
+    marked in ``sigma_source``. ``norm_profile`` is :func:`speechbrain_fl.fl.dp.profile.norm_profile`
     of the last round (mean per-matrix norm per component, LLM/encoder ratio; the paper's
     diagnosis), from the clients' pre-clip norms: telemetry outside the DP guarantee. Its
     ``llm_encoder_ratio`` is over alpha-split's pools: (LLM + connector) against the encoder.
@@ -204,9 +204,9 @@ def pool_summary(reports, layout):
     """Per-run pool statistics: update-norm ratios and clipped-signal retention (Fig. 5).
 
     Over the rounds with client statistics: the mean pre-clip norm of each group, turned into
-    alpha-split's two pools by :func:`speechbrain_fl.fl.profile.pool_norms` (per-matrix and
+    alpha-split's two pools by :func:`speechbrain_fl.fl.dp.profile.pool_norms` (per-matrix and
     per-coordinate norms and the (LLM + connector)/encoder ratios), and the mean over rounds of
-    each pool's retention, post-clip / pre-clip norm (:func:`~speechbrain_fl.fl.profile.pool_retention`;
+    each pool's retention, post-clip / pre-clip norm (:func:`~speechbrain_fl.fl.dp.profile.pool_retention`;
     1.0 = nothing clipped). Telemetry from the clients' raw norms: outside the DP guarantee.
     """
     rows = [r for r in reports if getattr(r, "group_norms", None)]

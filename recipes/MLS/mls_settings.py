@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.models.presets import CONNECTOR_TREATMENTS, CTC_TREATMENTS, PRESETS
 from speechbrain_fl.privacy.methods import method_name, privacy_method, with_settings
 

@@ -24,7 +24,7 @@ To run this recipe (from the repository root or from recipes/MLS/):
     > python recipes/MLS/train_fl.py hparams/flat.yaml --freeze_encoder True
     > python recipes/MLS/train_fl.py hparams/pfl_dim_ema.yaml --data_folder /data/mls \\
           --model whisper_tinyllama --device cuda --precision bf16
-    > flwr run . local-simulation --run-config \\
+    > flwr run . speechbrain-fl --run-config \\
           'task="recipes/MLS/train_fl.py:mls_task" hparams="recipes/MLS/hparams/flat.yaml"'
 
 Outputs (``output_folder``): train_log.txt, hyperparams.yaml, results.json, rounds.csv,
@@ -49,11 +49,11 @@ import torch
 
 from speechbrain_fl.data.mls_synth import generate_mls_corpus
 from speechbrain_fl.data.partition import partition_manifest, read_manifest
-from speechbrain_fl.fl.client import ClientTask
-from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.clientapp.train import ClientTask
+from speechbrain_fl.fl.dp.profile import format_profile, norm_profile, profile_config, write_profile
 from speechbrain_fl.fl.params import load_trainable, trainable_state
-from speechbrain_fl.fl.profile import format_profile, norm_profile, profile_config, write_profile
-from speechbrain_fl.fl.server import ServerTask
+from speechbrain_fl.fl.serverapp.task import ServerTask
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.fl.task import import_factory
 from speechbrain_fl.models.checkpoint import save_federated_model
 from speechbrain_fl.privacy import layout_from_model
@@ -299,7 +299,7 @@ def mls_task(hparams_path=None, overrides=None):
     overrides : dict, optional
         Hparams overrides and SpeechBrain run options in one mapping (as ``flwr run
         --run-config`` sends them; hyphens read as underscores), plus ``stage: profile`` for
-        the norm-profiling rounds (:mod:`speechbrain_fl.fl.profile`).
+        the norm-profiling rounds (:mod:`speechbrain_fl.fl.dp.profile`).
 
     Returns
     -------

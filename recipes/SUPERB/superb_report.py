@@ -184,7 +184,7 @@ def memory_cell(value):
 
 def _embeddings(model, paths, exits, device):
     """Stat-pooled (mean, std) hidden states at each exit for each wav path."""
-    from speechbrain_fl.models.multi_exit_wav2vec2 import StatPoolHead
+    from speechbrain_fl.models.exit_heads import StatPoolHead
 
     out = {e: {} for e in exits}
     model.eval()
@@ -254,12 +254,12 @@ def report_run(settings, hparams, result, *, brain, test_set, timings, start):
 
     ``results.json`` (described in the README's outputs), ``test_predictions.csv``, the plots and, for
     ASV, the trial scores; prints the results table. ``result`` is the engine's
-    :class:`~speechbrain_fl.fl.server.ServerResult` or the centralized run's equivalent
+    :class:`~speechbrain_fl.fl.serverapp.task.ServerResult` or the centralized run's equivalent
     (``params`` and ``last_round``); ``brain`` the recipe's Brain (its per-process model) and
     ``test_set`` the test split's dataset. Returns the results mapping.
     """
     from speechbrain_fl.fl.params import load_trainable
-    from speechbrain_fl.fl.secagg_config import trust_model
+    from speechbrain_fl.fl.settings.secagg import trust_model
 
     timings = dict(timings)
     load_trainable(brain.modules, result.params)

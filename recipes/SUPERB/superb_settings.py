@@ -83,7 +83,7 @@ def check_hparams(hparams):
     features or pretraining; builds the engine's FLConfig (:func:`fl_config`) so its checks
     run up front too.
     """
-    from speechbrain_fl.fl.layerwise import rule_name
+    from speechbrain_fl.fl.aggregate.layerwise import rule_name
 
     check_task(hparams["task"])
     if hparams["scenario"] not in SCENARIOS:
@@ -111,7 +111,7 @@ def check_hparams(hparams):
             "(method: fedavg); clipping partial (layer-wise) replies is not implemented"
         )
     if hparams["noise_multiplier"] > 0:
-        from speechbrain_fl.fl.aggregation import get_rule
+        from speechbrain_fl.fl.aggregate.rules import get_rule
 
         rule = get_rule(rule_name(hparams["aggregation"], hparams["weighting"]))
         raise ValueError(
@@ -344,12 +344,12 @@ def apply_memory_budgets(hparams, settings):
 def fl_config(hparams):
     """The engine's FLConfig from the recipe's hparams, through the shared YAML vocabulary.
 
-    :meth:`speechbrain_fl.fl.config.FLConfig.from_hparams` reads ``number_of_rounds``,
+    :meth:`speechbrain_fl.fl.settings.config.FLConfig.from_hparams` reads ``number_of_rounds``,
     ``method``, ``sampling_rate``, ``noise_multiplier``, ... like every recipe's. The one
     SUPERB difference: its ``aggregation`` (``layerwise`` | ``fedavg_full``) and ``weighting``
-    keys name a registered rule of :mod:`speechbrain_fl.fl.layerwise`, passed as the config's
+    keys name a registered rule of :mod:`speechbrain_fl.fl.aggregate.layerwise`, passed as the config's
     ``aggregation`` field; with ``server_momentum`` > 0 (or ``server_lr`` != 1) the rule is
-    wrapped in :class:`~speechbrain_fl.fl.layerwise.ServerMomentum` (FedAvgM on its delta),
+    wrapped in :class:`~speechbrain_fl.fl.aggregate.layerwise.ServerMomentum` (FedAvgM on its delta),
     a fresh one per call (its buffers belong to one run).
 
     Example
@@ -359,9 +359,9 @@ def fl_config(hparams):
     >>> cfg.num_rounds, cfg.aggregation, cfg.private
     (3, 'layerwise_samples', False)
     """
-    from speechbrain_fl.fl.aggregation import get_rule
-    from speechbrain_fl.fl.config import FLConfig
-    from speechbrain_fl.fl.layerwise import ServerMomentum, rule_name
+    from speechbrain_fl.fl.aggregate.layerwise import ServerMomentum, rule_name
+    from speechbrain_fl.fl.aggregate.rules import get_rule
+    from speechbrain_fl.fl.settings.config import FLConfig
 
     rule = rule_name(hparams["aggregation"], hparams["weighting"])
     momentum = float(hparams.get("server_momentum", 0.0) or 0.0)

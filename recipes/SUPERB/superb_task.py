@@ -61,9 +61,9 @@ from superb_settings import (  # noqa: E402, F401 (re-exported: the recipe's API
     trained_exits,
 )
 
-from speechbrain_fl.fl.client import ClientTask  # noqa: E402
+from speechbrain_fl.fl.clientapp.train import ClientTask  # noqa: E402
 from speechbrain_fl.fl.params import trainable_parameters  # noqa: E402
-from speechbrain_fl.fl.server import ServerTask  # noqa: E402
+from speechbrain_fl.fl.serverapp.task import ServerTask  # noqa: E402
 from speechbrain_fl.recipe import FederatedRecipe, ModelCache, write_rows  # noqa: E402
 
 logger = logging.getLogger(__name__)

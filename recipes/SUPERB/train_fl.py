@@ -5,7 +5,7 @@ A multi-exit wav2vec 2.0 (exits after Transformer layers 3, 6, 9, 12; stat-pooli
 heads, a CTC head for ASR) is fine-tuned across depth-heterogeneous clients with Flower: each
 client trains up to its own exit L_max (layers past it are neither computed nor updated) and
 the server aggregates every parameter over the clients that trained it, weighted by n_i * L_i
-(layer-wise partial aggregation; ``speechbrain_fl/fl/layerwise.py``). From "Adaptive Federated
+(layer-wise partial aggregation; ``speechbrain_fl/fl/aggregate/layerwise.py``). From "Adaptive Federated
 Fine-Tuning of Self-Supervised Speech Representations" (the early-exit paper).
 
 Tasks (``task``): kws12 (Speech Commands v0.01), kws35 (v0.02), sid (VoxCeleb1), asv (the SID

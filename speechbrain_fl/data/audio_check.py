@@ -7,11 +7,8 @@ file with an audio name). Two guards make it cost only its own utterance:
 - :func:`read_headers`: ``soundfile.info`` of every file, in a thread pool with a progress
   bar, before any manifest is written. A file whose header cannot be read is returned with the
   reason, for the preparation to leave out and list. libsndfile releases the GIL while it reads,
-  so threads overlap the file opens where they wait on storage. Measured on 2,000 FLAC files
-  of 10 s in the page cache (two shared CPU cores): ~60 us a file in a plain loop, ~100 us
-  through the pool (1 to 32 threads: no gain once the files are cached). At full MLS size
-  (~10.8M files) that is ~11 to 18 minutes from a warm cache; from a cold disk the opens
-  dominate (a few ms each on a spinning disk: hours serially), which the threads overlap.
+  so threads overlap the file opens where they wait on storage (from a cold disk the opens
+  dominate; from the page cache the threads gain nothing).
 - :func:`guarded_read`: a read at training time that fails returns an :class:`Unreadable`
   marker instead of raising (one log line naming the file), and :class:`SkippingCollate` drops
   the examples holding one before the batch is built, counting them. A header can pass and the
@@ -177,7 +174,7 @@ class SkippingCollate:
     ``collate(examples)`` with those examples left out; :data:`EMPTY_BATCH` when none is left.
     The dropped files are kept in :attr:`skipped` (``{path: reason}``, across calls until
     :meth:`reset`), so a client reports how many of its utterances it could not read. A batch
-    of a ``trusted`` type (e.g. :class:`speechbrain_fl.fl.collation.TensorRows`, whose dataset
+    of a ``trusted`` type (e.g. :class:`speechbrain_fl.fl.clientapp.collation.TensorRows`, whose dataset
     guarantees tensor values) goes to ``collate`` unchecked.
     Picklable when ``collate`` is (a Ray actor or a SuperNode process builds its own).
 

@@ -230,7 +230,7 @@ def _synth_pcm(text: str, voice: Voice, seed: int) -> tuple[np.ndarray, int]:
     noise generators), so the same call would give different samples depending on what was
     spoken before. Loading the library, initialising it, speaking and unloading it again
     (``dlclose``) for every utterance makes the output a function of (text, voice, seed) only,
-    for about 2 ms per utterance. If something else in the process holds libespeak-ng open,
+    at a small cost per utterance. If something else in the process holds libespeak-ng open,
     ``dlclose`` cannot unload it and that guarantee is lost (the audio stays valid).
     """
     with _LOCK:

@@ -1,18 +1,15 @@
 """Federated engine of speechbrain-fl on Flower's Message API.
 
-A recipe provides an :class:`FLTask` (a ClientApp builder returning a :class:`ClientTask` with a
-SpeechBrain ``Brain`` and the client's data, and a ServerApp builder returning a
-:class:`ServerTask` with the starting model and an :class:`FLConfig`), from one factory that
-both engines load (:mod:`speechbrain_fl.fl.task`). :func:`run_simulation` runs it on one machine,
-in process through :class:`~speechbrain_fl.fl.local_grid.LocalGrid` (``backend: local``) or on
-Flower's Simulation Engine with Ray (``backend: ray``); ``flwr run`` runs the same task through :mod:`speechbrain_fl.fl.apps`
-on a simulation federation or the Deployment Engine. The server strategy :class:`DPFedAvg` does
-Poisson sampling, server-side re-clipping, a pluggable aggregation rule, central Gaussian noise
-and RDP accounting; every round is checkpointed so the same command resumes. See
-docs/fl_engine.md.
+Rooms: ``clientapp/`` (the ClientApp's train handler and a client round), ``serverapp/`` (the
+ServerApp's main, the round loop, the DP strategy, the checks of every reply), ``dp/`` (cohort
+sampling, the mechanism, the audit, what the guarantee covers), ``settings/`` (:class:`FLConfig`
+and every check of it), ``aggregate/`` (aggregation rules), ``secagg/`` (Flower's SecAgg+),
+``engines/`` (the local backend, Ray, ``flwr run``, deployment); beside them the recipe-facing
+:mod:`.task`, the model's federated :mod:`.params`, a node's own data (:mod:`.node_data`), the
+wire format (:mod:`.npy_codec`) and the :mod:`.toy` task. See docs/fl_engine.md.
 
 The names below are imported on first use (PEP 562), so ``speechbrain_fl.fl.params`` or
-``speechbrain_fl.fl.config`` can be imported without loading Flower and Ray.
+``speechbrain_fl.fl.settings.config`` can be imported without loading Flower and Ray.
 """
 
 from __future__ import annotations
@@ -20,33 +17,33 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "ClientTask": "client",
-    "ClientUpdate": "aggregation",
-    "DPFedAvg": "strategy",
-    "FLConfig": "config",
+    "ClientTask": "clientapp.train",
+    "ClientUpdate": "aggregate.update",
+    "DPFedAvg": "serverapp.strategy",
+    "FLConfig": "settings.config",
     "FLTask": "task",
-    "FlwrRunError": "engine",
-    "PoissonSampler": "sampling",
-    "RoundFailed": "strategy",
-    "RoundReport": "strategy",
-    "ServerResult": "server",
-    "ServerTask": "server",
+    "FlwrRunError": "engines.run",
+    "PoissonSampler": "dp.sampling",
+    "RoundFailed": "aggregate.round_report",
+    "RoundReport": "aggregate.round_report",
+    "ServerResult": "serverapp.task",
+    "ServerTask": "serverapp.task",
     "TaskSpec": "task",
-    "get_rule": "aggregation",
+    "get_rule": "aggregate.rules",
     "load_task": "task",
     "load_trainable": "params",
-    "make_client_app": "client",
-    "make_server_app": "server",
+    "make_client_app": "clientapp.train",
+    "make_server_app": "serverapp.main",
     "params_fingerprint": "params",
     "resolved_settings": "task",
-    "run_deployment": "engine",
-    "run_server": "server",
-    "run_simulation": "engine",
-    "train_round": "client",
+    "run_deployment": "engines.run",
+    "run_server": "serverapp.main",
+    "run_simulation": "engines.run",
+    "train_round": "clientapp.train",
     "trainable_parameters": "params",
     "trainable_state": "params",
-    "uniform_mean": "aggregation",
-    "weighted_mean": "aggregation",
+    "uniform_mean": "aggregate.rules",
+    "weighted_mean": "aggregate.rules",
 }
 
 __all__ = sorted(_EXPORTS)

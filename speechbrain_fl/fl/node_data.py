@@ -1,29 +1,7 @@
 """A SuperNode's own data, device and working folder, read from its ``node_config``.
 
-In real federated learning a node holds only its own data. A SuperNode says where it is with
-``flower-supernode --node-config``:
-
-=================  ===========================================================================
-key                value
-=================  ===========================================================================
-``data-folder``    the node's data root (``$data_root`` of its manifest); its training
-                   manifest is ``<data-folder>/train.csv`` unless ``data-manifest`` names one,
-                   or the recipe's ``node_manifest`` hook prepares it from the folder (a folder
-                   in the recipe's real layout)
-``data-manifest``  a manifest (CSV in the recipe's format) of the node's own utterances/clips
-``device``         the node's torch device (``cpu``, ``cuda:0``); default the run's ``device``
-``base-model``     the node's own source of the frozen base (a local checkpoint folder or a
-                   hub ID); default: the copy the server ships (small models) or the run's
-``work-dir``       where the node keeps what the server sent (default: the working directory)
-``partition-id``   the node's partition (the server's identity binding, docs/fl_engine.md)
-=================  ===========================================================================
-
-A node with ``data-folder`` or ``data-manifest`` is *data-owning*: the recipe prepares nothing
-of the corpus (no other client's data, no seed model pretraining) and its task's settings are
-the server's, sent in the setup message (:mod:`speechbrain_fl.fl.apps`), with the data paths
-replaced by the node's own (:func:`localize_settings`). A node without them is a *simulated*
-node: the one corpus of the run, prepared once, partitioned by ``partition-id`` (the simulation's
-convenience); both go through the same settings field, ``clients[partition-id]``.
+In real federated learning a node holds only its own data: ``flower-supernode --node-config``
+says where it is (:class:`NodeData`, with the keys and their rules in its notes).
 """
 
 from __future__ import annotations
@@ -58,6 +36,33 @@ SHIP_MAX_BYTES = 64 * 2**20
 @dataclass(frozen=True)
 class NodeData:
     """What a data-owning SuperNode has (see the module docstring).
+
+    Notes
+    -----
+    In real federated learning a node holds only its own data. A SuperNode says where it is with
+    ``flower-supernode --node-config``:
+
+    =================  ===========================================================================
+    key                value =================
+    =========================================================================== ``data-folder``
+    the node's data root (``$data_root`` of its manifest); its training manifest is
+    ``<data-folder>/train.csv`` unless ``data-manifest`` names one, or the recipe's
+    ``node_manifest`` hook prepares it from the folder (a folder in the recipe's real layout)
+    ``data-manifest``  a manifest (CSV in the recipe's format) of the node's own utterances/clips
+    ``device``         the node's torch device (``cpu``, ``cuda:0``); default the run's ``device``
+    ``base-model``     the node's own source of the frozen base (a local checkpoint folder or a hub
+    ID); default: the copy the server ships (small models) or the run's ``work-dir``       where
+    the node keeps what the server sent (default: the working directory) ``partition-id``   the
+    node's partition (the server's identity binding, docs/fl_engine.md) =================
+    ===========================================================================
+
+    A node with ``data-folder`` or ``data-manifest`` is *data-owning*: the recipe prepares nothing
+    of the corpus (no other client's data, no seed model pretraining) and its task's settings are
+    the server's, sent in the setup message (:mod:`speechbrain_fl.fl.engines.flwr_apps`), with the
+    data paths replaced by the node's own (:func:`localize_settings`). A node without them is a
+    *simulated* node: the one corpus of the run, prepared once, partitioned by ``partition-id``
+    (the simulation's convenience); both go through the same settings field,
+    ``clients[partition-id]``.
 
     Example
     -------

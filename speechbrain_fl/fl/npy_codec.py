@@ -1,31 +1,9 @@
 """Flower's ``.npy`` array format, written and read without re-deriving the header each time.
 
-A Flower :class:`flwr.app.Array` of ``stype`` ``numpy.ndarray`` holds the bytes ``np.save``
-writes: a header (magic, version, and the ``repr`` of ``{'descr', 'fortran_order', 'shape'}``
-padded to a multiple of 64 bytes) followed by the array's raw bytes. ``np.save`` formats that
-header and ``np.load`` parses it back with ``ast.literal_eval`` on every call, which for the
-small tensors of a reply costs more than copying their data (measured: ~50 us a tensor each way
-on one CPU thread). The header depends only on the dtype and the shape, so here it is made once
-per ``(dtype, shape)`` by ``np.save`` itself and reused:
-
-- :func:`encode` returns the very ``Array`` that ``Array.from_torch_tensor`` would (the same
-  ``dtype``, ``shape``, ``stype`` and byte-identical ``data``, the same ``__dict__``, tested),
-  for a C-contiguous array, with the data copied once (``header + tobytes()`` copies twice);
-  anything else goes through Flower's own ``Array.from_numpy_ndarray``. The Array is made
-  with the ``__dict__`` Flower's constructor gives it, without the constructor's argument
-  checks (~4 us an Array), where the installed Flower's constructor stores exactly that
-  (checked once at import; otherwise the constructor is called). :func:`encode_record` puts
-  them into an empty ArrayRecord one by one, as ``ArrayRecord(tensors)`` does (an
-  ``ArrayRecord({name: Array})`` would build every Array a second time).
-- :func:`decode` returns what ``Array.numpy()`` (``np.load``) would, the same dtype, shape
-  and values, when the bytes are exactly the cached header of the declared dtype and shape
-  followed by that many bytes of data; any other bytes (another header, a wrong length, a
-  corrupt or foreign payload) go through ``Array.numpy()``, so what it accepts and rejects is
-  unchanged. The array it returns is a read-only view of the message's bytes. What it derives
-  from the declared ``(dtype, shape)`` (the NumPy dtype, the header, the element count) is
-  cached per pair too.
-- :func:`decode_record` is ``ArrayRecord.to_torch_state_dict()`` on :func:`decode`: writable
-  tensors, one copy each (the server decodes the global arrays with it every round).
+A Flower ``Array`` holds the bytes ``np.save`` writes: a header that depends only on the dtype
+and the shape, then the raw data. :func:`encode` and :func:`decode` make that header once per
+``(dtype, shape)`` and return what Flower's ``Array.from_torch_tensor`` and ``Array.numpy()``
+return (byte for byte, tested); anything else goes through Flower's own methods.
 """
 
 from __future__ import annotations
@@ -81,8 +59,7 @@ def _fields_only() -> bool:
 
 
 #: Flower's ``Array`` constructor checks its arguments through closures and sets each field
-#: through ``__setattr__``: ~4 us an Array, 12 per reply (``ArrayRecord(dict)`` builds every
-#: Array again). Where the constructor stores only the fields (checked once, above), the
+#: through ``__setattr__`` (``ArrayRecord(dict)`` builds every Array again). Where the constructor stores only the fields (checked once, above), the
 #: Array is made with the same ``__dict__`` directly.
 _DIRECT = _fields_only()
 
@@ -100,6 +77,35 @@ def _array(dtype: str, shape: tuple[int, ...], data: bytes) -> Array:
 
 def encode(tensor: torch.Tensor) -> Array:
     """``Array.from_torch_tensor(tensor)``, with the ``.npy`` header cached (same bytes).
+
+    Notes
+    -----
+    A Flower :class:`flwr.app.Array` of ``stype`` ``numpy.ndarray`` holds the bytes ``np.save``
+    writes: a header (magic, version, and the ``repr`` of ``{'descr', 'fortran_order', 'shape'}``
+    padded to a multiple of 64 bytes) followed by the array's raw bytes. ``np.save`` formats that
+    header and ``np.load`` parses it back with ``ast.literal_eval`` on every call, which for the
+    small tensors of a reply costs more than copying their data. The header depends only on the
+    dtype and the shape, so here it is made once per ``(dtype, shape)`` by ``np.save`` itself and
+    reused:
+
+    - :func:`encode` returns the very ``Array`` that ``Array.from_torch_tensor`` would (the same
+      ``dtype``, ``shape``, ``stype`` and byte-identical ``data``, the same ``__dict__``, tested),
+      for a C-contiguous array, with the data copied once (``header + tobytes()`` copies twice);
+      anything else goes through Flower's own ``Array.from_numpy_ndarray``. The Array is made with
+      the ``__dict__`` Flower's constructor gives it, without the constructor's argument checks,
+      where the installed Flower's constructor stores exactly that (checked once at import;
+      otherwise the constructor is called). :func:`encode_record` puts them into an empty
+      ArrayRecord one by one, as ``ArrayRecord(tensors)`` does (an ``ArrayRecord({name: Array})``
+      would build every Array a second time).
+    - :func:`decode` returns what ``Array.numpy()`` (``np.load``) would, the same dtype, shape and
+      values, when the bytes are exactly the cached header of the declared dtype and shape followed
+      by that many bytes of data; any other bytes (another header, a wrong length, a corrupt or
+      foreign payload) go through ``Array.numpy()``, so what it accepts and rejects is unchanged.
+      The array it returns is a read-only view of the message's bytes. What it derives from the
+      declared ``(dtype, shape)`` (the NumPy dtype, the header, the element count) is cached per
+      pair too.
+    - :func:`decode_record` is ``ArrayRecord.to_torch_state_dict()`` on :func:`decode`: writable
+      tensors, one copy each (the server decodes the global arrays with it every round).
 
     Example
     -------
@@ -120,8 +126,7 @@ def encode(tensor: torch.Tensor) -> Array:
     return _array(name, shape, data)
 
 
-#: ``str(dtype)`` per NumPy dtype (``Array.dtype``; ~2 us a call, as much as the header and
-#: the Array together).
+#: ``str(dtype)`` per NumPy dtype (``Array.dtype``), made once.
 _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
@@ -161,7 +166,7 @@ def _record_fields_only() -> bool:
 
 
 #: ``ArrayRecord.__setitem__`` checks the key's and the value's type through two closures and
-#: sets the dirty flag through a property: ~2 us an item. Where it stores only those (checked
+#: sets the dirty flag through a property. Where it stores only those (checked
 #: once, above), :func:`encode_record` fills the record's dict directly.
 _DIRECT_RECORD = _record_fields_only()
 

@@ -5,9 +5,9 @@ A federated recipe exposes one factory ``factory(hparams_path, overrides) -> FLT
 engines reach it through a :class:`TaskSpec`, ``"<module or script.py>:<factory>"`` plus the
 hparams path and overrides:
 
-- ``flwr run`` (simulation federation or Deployment Engine): :mod:`speechbrain_fl.fl.apps`
+- ``flwr run`` (simulation federation or Deployment Engine): :mod:`speechbrain_fl.fl.engines.flwr_apps`
   reads the spec from the run config in the ServerApp and in every ClientApp;
-- the Simulation Engine from a script: :func:`speechbrain_fl.fl.engine.run_simulation` given a
+- the Simulation Engine from a script: :func:`speechbrain_fl.fl.engines.run.run_simulation` given a
   spec ships only the spec to the Ray actors, which load the factory themselves.
 
 Decision (ours): the factory may live in a recipe *script* (SpeechBrain's habit: ``train.py``
@@ -34,9 +34,9 @@ from typing import Any
 import yaml
 from flwr.app import Context
 
-from .client import ClientTask
-from .secagg_config import trust_model
-from .server import ServerTask
+from speechbrain_fl.fl.clientapp.train import ClientTask
+from speechbrain_fl.fl.serverapp.task import ServerTask
+from speechbrain_fl.fl.settings.secagg import trust_model
 
 __all__ = ["APP_ROOT", "FLTask", "TaskSpec", "import_factory", "load_task", "resolved_settings"]
 
@@ -86,14 +86,14 @@ class FLTask:
     num_partitions : int
         Number of clients K the data is partitioned into (SuperNodes in simulation).
     on_result : callable, optional
-        ``on_result(result)``, called with the :class:`~speechbrain_fl.fl.server.ServerResult`
+        ``on_result(result)``, called with the :class:`~speechbrain_fl.fl.serverapp.task.ServerResult`
         in the ServerApp's process when the rounds end, on either engine (e.g. to write the
         final model as a checkpoint).
     info : dict
         What the factory wants its caller to see (e.g. the prepared paths); not used by engines.
     node_setup : dict, optional
         What the ServerApp of ``flwr run`` sends each SuperNode before the first round, beside
-        the frozen base's fingerprint (:mod:`speechbrain_fl.fl.apps`): ``prepared``, the run's
+        the frozen base's fingerprint (:mod:`speechbrain_fl.fl.engines.flwr_apps`): ``prepared``, the run's
         prepared settings (JSON), and ``model_folder``, a local model folder shipped whole when
         small (:func:`speechbrain_fl.fl.node_data.pack_folder`). ``None``: the task needs no
         settings from the server (the toy) and the nodes build their own base.
@@ -240,7 +240,7 @@ def load_task(spec: TaskSpec) -> FLTask:
     On a data-owning SuperNode (:func:`speechbrain_fl.fl.node_data.current_node`) the task is
     built for that node's data and cached under it too.
     """
-    from .node_data import current_node
+    from speechbrain_fl.fl.node_data import current_node
 
     key = spec.cache_key
     bound = current_node()
@@ -255,7 +255,7 @@ def load_task(spec: TaskSpec) -> FLTask:
 class SpecClient:
     """Picklable ``build_client`` that loads the task from its spec in the worker process.
 
-    Its ``cache_key`` lets :func:`speechbrain_fl.fl.client.make_client_app` keep the built
+    Its ``cache_key`` lets :func:`speechbrain_fl.fl.clientapp.train.make_client_app` keep the built
     ClientTask in the worker's module-level cache across messages.
     """
 
@@ -289,12 +289,12 @@ def resolved_settings(config: Any) -> str:
     The script (``run_simulation``) and ``flwr run`` (the ServerApp) print the same line for
     the same hparams, whatever way the values came (hparams file, typed run-config keys,
     overrides). It ends with the run's trust model (results.json's ``privacy.trust_model``
-    name, :func:`.secagg_config.trust_model`), so a ``flwr run`` whose recipe writes no
+    name, :func:`speechbrain_fl.fl.settings.secagg.trust_model`), so a ``flwr run`` whose recipe writes no
     results.json still states in the ServerApp's log whether the server saw each update.
 
     Example
     -------
-    >>> from speechbrain_fl.fl.config import FLConfig
+    >>> from speechbrain_fl.fl.settings.config import FLConfig
     >>> resolved_settings(FLConfig(output_folder="o", num_rounds=2))[:45]
     'federated settings: num_rounds=2 sampling_rat'
     >>> resolved_settings(FLConfig(output_folder="o")).split()[-1]

@@ -4,7 +4,7 @@ Linear regression y = x w* + b* + noise on generated tensors, one partition of e
 client (client ``i`` draws its inputs with seed ``seed + 1 + i``), trained by a real
 ``speechbrain.Brain`` with SGD. :func:`toy_task` returns the :class:`FLTask` the engines run;
 its settings are the toy keys below plus the federated/privacy YAML keys that
-:meth:`~speechbrain_fl.fl.config.FLConfig.from_hparams` reads (``number_of_rounds``, ``method``,
+:meth:`~speechbrain_fl.fl.settings.config.FLConfig.from_hparams` reads (``number_of_rounds``, ``method``,
 ``noise_multiplier``, ``clip``, ...), from an optional HyperPyYAML file and then from
 ``overrides`` (hyphens in keys, as Flower's run_config writes them, are read as underscores).
 
@@ -27,12 +27,12 @@ from flwr.app import Context
 from hyperpyyaml import load_hyperpyyaml
 from speechbrain.dataio.batch import PaddedBatch
 
-from .client import ClientTask
-from .collation import TensorRows
-from .config import FLConfig
-from .node_data import NodeData
-from .server import ServerTask
-from .task import FLTask
+from speechbrain_fl.fl.clientapp.collation import TensorRows
+from speechbrain_fl.fl.clientapp.train import ClientTask
+from speechbrain_fl.fl.node_data import NodeData
+from speechbrain_fl.fl.serverapp.task import ServerTask
+from speechbrain_fl.fl.settings.config import FLConfig
+from speechbrain_fl.fl.task import FLTask
 
 __all__ = [
     "ToyBrain",
@@ -77,7 +77,7 @@ class _Examples(torch.utils.data.Dataset):
     same view: the same storage, offset and strides), so an example is two tuple look-ups
     instead of two tensor indexing calls; ``__getitems__`` is torch's batched protocol
     (``DataLoader`` fetches a batch's examples in one call), the same examples in the same order,
-    as a :class:`~speechbrain_fl.fl.collation.TensorRows` list when ``x`` and ``y`` are plain
+    as a :class:`~speechbrain_fl.fl.clientapp.collation.TensorRows` list when ``x`` and ``y`` are plain
     tensors of ``ndim >= 2`` without gradient (their rows are then equal-shape tensors, so the
     collation skips its per-value check), a plain list otherwise.
     """

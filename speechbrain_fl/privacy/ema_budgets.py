@@ -21,7 +21,7 @@ __all__ = ["SIGNALS", "EMABudgetState"]
 logger = logging.getLogger(__name__)
 
 #: What the EMA budgets are adapted from; the same words as the YAML key ``ema_signal`` and
-#: ``FLConfig.ema_signal`` (``speechbrain_fl/fl/config.py``).
+#: ``FLConfig.ema_signal`` (``speechbrain_fl/fl/settings/config.py``).
 SIGNALS = ("noisy", "raw")
 
 

@@ -1,23 +1,16 @@
-"""The privacy methods as objects: one small class per method, holding its own settings.
+"""The privacy methods: one class per method, holding its own settings and their checks.
 
-A recipe's hparams may build the method with HyperPyYAML instead of naming it, e.g.::
+A class is a method's one home: its :attr:`~PrivacyMethod.name` is the name ``--method`` takes
+and results.json records, and the budget registry (:mod:`speechbrain_fl.privacy.budgets`)
+allocates its clip budgets under that name. A recipe's hparams build it::
 
     method: !new:speechbrain_fl.privacy.methods.AlphaSplit
         clip: !ref <clip>
         noise_multiplier: !ref <noise_multiplier>
         alpha: 0.05
 
-:meth:`speechbrain_fl.fl.config.FLConfig.from_hparams` accepts such an object as well as the
-registered name (``method: flat``, ``--method flat`` on the command line). Each class carries
-the settings its method reads and nothing else: the clip norm C, the noise multiplier sigma,
-the encoder share alpha of alpha-split, the EMA rate, exponent, warm-up and signal of the
-adaptive methods. Its :attr:`~PrivacyMethod.name` is the name the budget registry
-(:mod:`speechbrain_fl.privacy.budgets`) knows it by, the one results.json records as
-``method``; ``str(method)`` is that name.
-
-Code that reads ``hparams["method"]`` takes either form through :func:`method_name` (the
-registered name of an object or a name) and :func:`with_settings` (a setting changed after the
-hparams were loaded, e.g. ``alpha: auto`` resolved by the norm profiling).
+``--method flat`` on the command line names a class; :func:`privacy_method` builds it from the
+hparams' keys. A new method is a subclass with a ``name`` (registered on definition).
 """
 
 from __future__ import annotations
@@ -25,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+#: registered name -> class (every subclass with a ``name``, on definition)
+_CLASSES: dict[str, type] = {}
 
 __all__ = [
     "AlphaSplit",
@@ -54,21 +50,46 @@ class PrivacyMethod:
     """
 
     name: ClassVar[str] = ""
+    #: Whether the method clips updates (FedAvg does not, so it can add no noise).
+    clips: ClassVar[bool] = True
     clip: float | None = None
     noise_multiplier: float = 0.0
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _CLASSES[cls.name] = cls
+
     def __str__(self) -> str:
         return self.name
+
+    def check(self) -> None:
+        """Refuse settings the method cannot run with (``ValueError`` naming the key).
+
+        Example
+        -------
+        >>> Flat(clip=0.0).check()
+        Traceback (most recent call last):
+        ...
+        ValueError: clip: 0.0 must be > 0 for method flat
+        """
+        from .budgets import budget_methods  # the live registry: plug-in allocators included
+
+        if self.name not in budget_methods():
+            raise ValueError(f"method: {self.name!r} has no budget allocator; registered: "
+                             f"{list(budget_methods())}")  # fmt: skip
+        if self.clip is None or self.clip <= 0:
+            raise ValueError(f"clip: {self.clip!r} must be > 0 for method {self.name}")
 
     def settings(self) -> dict[str, Any]:
         """The method as hparams keys (``method`` = its name, then its own settings).
 
         Example
         -------
-        >>> AlphaSplit(clip=1.0, noise_multiplier=0.1, alpha=0.05).settings()
-        {'method': 'alpha_split', 'clip': 1.0, 'noise_multiplier': 0.1, 'alpha': 0.05}
+        >>> Flat(clip=1.0, noise_multiplier=0.1).settings()
+        {'method': 'flat', 'alpha': None, 'clip': 1.0, 'noise_multiplier': 0.1}
         """
-        return {"method": self.name, **dataclasses.asdict(self)}
+        return {"method": self.name, "alpha": None, **dataclasses.asdict(self)}
 
     def replace(self, **settings: Any) -> PrivacyMethod:
         """A copy with ``settings`` changed; settings this method does not hold are ignored.
@@ -84,9 +105,23 @@ class PrivacyMethod:
 
 @dataclass
 class FedAvg(PrivacyMethod):
-    """FedAvg (McMahan et al. 2017): no clipping and no noise (``clip`` must stay None)."""
+    """FedAvg (McMahan et al. 2017): no clipping and no noise."""
 
     name: ClassVar[str] = "fedavg"
+    clips: ClassVar[bool] = False
+
+    def check(self) -> None:
+        """Refuse noise: FedAvg clips nothing, so noise would bound no sensitivity."""
+        if self.noise_multiplier:
+            raise ValueError(
+                f"method: fedavg clips nothing, so noise_multiplier: {self.noise_multiplier} "
+                "bounds no sensitivity; choose a clipping method (flat, pfl_dim, ...) or set "
+                "noise_multiplier: 0"
+            )
+
+    def settings(self) -> dict[str, Any]:
+        """No clip, no noise, no alpha, whatever the hparams' own keys say."""
+        return {"method": self.name, "alpha": None, "clip": None, "noise_multiplier": 0.0}
 
 
 @dataclass
@@ -160,13 +195,18 @@ class AlphaSplit(PrivacyMethod):
     name: ClassVar[str] = "alpha_split"
     alpha: float | None = None
 
-
-_CLASSES = {cls.name: cls for cls in (FedAvg, Flat, PFLUniform, PFLDim, PFLDimEMA, PFLUnifEMA,
-                                      AlphaSplit)}  # fmt: skip
+    def check(self) -> None:
+        """The clip, then alpha: a number in (0, 1)."""
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise ValueError(f"alpha: {alpha!r} must be a number in (0, 1) for alpha_split")
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha: {alpha!r} must be in (0, 1) for alpha_split")
+        super().check()
 
 
 def privacy_method(name: str, **settings: Any) -> PrivacyMethod:
-    """The method object of a built-in method ``name``, given the settings it holds.
+    """The method object of the registered method ``name``, given the settings it holds.
 
     Settings the method does not hold are ignored (a recipe's hparams carry every method's
     keys), so ``privacy_method(hparams["method"], **hparams)`` works for any of them.

@@ -6,39 +6,7 @@ actually replied. A simulated deployment (``noise_cohort_size=M``, pfl-research'
 noise of a cohort of M instead, ``N(0, (sigma * C / M)^2 I)`` on the mean of the n updates
 (``sigma * C * n / M`` on their sum), whatever n.
 
-Decisions
----------
-- Noise is drawn with a dedicated generator per device (and per draw key, below), seeded from
-  ``os.urandom`` by default; a fixed seed makes the noise predictable and is for tests only (a
-  warning is logged). The seed lives in memory only: :meth:`GaussianNoise.state_dict` holds the
-  public settings (sigma, C) and nothing from which past noise could be regenerated, so a saved
-  server state cannot be used to strip the noise from released models; a resumed run draws
-  from a fresh OS seed.
-- On CPU, for float32 and float64 aggregates, the generator is NumPy's ``PCG64`` and the draws
-  its ``standard_normal`` (ziggurat, exact unbounded tails), always in float64: ~9 ns a draw on
-  one CPU thread here against ~14 ns for ``torch.randn`` in float64 (a scalar Box-Muller
-  loop), the largest fixed cost of a private round of a small model (~101k draws). A float32
-  aggregate gets float64 noise added in float64, then rounded once to float32 (``torch.randn``
-  in float32 draws from 24-bit uniforms: Box-Muller's radius is then at most ~5.8, a truncated
-  Gaussian). Other devices and dtypes (CUDA, bfloat16) draw with ``torch.randn`` on the
-  tensor's device, from a ``torch.Generator`` seeded the same way.
-- ``add(..., draw=k)`` derives the generator of draw ``k`` (the round) from the seed (SHA-256 of
-  seed, draw and device; our choice): with a test-only fixed seed a resumed run then adds the
-  same noise as an uninterrupted one, without any generator state on disk.
-- :meth:`GaussianNoise.prepare` (called by the server when it sends a round out) draws that
-  round's standard normals in a worker thread while the clients train: NumPy's
-  ``standard_normal`` fills without the GIL, and the noise does not depend on the replies.
-  :meth:`~GaussianNoise.add` then uses them when they are exactly the draws it would make
-  (the CPU NumPy path for every tensor and as many draws as the aggregate has elements:
-  ``standard_normal(a + b)`` yields the draws of ``standard_normal(a)`` then
-  ``standard_normal(b)``, tested) and leaves the draw's generator where its own draws would
-  have left it; otherwise it draws as before, from a generator the preparation never touched.
-  The same noise, bit for bit, ~1 ms less of a small model's private round (101k draws); the
-  normals are held in memory only, never written, and not prepared beyond
-  :data:`PREPARE_MAX_BYTES`.
-- Floating-point sampling is not hardened against the floating-point attacks on the Gaussian
-  mechanism (Mironov 2012 style); like Opacus's default (non-secure) mode this is acceptable
-  for research, not for adversarial deployments.
+The decisions (generators, seeding, draws) are in :class:`GaussianNoise`'s notes.
 """
 
 from __future__ import annotations
@@ -112,6 +80,37 @@ class GaussianNoise:
     noise_cohort_size : int, optional
         M of a simulated deployment: the std on the mean is ``sigma C / M`` whatever the
         cohort ``n`` given to :meth:`add`; ``None`` (default): ``sigma C / n``.
+
+    Notes
+    -----
+    Decisions --------- - Noise is drawn with a dedicated generator per device (and per draw key,
+    below), seeded from ``os.urandom`` by default; a fixed seed makes the noise predictable and is
+    for tests only (a warning is logged). The seed lives in memory only:
+    :meth:`GaussianNoise.state_dict` holds the public settings (sigma, C) and nothing from which
+    past noise could be regenerated, so a saved server state cannot be used to strip the noise from
+    released models; a resumed run draws from a fresh OS seed. - On CPU, for float32 and float64
+    aggregates, the generator is NumPy's ``PCG64`` and the draws its ``standard_normal`` (ziggurat,
+    exact unbounded tails), always in float64: ~9 ns a draw on one CPU thread here against ~14 ns
+    for ``torch.randn`` in float64 (a scalar Box-Muller loop), the largest fixed cost of a private
+    round of a small model (~101k draws). A float32 aggregate gets float64 noise added in float64,
+    then rounded once to float32 (``torch.randn`` in float32 draws from 24-bit uniforms:
+    Box-Muller's radius is then at most ~5.8, a truncated Gaussian). Other devices and dtypes
+    (CUDA, bfloat16) draw with ``torch.randn`` on the tensor's device, from a ``torch.Generator``
+    seeded the same way. - ``add(..., draw=k)`` derives the generator of draw ``k`` (the round)
+    from the seed (SHA-256 of seed, draw and device; our choice): with a test-only fixed seed a
+    resumed run then adds the same noise as an uninterrupted one, without any generator state on
+    disk. - :meth:`GaussianNoise.prepare` (called by the server when it sends a round out) draws
+    that round's standard normals in a worker thread while the clients train: NumPy's
+    ``standard_normal`` fills without the GIL, and the noise does not depend on the replies.
+    :meth:`~GaussianNoise.add` then uses them when they are exactly the draws it would make (the
+    CPU NumPy path for every tensor and as many draws as the aggregate has elements:
+    ``standard_normal(a + b)`` yields the draws of ``standard_normal(a)`` then
+    ``standard_normal(b)``, tested) and leaves the draw's generator where its own draws would have
+    left it; otherwise it draws as before, from a generator the preparation never touched. The same
+    noise, bit for bit; the normals are held in memory only, never written, and not prepared beyond
+    :data:`PREPARE_MAX_BYTES`. - Floating-point sampling is not hardened against the floating-point
+    attacks on the Gaussian mechanism (Mironov 2012 style); like Opacus's default (non-secure) mode
+    this is acceptable for research, not for adversarial deployments.
 
     Example
     -------

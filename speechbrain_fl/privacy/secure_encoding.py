@@ -1,6 +1,6 @@
 """The integer encoding of a clipped update under secure aggregation, and its sensitivity bound.
 
-Under secure aggregation (Flower's SecAgg+, :mod:`speechbrain_fl.fl.secure_aggregation`) the
+Under secure aggregation (Flower's SecAgg+, :mod:`speechbrain_fl.fl.secagg.train_stage`) the
 server never sees a client's update, so it cannot re-clip it: the client's own clip and the
 encoding must carry the bound. The encoding is SecAgg+'s quantiser
 (``flwr.common.secure_aggregation.quantization``): each coordinate x is clipped to the box
@@ -22,18 +22,7 @@ calibrated to (docs/api.md, contract 2). The box never cuts a compliant update (
 group has every coordinate within C_l' < c). A flat budget is one group of P = sum_l p_l
 coordinates: C' = C - sqrt(P) Delta.
 
-Choices (ours)
---------------
-- The box half-width c is the largest group budget of the round, max_l C_l (C for ``flat``):
-  no compliant coordinate is cut and the step is the smallest that is safe for every group.
-- T is the largest power of two with (m + 1) T <= 2^32 (capped at 2^24): SecAgg+ sums in
-  Z_{2^32}, each client contributes at most T per coordinate plus its weight factor T, and a
-  sum of m clients must not wrap (:func:`quantization_range`). With m = 100 clients T = 2^25
-  is capped to 2^24, Delta = 2c / 2^24 ~ 1.2e-7 c; a group of a million coordinates loses
-  ~1.2e-4 c of its budget.
-- A non-compliant client (one that skips its clip) is bounded only by the box: each coordinate
-  within [-c, c], a joint norm up to c sqrt(P). The DP guarantee under secure aggregation
-  assumes clients that run the published client code (docs/privacy.md, "Trust models").
+Our choices of the box and the range are in :func:`encoding_box`'s notes.
 """
 
 from __future__ import annotations
@@ -81,6 +70,19 @@ def quantization_range(cohort_size: int) -> int:
 
 def encoding_box(budgets: float | Mapping[str, float]) -> float:
     """The box half-width c: the largest group budget (``C`` for a flat budget).
+
+    Notes
+    -----
+    Choices (ours) -------------- - The box half-width c is the largest group budget of the round,
+    max_l C_l (C for ``flat``): no compliant coordinate is cut and the step is the smallest that is
+    safe for every group. - T is the largest power of two with (m + 1) T <= 2^32 (capped at 2^24):
+    SecAgg+ sums in Z_{2^32}, each client contributes at most T per coordinate plus its weight
+    factor T, and a sum of m clients must not wrap (:func:`quantization_range`). With m = 100
+    clients T = 2^25 is capped to 2^24, Delta = 2c / 2^24 ~ 1.2e-7 c; a group of a million
+    coordinates loses ~1.2e-4 c of its budget. - A non-compliant client (one that skips its clip)
+    is bounded only by the box: each coordinate within [-c, c], a joint norm up to c sqrt(P). The
+    DP guarantee under secure aggregation assumes clients that run the published client code
+    (docs/privacy.md, "Trust models").
 
     Example
     -------

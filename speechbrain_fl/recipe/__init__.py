@@ -37,7 +37,6 @@ from speechbrain_fl.recipe.report import (
     insert_table,
     markers,
     print_summary,
-    render_table,
     timing_line,
     update_readme_table,
     write_results,
@@ -51,6 +50,7 @@ from speechbrain_fl.recipe.run_options import (
 )
 from speechbrain_fl.recipe.seed_model import cache_tag, cached_seed_model, file_digest
 from speechbrain_fl.recipe.settings import RunSettings
+from speechbrain_fl.run_outputs import render_table
 from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 
 __all__ = [

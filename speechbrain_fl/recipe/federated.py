@@ -327,7 +327,7 @@ class FederatedRecipe:
 
         ``build_client(context, *, settings)``; ``build_server(context, *, settings,
         **server_kwargs)`` (e.g. ``fl_config``). ``train_logger`` (the YAML's) is set on the
-        built :class:`~speechbrain_fl.fl.server.ServerTask`: the round lines go through it. The task's ``node_setup`` is what the ServerApp
+        built :class:`~speechbrain_fl.fl.serverapp.task.ServerTask`: the round lines go through it. The task's ``node_setup`` is what the ServerApp
         sends data-owning SuperNodes before the first round: the prepared result of this
         process's :meth:`prepare` without the paths of the server's data
         (:func:`~speechbrain_fl.fl.node_data.sent_to_nodes`) and the model folder to ship (when
@@ -376,7 +376,7 @@ class FederatedRecipe:
         Refuses ``engine`` other than ``simulation`` (the Deployment Engine runs with ``flwr
         run``), and passes the hparams' client resources and Ray address.
         """
-        from speechbrain_fl.fl.engine import run_simulation
+        from speechbrain_fl.fl.engines.run import run_simulation
 
         if hparams["engine"] != "simulation":
             raise ValueError(

@@ -1,9 +1,8 @@
 """An exact, memory-bounded cache of per-utterance features (e.g. Whisper's log-mel).
 
 Whisper's feature extractor (``transformers.WhisperFeatureExtractor``: a NumPy STFT and mel
-filterbank of the audio zero-padded to the encoder's 30 s window) costs about half an MLS
-client step on CPU (~20 ms per utterance against ~36 ms for the encoder's forward),
-and a client computes the same utterance's features again every local epoch and every round it
+filterbank of the audio zero-padded to the encoder's 30 s window) is a large share of an MLS
+client step on CPU, and a client computes the same utterance's features again every local epoch and every round it
 is sampled. :class:`FeatureCache` wraps the extractor's call for a batch of waveforms and
 computes only the rows it has not seen.
 

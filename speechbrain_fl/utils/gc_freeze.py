@@ -1,43 +1,9 @@
 """Keep the objects that exist before a long run out of the cyclic garbage collector's scans.
 
-Why (measured with ``benchmarks/fl_overhead.py``): after importing torch, SpeechBrain and
-Flower a process holds millions of tracked objects, and each full (generation 2) collection
-walks all of them: ~0.15 s each on the development machine. The first round of a run allocates
-enough (``torch._dynamo``'s import at the first optimiser, the clients' Brains) to trigger two
-or three of them, ~0.4-0.5 s of a 5 s run; none of those imported objects will ever become
-garbage. :func:`gc.freeze` (CPython >= 3.7) moves every object tracked so far into a permanent
-generation that collections skip; objects created afterwards are collected as usual, and
-reference counting frees everything, frozen or not, as before. :func:`frozen_heap` undoes it
-(:func:`gc.unfreeze`) when the run ends, so a cycle among pre-existing objects that became
-garbage during the run is collected by the next full collection after it.
-
-Objects a run builds once and keeps to its end (a client's Brain, loader and optimiser, built
-at its first message; ``torch._dynamo``, imported by the first optimiser) are frozen by
-:func:`refreeze` after they are built (the ClientApp calls it after a client's first round):
-without it one full collection of ~344,000 objects landed inside the benchmark's steady rounds,
-190-370 ms at load 2.5-3.5, ~0.8 ms per client update. The price: cyclic garbage that is alive
-(not yet collected) at a freeze stays until the run ends; that is what the young generations
-held at that moment, once per client built, not a growth per round.
-
-Nothing in Python's, torch's or Flower's own run loops does this (Python documents
-:func:`gc.freeze` for pre-fork servers); it is a process-wide setting, so it is scoped to one
-run and nests (an inner :func:`frozen_heap` leaves the unfreeze to the outermost), and
-:func:`refreeze` does nothing outside one (a long-lived worker that evicts clients must be able
-to collect them).
-
-At the interpreter's exit the same heap costs once more: CPython's finalisation runs full
-collections while it clears the modules, ~1.0-1.3 s after importing torch, SpeechBrain and Flower
-and a first optimiser (``torch._dynamo``) on the development machine (a process that did only
-that and exited: 1.31 s from its last statement to its end; with :func:`gc.freeze` as its last
-statement 0.26 s; ``os._exit`` 0.09 s). :func:`freeze_at_exit` registers that freeze as an
-:mod:`atexit` handler, once per process (:func:`speechbrain_fl.fl.run_simulation` calls it). It
-runs after the program's last statement, when nothing but the exit is left: every
-:mod:`atexit` handler still runs (logging's flush and close, ``weakref.finalize`` callbacks such
-as ``tempfile``'s clean-up, Ray's shutdown), reference counting still frees every object whose
-count drops to zero while the modules are cleared; what is skipped is the collection of
-reference cycles still alive at exit, whose ``__del__`` methods CPython does not promise to run
-at exit anyway (Python's data model, ``object.__del__``). ``SB_FL_EXIT_GC=1`` in the
-environment keeps CPython's full collections at exit.
+After importing torch, SpeechBrain and Flower a process tracks millions of objects that never
+become garbage, and each full collection walks them all: :func:`frozen_heap` freezes them for a
+run, :func:`refreeze` what a client builds once, :func:`freeze_at_exit` the heap at exit
+(why and what it costs, in :func:`frozen_heap`'s notes).
 """
 
 from __future__ import annotations
@@ -57,6 +23,45 @@ _EXIT_FREEZE = [False]
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Freeze the tracked objects for the duration of the block (see the module docstring).
+
+    Notes
+    -----
+    Why: after importing torch, SpeechBrain and Flower a process holds millions of tracked objects,
+    and each full (generation 2) collection walks all of them. The first round of a run allocates
+    enough (``torch._dynamo``'s import at the first optimiser, the clients' Brains) to trigger
+    several of them; none of those imported objects will ever become garbage. :func:`gc.freeze`
+    (CPython >= 3.7) moves every object tracked so far into a permanent generation that collections
+    skip; objects created afterwards are collected as usual, and reference counting frees
+    everything, frozen or not, as before. :func:`frozen_heap` undoes it (:func:`gc.unfreeze`) when
+    the run ends, so a cycle among pre-existing objects that became garbage during the run is
+    collected by the next full collection after it.
+
+    Objects a run builds once and keeps to its end (a client's Brain, loader and optimiser, built
+    at its first message; ``torch._dynamo``, imported by the first optimiser) are frozen by
+    :func:`refreeze` after they are built (the ClientApp calls it after a client's first round):
+    without it a full collection lands inside the steady rounds. The price: cyclic garbage that is
+    alive (not yet collected) at a freeze stays until the run ends; that is what the young
+    generations held at that moment, once per client built, not a growth per round.
+
+    Nothing in Python's, torch's or Flower's own run loops does this (Python documents
+    :func:`gc.freeze` for pre-fork servers); it is a process-wide setting, so it is scoped to one
+    run and nests (an inner :func:`frozen_heap` leaves the unfreeze to the outermost), and
+    :func:`refreeze` does nothing outside one (a long-lived worker that evicts clients must be able
+    to collect them).
+
+    At the interpreter's exit the same heap costs once more: CPython's finalisation runs full
+    collections while it clears the modules, ~1.0-1.3 s after importing torch, SpeechBrain and
+    Flower and a first optimiser (``torch._dynamo``) on the development machine (a process that did
+    only that and exited: 1.31 s from its last statement to its end; with :func:`gc.freeze` as its
+    last statement 0.26 s; ``os._exit`` 0.09 s). :func:`freeze_at_exit` registers that freeze as an
+    :mod:`atexit` handler, once per process (:func:`speechbrain_fl.fl.run_simulation` calls it). It
+    runs after the program's last statement, when nothing but the exit is left: every :mod:`atexit`
+    handler still runs (logging's flush and close, ``weakref.finalize`` callbacks such as
+    ``tempfile``'s clean-up, Ray's shutdown), reference counting still frees every object whose
+    count drops to zero while the modules are cleared; what is skipped is the collection of
+    reference cycles still alive at exit, whose ``__del__`` methods CPython does not promise to run
+    at exit anyway (Python's data model, ``object.__del__``). ``SB_FL_EXIT_GC=1`` in the
+    environment keeps CPython's full collections at exit.
 
     Example
     -------

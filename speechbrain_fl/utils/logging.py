@@ -1,33 +1,8 @@
 """Readable recipe logs: third-party DEBUG noise off, one-off lines once per process.
 
-SpeechBrain's default log config (``speechbrain/log-config.yaml``) sends every logger at DEBUG
-to ``<output_folder>/log.txt``. We keep that, minus what a person reading the log does not need
-(:func:`install_filters` runs when :mod:`speechbrain_fl` is imported, in every process;
-:func:`quiet_recipe_logs` when the recipe kit loads a run's hparams, in every process of a
-recipe run):
-
-- the DEBUG/INFO chatter of libraries the recipes use but do not drive (:data:`QUIET_LOGGERS`:
-  ``matplotlib.font_manager`` alone wrote 2,190 lines of a 744 KB debug-run log), raised to
-  WARNING (their warnings and errors still show);
-- SpeechBrain's "<Brain> Model Statistics" block, which ``Brain.__init__`` logs for every Brain:
-  a federated process builds one Brain per client (and the server's, the evaluation's), so it
-  is shown once per process (:class:`OncePerProcess`), and the Hugging Face loading/writing bars
-  (``transformers``' own progress bars) stop once the first Brain is built: the first model
-  load shows them, the per-client rebuilds of the same model do not;
-- SpeechBrain's start-up lines of every Brain (:data:`STARTUP_LINES`: "Run option
-  max_grad_norm from hparams is used", "Gradscaler enabled: ...", the precisions, ...), logged
-  by ``Brain.__init__`` for each client's Brain (515 of the ~618 console lines of a default MLS
-  run): each distinct line goes to the log files (``log.txt``) once per process and never to
-  the console (:class:`FileOncePerProcess`), which keeps the progress bar, the round lines and
-  the results;
-- SpeechBrain's import-time warning "torchvision is not available - cannot save figures": it is
-  about ``ProgressSampleLogger``'s image saving, which no recipe here uses (our figures are
-  matplotlib's). It is dropped by a filter that :mod:`speechbrain_fl` installs when it is
-  imported (before SpeechBrain when a process starts from our package: Flower's apps, the
-  console script); :func:`install_filters` installs it again, idempotently.
-
-Nothing here changes a logger the user configured: levels are only raised on loggers left at
-NOTSET, and ``SB_FL_VERBOSE_LOGS=1`` in the environment leaves everything as SpeechBrain sets it.
+SpeechBrain's default log config sends every logger at DEBUG to ``<output_folder>/log.txt``;
+:func:`install_filters` keeps that minus what a reader does not need (what, in its notes),
+without changing a logger the user configured.
 """
 
 from __future__ import annotations
@@ -217,8 +192,7 @@ def _hf_bars_off() -> None:
     without importing either.
 
     Already imported: their own switches. Not imported (a run that loads no Hugging Face model,
-    e.g. the toy task; importing ``transformers`` only to switch its bars off cost ~1 s of such a
-    run's start, ``benchmarks/fl_overhead.py``): ``HF_HUB_DISABLE_PROGRESS_BARS=1``, unless set
+    e.g. the toy task, which should not import ``transformers`` only to switch its bars off): ``HF_HUB_DISABLE_PROGRESS_BARS=1``, unless set
     already, which both read when imported (``transformers``' ``_tqdm_active`` starts as ``not
     huggingface_hub.utils.are_progress_bars_disabled()``).
     """
@@ -238,6 +212,38 @@ def install_filters() -> None:
     """Install this process's filters (idempotent; :mod:`speechbrain_fl` runs it on import):
     SpeechBrain's torchvision warning dropped, its "Model Statistics" once per process (then
     the Hugging Face bars off), its Brain start-up lines to the log files once per process.
+
+    Notes
+    -----
+    SpeechBrain's default log config (``speechbrain/log-config.yaml``) sends every logger at DEBUG
+    to ``<output_folder>/log.txt``. We keep that, minus what a person reading the log does not need
+    (:func:`install_filters` runs when :mod:`speechbrain_fl` is imported, in every process;
+    :func:`quiet_recipe_logs` when the recipe kit loads a run's hparams, in every process of a
+    recipe run):
+
+    - the DEBUG/INFO chatter of libraries the recipes use but do not drive (:data:`QUIET_LOGGERS`:
+      ``matplotlib.font_manager`` alone wrote 2,190 lines of a 744 KB debug-run log), raised to
+      WARNING (their warnings and errors still show);
+    - SpeechBrain's "<Brain> Model Statistics" block, which ``Brain.__init__`` logs for every
+      Brain: a federated process builds one Brain per client (and the server's, the evaluation's),
+      so it is shown once per process (:class:`OncePerProcess`), and the Hugging Face
+      loading/writing bars (``transformers``' own progress bars) stop once the first Brain is
+      built: the first model load shows them, the per-client rebuilds of the same model do not;
+    - SpeechBrain's start-up lines of every Brain (:data:`STARTUP_LINES`: "Run option max_grad_norm
+      from hparams is used", "Gradscaler enabled: ...", the precisions, ...), logged by
+      ``Brain.__init__`` for each client's Brain (515 of the ~618 console lines of a default MLS
+      run): each distinct line goes to the log files (``log.txt``) once per process and never to
+      the console (:class:`FileOncePerProcess`), which keeps the progress bar, the round lines and
+      the results;
+    - SpeechBrain's import-time warning "torchvision is not available - cannot save figures": it is
+      about ``ProgressSampleLogger``'s image saving, which no recipe here uses (our figures are
+      matplotlib's). It is dropped by a filter that :mod:`speechbrain_fl` installs when it is
+      imported (before SpeechBrain when a process starts from our package: Flower's apps, the
+      console script); :func:`install_filters` installs it again, idempotently.
+
+    Nothing here changes a logger the user configured: levels are only raised on loggers left at
+    NOTSET, and ``SB_FL_VERBOSE_LOGS=1`` in the environment leaves everything as SpeechBrain sets
+    it.
 
     Example
     -------

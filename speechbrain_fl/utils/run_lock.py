@@ -13,7 +13,7 @@ Decisions:
   process exits, however it exits (SIGKILL, out of memory), so a killed run never leaves a
   stale lock; the file itself stays (an empty or old content is harmless).
 - Re-entrant within one process: a recipe script holds the lock for the whole run and the
-  engine's server loop (:func:`speechbrain_fl.fl.server.run_server`) takes it again; the
+  engine's server loop (:func:`speechbrain_fl.fl.serverapp.main.run_server`) takes it again; the
   nested holds count, the lock is released when the outermost block exits.
 - The descriptor is not inherited by programs the run starts (``os.open`` descriptors are
   non-inheritable), so a helper process cannot keep the lock alive after the run.

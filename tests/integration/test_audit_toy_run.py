@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from speechbrain_fl.fl import TaskSpec, run_simulation
-from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.dp.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.fl.toy import toy_settings
 from speechbrain_fl.privacy import compute_epsilon
 

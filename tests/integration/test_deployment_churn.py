@@ -45,8 +45,8 @@ import pytest
 import torch
 
 from speechbrain_fl.fl import run_deployment
-from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.fl.engine import FlwrRunError
+from speechbrain_fl.fl.engines.run import FlwrRunError
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.fl.toy import FL_KEYS, toy_settings, write_toy_manifest
 from speechbrain_fl.privacy.accounting.epsilon import compute_epsilon
 

@@ -317,7 +317,7 @@ def _mls_owner_folders(root: Path) -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_mls_debug_nothing_shared_tls_auth(tmp_path, federation):
-    from speechbrain_fl.fl.engine import _run_status
+    from speechbrain_fl.fl.engines.run import _run_status
 
     fed = federation
     folders = _mls_owner_folders(tmp_path)
@@ -385,7 +385,7 @@ def _superb_owner_folders(root: Path) -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.heavy
 def test_superb_kws_nothing_shared_tls_auth(tmp_path, federation):
-    from speechbrain_fl.fl.engine import _run_status
+    from speechbrain_fl.fl.engines.run import _run_status
 
     fed = federation
     folders = _superb_owner_folders(tmp_path)

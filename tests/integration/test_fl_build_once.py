@@ -2,7 +2,7 @@
 once (the local backend: tests/integration/test_fl_local_backend.py).
 
 Flower pickles the ClientApp with every message; the per-process caches of
-``speechbrain_fl.fl.task.load_task`` and ``speechbrain_fl.fl.client`` must survive that. A
+``speechbrain_fl.fl.task.load_task`` and ``speechbrain_fl.fl.clientapp.train`` must survive that. A
 factory script records every call and every client build with its process id.
 """
 

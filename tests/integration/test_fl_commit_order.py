@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from speechbrain_fl.fl.telemetry import train_log_rounds
+from speechbrain_fl.fl.serverapp.telemetry import train_log_rounds
 from speechbrain_fl.privacy import compute_epsilon
 
 SETTINGS = {
@@ -37,7 +37,7 @@ SETTINGS = {
 
 SCRIPT = """
 import json, os, sys
-import speechbrain_fl.fl.server_loop as server
+import speechbrain_fl.fl.serverapp.loop as server
 from speechbrain_fl.fl import run_simulation
 from speechbrain_fl.fl.toy import toy_task
 

@@ -1,4 +1,4 @@
-"""The local backend (speechbrain_fl/fl/local_grid.py) runs the same apps as the Ray backend.
+"""The local backend (speechbrain_fl/fl/engines/local_grid.py) runs the same apps as the Ray backend.
 
 Same ServerApp, ClientApp and Messages, same seeds: the final tensors, the epsilon and every
 rounds.csv / group_norms.csv row must be identical. The fixed ``seed``, ``noise_seed`` and
@@ -118,7 +118,7 @@ def test_local_backend_builds_each_partition_once_in_this_process(tmp_path):
 
 
 def test_backend_key_is_checked():
-    from speechbrain_fl.fl.config import FLConfig
+    from speechbrain_fl.fl.settings.config import FLConfig
 
     assert FLConfig.from_hparams({"output_folder": "o"}).backend == "local"
     assert FLConfig.from_hparams({"output_folder": "o", "backend": "ray"}).backend == "ray"

@@ -18,7 +18,7 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from speechbrain_fl.fl.server import run_server
+from speechbrain_fl.fl.serverapp.main import run_server
 from speechbrain_fl.fl.toy import toy_server, toy_settings
 from speechbrain_fl.privacy import compute_epsilon
 

@@ -9,7 +9,7 @@ import torch
 from flwr.app import Context, RecordDict
 
 from speechbrain_fl.fl import FLTask, run_simulation
-from speechbrain_fl.fl.server import run_server
+from speechbrain_fl.fl.serverapp.main import run_server
 from speechbrain_fl.fl.toy import toy_client, toy_server, toy_settings
 from speechbrain_fl.privacy import compute_epsilon
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from speechbrain_fl.fl import TaskSpec, run_simulation
-from speechbrain_fl.fl.budget_log import BudgetLog
-from speechbrain_fl.fl.state import STATE_FILE
+from speechbrain_fl.fl.dp.budget_log import BudgetLog
+from speechbrain_fl.fl.serverapp.state import STATE_FILE
 
 DP = {"num_partitions": 3, "seed": 0, "eval_every": 0, "method": "pfl_dim_ema", "clip": 0.5,
       "noise_multiplier": 0.8, "sampling_rate": 1.0, "noise_seed": 1, "sampler_seed": 2,

@@ -18,9 +18,9 @@ from flwr.app import Context, RecordDict
 from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-from speechbrain_fl.fl.client import make_client_app
-from speechbrain_fl.fl.local_grid import LocalGrid
-from speechbrain_fl.fl.server import run_server
+from speechbrain_fl.fl.clientapp.train import make_client_app
+from speechbrain_fl.fl.engines.local_grid import LocalGrid
+from speechbrain_fl.fl.serverapp.main import run_server
 from speechbrain_fl.fl.toy import toy_client, toy_server, toy_settings
 from speechbrain_fl.privacy import compute_epsilon
 
@@ -148,7 +148,7 @@ def test_layerwise_rule_under_secaggplus_equals_the_plaintext_rule(tmp_path, rul
     extra = {"method": "fedavg", "clip": None, "number_of_rounds": 2,
              "aggregation": "layerwise_samples" if rule == "momentum" else rule}  # fmt: skip
     if rule == "momentum":
-        from speechbrain_fl.fl.layerwise import ServerMomentum, layerwise_rule
+        from speechbrain_fl.fl.aggregate.layerwise import ServerMomentum, layerwise_rule
 
         plain_rule = ServerMomentum(layerwise_rule("samples"), momentum=0.5)
         secure_rule = ServerMomentum(layerwise_rule("samples"), momentum=0.5)

@@ -34,7 +34,7 @@ SUMMED = re.compile(r"round (\d+): securely summed (\d+) of (\d+) updates")
 
 def _run_secure(tmp_path: Path, fed, folders: list[Path], run_config: dict) -> Path:
     """Start the SuperLink and the owners' SuperNodes, ``flwr run`` to completion; the output."""
-    from speechbrain_fl.fl.engine import _run_status
+    from speechbrain_fl.fl.engines.run import _run_status
 
     fed.start_superlink()
     fed.register("node0"), fed.register("node1")

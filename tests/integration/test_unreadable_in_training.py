@@ -21,9 +21,9 @@ import torch
 
 from speechbrain_fl.data.audio_check import guarded_read
 from speechbrain_fl.fl import run_simulation
-from speechbrain_fl.fl.client import ClientTask
-from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.fl.server import ServerTask
+from speechbrain_fl.fl.clientapp.train import ClientTask
+from speechbrain_fl.fl.serverapp.task import ServerTask
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.fl.task import FLTask
 
 ROUNDS = 2

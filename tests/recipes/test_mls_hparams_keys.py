@@ -18,7 +18,7 @@ import pytest
 import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
-from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.privacy.methods import AlphaSplit
 from speechbrain_fl.recipe.hparams import load_layered_hparams
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.settings.config import FLConfig
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB"
 HPARAMS = RECIPE / "hparams"

@@ -6,7 +6,7 @@ import stat
 import pytest
 import torch
 
-from speechbrain_fl.fl.state import atomic_torch_save, load_state
+from speechbrain_fl.fl.serverapp.state import atomic_torch_save, load_state
 from speechbrain_fl.utils import atomic
 
 

@@ -25,9 +25,9 @@ from flwr.app import ArrayRecord
 from scipy import stats
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
-from speechbrain_fl.fl import canaries as canaries_module
-from speechbrain_fl.fl import reply_collection as reply_module
-from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.dp import canaries as canaries_module
+from speechbrain_fl.fl.dp.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.serverapp import strategy_replies as reply_module
 from speechbrain_fl.privacy import METHODS, CanarySet, Group, Layout, compute_epsilon
 from speechbrain_fl.privacy.audit import (
     audit_summary,

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
-from speechbrain_fl.fl.config import ema_base_of
+from speechbrain_fl.fl.settings.config import ema_base_of
 from speechbrain_fl.privacy import Group, Layout, budget_methods, clip_update, compute_budgets
-from speechbrain_fl.privacy.budgets import EMABudgetState
+from speechbrain_fl.privacy.ema_budgets import EMABudgetState
 
 from .strategy_toys import make_reply
 

@@ -1,4 +1,4 @@
-"""Each client draws a fresh batch order every round (speechbrain_fl/fl/client_data.py):
+"""Each client draws a fresh batch order every round (speechbrain_fl/fl/clientapp/train.py):
 SpeechBrain's ``ReproducibleRandomSampler`` shuffles with ``seed + epoch`` and a round runs
 epochs 1..E, so without a per-round seed a client would see the same order every round, and two
 clients with as many examples one permutation. The order is still a function of the run's seed."""
@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from speechbrain.dataio.batch import PaddedBatch
 
-from speechbrain_fl.fl.client import ClientTask, train_round
+from speechbrain_fl.fl.clientapp.train import ClientTask, train_round
 from speechbrain_fl.fl.params import trainable_state
 from speechbrain_fl.fl.toy import ToyBrain
 

@@ -2,7 +2,7 @@
 
 :func:`speechbrain_fl.privacy.clip_update` measures separate tensors with one
 ``torch._foreach_norm`` over the small ones and the large ones' tails, one row norm per large
-tensor and the float64 sums batched (:func:`speechbrain_fl.privacy.update_norms._tensor_norms`),
+tensor and the float64 sums batched (:func:`speechbrain_fl.privacy.clipping.norms._tensor_norms`),
 and scales with one Scalar (or one multiply over a packed buffer) where every clipped tensor
 takes the same factor. Each test below compares it with the arithmetic it replaces, written out
 per tensor (:func:`_reference_clip`: ``float(linalg.vector_norm(t))`` up to 2^15 elements, else
@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from speechbrain_fl.privacy import Group, Layout, clip_update
-from speechbrain_fl.privacy import clipping as C
-from speechbrain_fl.privacy import packing as P
-from speechbrain_fl.privacy import update_norms as N
+from speechbrain_fl.privacy.clipping import clip as C
+from speechbrain_fl.privacy.clipping import norms as N
+from speechbrain_fl.privacy.clipping import packing as P
 
 SIZES = (1, 3, 64, 255, 4096, 4097, 8192, 32768, 32769, 34816, 65536, 70001)
 COMPONENTS = ("encoder", "connector", "llm")

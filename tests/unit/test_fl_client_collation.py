@@ -1,4 +1,4 @@
-"""The direct ``PaddedBatch`` build (speechbrain_fl/fl/collation.py) is ``PaddedBatch(examples)``
+"""The direct ``PaddedBatch`` build (speechbrain_fl/fl/clientapp/collation.py) is ``PaddedBatch(examples)``
 field by field: the same ``__dict__`` (names, order), the same tensors (values, dtypes, shapes,
 strides), the same behaviour of ``to``, ``iter``, ``batch[key]``, ``len``; and every input it does
 not apply to goes to ``PaddedBatch``."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 from speechbrain.dataio.batch import PaddedBatch, PaddedData
 
-from speechbrain_fl.fl import collation
-from speechbrain_fl.fl.collation import TensorRows, stacked_padded_batch
+from speechbrain_fl.fl.clientapp import collation
+from speechbrain_fl.fl.clientapp.collation import TensorRows, stacked_padded_batch
 from speechbrain_fl.fl.toy import _Examples
 
 

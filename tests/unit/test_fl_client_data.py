@@ -1,7 +1,7 @@
 """The client's data path keeps SpeechBrain's batches: the toy dataset's batched
 ``__getitems__`` and the collation without ``default_convert`` give the same batches, in the
 same order, for the same seed, as a plain ``__getitem__`` dataset with SpeechBrain's
-``PaddedBatch`` (speechbrain_fl/fl/toy.py, speechbrain_fl/fl/client_data.py)."""
+``PaddedBatch`` (speechbrain_fl/fl/toy.py, speechbrain_fl/fl/clientapp/train.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from flwr.app import Context, RecordDict
 from speechbrain.dataio.batch import PaddedBatch
 
-from speechbrain_fl.fl.client_data import _stacked_padded_batch, _train_loader
+from speechbrain_fl.fl.clientapp.train import _stacked_padded_batch, _train_loader
 from speechbrain_fl.fl.toy import _Examples, toy_client, toy_settings
 
 

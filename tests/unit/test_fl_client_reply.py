@@ -1,5 +1,5 @@
 """A client's reply is what SpeechBrain and Flower would make of the round, byte for byte
-(speechbrain_fl/fl/client.py:train_round, npy_codec.encode_record, params.load_trainable):
+(speechbrain_fl/fl/clientapp/train.py:train_round, npy_codec.encode_record, params.load_trainable):
 the reference below trains with ``brain.fit`` on SpeechBrain's own ``PaddedBatch``
 loader, loads with ``param.copy_``, subtracts, clips with a copy (``inplace=False``) and wraps
 the result in ``ArrayRecord(delta)`` and ``MetricRecord(metrics)``."""
@@ -15,12 +15,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from speechbrain.dataio.batch import PaddedBatch
 
-from speechbrain_fl.fl import client_data, npy_codec
-from speechbrain_fl.fl.client import train_round
-from speechbrain_fl.fl.client_update import _client_metrics
-from speechbrain_fl.fl.local_fit import _in_train_mode, _record_stage_end, lean_fit
+from speechbrain_fl.fl import npy_codec
+from speechbrain_fl.fl.clientapp.train import _client_metrics, _record_stage_end, train_round
 from speechbrain_fl.fl.params import load_trainable, trainable_state
-from speechbrain_fl.fl.records import metric_record, reply_record
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 from speechbrain_fl.privacy import clip_update
 
@@ -127,36 +124,6 @@ def test_encode_record_is_array_record(monkeypatch, direct):
         npy_codec.encode_record({1: torch.ones(2)})
 
 
-@pytest.mark.parametrize(
-    "metrics",
-    [
-        {"num-examples": 64, "train-loss": 0.25},
-        {"n": 1, "norms": [0.5, 1.5], "flags": [1, 0], "nan": float("nan")},
-        {"empty": []},  # Flower's constructor (accepted)
-        {"flag": True},  # Flower's constructor (a bool: refused)
-        {"x": np.float64(0.5)},  # Flower's constructor (refused)
-        {"mixed": [1, 2.0]},  # Flower's constructor (refused)
-        {"nested": [[1.0]]},
-        {3: 1.0},
-    ],
-)
-def test_metric_record_is_flowers(metrics):
-    try:
-        expected = MetricRecord(metrics)
-    except TypeError as error:
-        with pytest.raises(TypeError, match=str(error)[:20]):
-            metric_record(metrics)
-        return
-    got = metric_record(metrics)
-    assert list(vars(got)) == list(vars(expected))
-    assert dict(got).keys() == dict(expected).keys()
-    assert repr(got) == repr(expected) and got.object_id == expected.object_id
-    arrays = ArrayRecord({"w": torch.ones(2)})
-    reply, flowers = reply_record(arrays, got), RecordDict({"arrays": arrays, "metrics": got})
-    assert list(vars(reply)) == list(vars(flowers)) and dict(reply) == dict(flowers)
-    assert reply.object_id == flowers.object_id
-
-
 def test_load_trainable_one_call_is_the_copies():
     gen = torch.Generator().manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -175,41 +142,3 @@ def test_load_trainable_one_call_is_the_copies():
         load_trainable(net, {"2.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"missing \['0.bias'\]"):
         load_trainable(net, {k: v for k, v in state.items() if k != "0.bias"}, strict=True)
-
-
-class _KeepsFrozenInEval(torch.nn.Module):
-    """A module whose own ``train`` keeps its dropout in eval mode."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 1)
-        self.drop = torch.nn.Dropout(0.5)
-
-    def forward(self, x):
-        return self.lin(self.drop(x))
-
-    def train(self, mode=True):
-        super().train(mode)
-        self.drop.eval()
-        return self
-
-
-@pytest.mark.parametrize("module", ["eval", "own_train"])
-def test_training_mode_is_what_brain_fit_leaves(module):
-    modules = []
-    for _ in range(2):
-        client = _client()
-        if module == "own_train":
-            client.brain.modules["model"] = _KeepsFrozenInEval()
-        else:
-            client.brain.modules.eval()
-        modules.append(client)
-    ours, reference = modules
-    assert not _in_train_mode(ours.brain.modules)
-    loader = client_data._train_loader(ours)
-    lean_fit(ours.brain, loader, 1)
-    reference.brain.fit(range(1, 2), client_data._train_loader(reference), progressbar=False)
-    got = [m.training for m in ours.brain.modules.modules()]
-    assert got == [m.training for m in reference.brain.modules.modules()]
-    assert (module == "own_train") == (not all(got))
-    assert _in_train_mode(reference.brain.modules) == (module == "eval")

@@ -1,19 +1,16 @@
 """Per-round client bookkeeping kept across rounds changes no reply: the parameter index
 (speechbrain_fl/fl/params.py:ParameterIndex) follows every change of the module's structure,
-the optimiser reset without deep copies is the deep-copying one, and a client reused over rounds
-replies bit for bit what a freshly built client replies."""
+and a client reused over rounds replies bit for bit what a freshly built client replies."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from speechbrain_fl.fl.client import train_round
-from speechbrain_fl.fl.client_optimizer import _restore_groups
+from speechbrain_fl.fl.clientapp.train import train_round
 from speechbrain_fl.fl.params import ParameterIndex, trainable_parameters, trainable_state
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 
@@ -48,40 +45,6 @@ def test_parameter_index_follows_the_structure():
         after = _check(index, net)
         assert after is not before
         assert index.get()[0] is after
-
-
-def test_optimiser_groups_restored_as_by_deep_copy():
-    """_restore_groups against ``group.update(copy.deepcopy(initial))``, incl. a tensor lr."""
-
-    def build():
-        torch.manual_seed(0)
-        net = torch.nn.Linear(3, 2)
-        return torch.optim.Adam(
-            [{"params": [net.weight], "lr": torch.tensor(0.01)}, {"params": [net.bias]}],
-            lr=0.1,
-            betas=(0.8, 0.9),
-        )
-
-    ours, reference = build(), build()
-    initial = [{k: v for k, v in g.items() if k != "params"} for g in ours.param_groups]
-    initial = copy.deepcopy(initial)
-    for opt in (ours, reference):  # what a round may do to them
-        opt.param_groups[0]["lr"].mul_(0.5)  # in place, on the group's tensor
-        opt.param_groups[1]["lr"] = 7.0
-        opt.param_groups[1]["betas"] = (0.1, 0.2)
-        opt.param_groups[1]["initial_lr"] = 7.0  # a key a scheduler adds
-    _restore_groups(ours, initial)
-    for group, init in zip(reference.param_groups, initial, strict=True):
-        group.update(copy.deepcopy(init))
-    for a, b in zip(ours.param_groups, reference.param_groups, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            if key == "params":
-                continue
-            va, vb = a[key], b[key]
-            assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, key
-    assert ours.param_groups[0]["lr"] is not initial[0]["lr"]  # the record is never shared
-    assert float(initial[0]["lr"]) == pytest.approx(0.01)
 
 
 OPTIMIZERS = {

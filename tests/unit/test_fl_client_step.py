@@ -1,6 +1,5 @@
-"""No per-step work a setting switches off: ``max_grad_norm: inf`` skips SpeechBrain's
-``clip_grad_norm_`` in ``Brain.optimizers_step`` (speechbrain_fl/fl/client_optimizer.py), and
-the update is bit-identical to SpeechBrain's own step (per-message costs)."""
+"""A client round steps with SpeechBrain's own ``Brain.optimizers_step``: its per-step
+``clip_grad_norm_`` to ``max_grad_norm`` every step, a Brain's own ``optimizers_step`` kept."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ import speechbrain as sb
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from speechbrain_fl.fl import client_optimizer
-from speechbrain_fl.fl import lean_step as lean_step_module
-from speechbrain_fl.fl.client import train_round
+from speechbrain_fl.fl.clientapp.train import train_round
 from speechbrain_fl.fl.params import trainable_state
 from speechbrain_fl.fl.toy import toy_client, toy_settings
 
@@ -54,32 +51,20 @@ def clip_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("lean_step", [True, False])
 @pytest.mark.parametrize("adam", [True, False])
-def test_infinite_bound_skips_clip_grad_norm_bit_identically(
-    monkeypatch, clip_calls, adam, lean_step
-):
-    """Both paths without the clip: the lean fit_batch (speechbrain_fl/fl/lean_step.py) and
-    SpeechBrain's fit_batch with :func:`client_optimizer._unclipped_optimizers_step` (Brain.fit)."""
-    monkeypatch.setattr(client_optimizer, "_OPTIMIZERS_STEP_RELEASES", ("no such release",))
-    monkeypatch.setattr(lean_step_module, "FIT_BATCH_RELEASES", ("no such release",))
-    expected = _rounds(_client(math.inf, adam))  # SpeechBrain's own fit_batch, optimizers_step
-    assert clip_calls and all(math.isinf(c) for c in clip_calls)
-    monkeypatch.undo()
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", _fail)
+def test_an_infinite_bound_steps_alike_every_round(clip_calls, adam):
+    """``max_grad_norm: inf``: SpeechBrain's clip runs (a multiplication by 1); a second client
+    replies the same, bit for bit."""
+    expected = _rounds(_client(math.inf, adam))
+    calls = len(clip_calls)
+    assert calls == 2 * 2 * 4 and all(math.isinf(c) for c in clip_calls)
     client = _client(math.inf, adam)
-    client.lean_fit = lean_step  # False: Brain.fit, SpeechBrain's fit_batch
-    assert lean_step_module.lean_fit_batch_applies(client.brain)
     got = _rounds(client)
+    assert len(clip_calls) == 2 * calls
     for (update_a, loss_a), (update_b, loss_b) in zip(got, expected, strict=True):
         assert loss_a == loss_b
         assert all(torch.equal(update_a[k], update_b[k]) for k in update_a)
     assert client.brain.optimizer_step == 2 * 2 * 4  # rounds x epochs x batches, counted
-    assert "optimizers_step" not in client.brain.__dict__  # the class method is back
-
-
-def _fail(*args, **kwargs):
-    raise AssertionError("clip_grad_norm_ ran although max_grad_norm is inf")
 
 
 def test_a_finite_bound_still_clips_every_step(clip_calls):

@@ -5,7 +5,7 @@ import logging
 import pytest
 from flwr.common.logger import FLOWER_LOGGER, console_handler
 
-from speechbrain_fl.fl.engine import DEPRECATION_NOTICE, _flower_logging
+from speechbrain_fl.fl.engines.run import DEPRECATION_NOTICE, _flower_logging
 
 
 class _Collect(logging.Handler):

@@ -18,9 +18,9 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig, RoundFailed
-from speechbrain_fl.fl.disclosure import OUTSIDE_GUARANTEE, privacy_disclosure
-from speechbrain_fl.fl.server import run_server
-from speechbrain_fl.fl.state import STATE_FILE
+from speechbrain_fl.fl.dp.disclosure import OUTSIDE_GUARANTEE, privacy_disclosure
+from speechbrain_fl.fl.serverapp.main import run_server
+from speechbrain_fl.fl.serverapp.state import STATE_FILE
 from speechbrain_fl.fl.toy import toy_server, toy_settings
 from speechbrain_fl.privacy import Group, Layout
 
@@ -299,7 +299,7 @@ def test_reply_taken_once_and_only_from_a_sampled_node(tmp_path, caplog):
 
 
 def test_partition_id_of_a_query_reply_must_be_an_integer(tmp_path):
-    from speechbrain_fl.fl.strategy import partition_id_of
+    from speechbrain_fl.fl.serverapp.node_order import partition_id_of
 
     assert partition_id_of(MetricRecord({"partition-id": 3})) == 3
     assert partition_id_of(MetricRecord({"partition-id": [3, 4]})) is None

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from hyperpyyaml import load_hyperpyyaml
 
-from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.privacy import AlphaSplit, budget_methods, privacy_method
 
 YAML = """

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from speechbrain_fl.fl.sampling import PoissonSampler
+from speechbrain_fl.fl.dp.sampling import PoissonSampler
 
 
 def test_cohort_size_is_binomial():

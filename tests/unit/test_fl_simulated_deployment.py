@@ -16,7 +16,7 @@ import json
 import pytest
 
 from speechbrain_fl.fl import FLConfig, FLTask, run_simulation
-from speechbrain_fl.fl.disclosure import format_disclosure, privacy_disclosure
+from speechbrain_fl.fl.dp.disclosure import format_disclosure, privacy_disclosure
 from speechbrain_fl.fl.toy import toy_client, toy_server, toy_settings
 from speechbrain_fl.privacy.accounting import compute_epsilon
 

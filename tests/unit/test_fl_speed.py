@@ -1,7 +1,7 @@
 """Speed cuts keep results: the accountant's cached epsilon equals Opacus's (computed once per
-distinct value); the client's reused optimiser starts every round fresh; the lean local loop's
-update equals Brain.fit's bit for bit (and the comparison catches a wrong loop); the server's
-in-place weighted sum equals the allocating formula."""
+distinct value); every client round starts from a fresh optimiser (SpeechBrain's
+``init_optimizers``, called by ``Brain.fit``); the direct PaddedBatch build equals SpeechBrain's;
+the server's in-place weighted sum equals the allocating formula."""
 
 import pytest
 from opacus.accountants import RDPAccountant
@@ -123,7 +123,7 @@ def _update(reply):
 def test_round_update_does_not_depend_on_the_previous_rounds_optimiser_state():
     import torch
 
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
 
     fresh, used = _adam_client(), _adam_client()
@@ -134,7 +134,7 @@ def test_round_update_does_not_depend_on_the_previous_rounds_optimiser_state():
     assert optimizer.state  # Adam moments were built in round r
     loader = used._loader[0]
     second = _update(train_round(used, _message(start, 2), partition_id=0))
-    assert used.brain.optimizer is optimizer and used._loader[0] is loader  # reused, not rebuilt
+    assert used.brain.optimizer is not optimizer and used._loader[0] is loader  # loader reused
     expected = _update(train_round(fresh, _message(start, 2), partition_id=0))
     for name, value in expected.items():
         assert torch.equal(second[name], value), name  # round r+1 as from a fresh optimiser
@@ -143,7 +143,7 @@ def test_round_update_does_not_depend_on_the_previous_rounds_optimiser_state():
 def test_hyperparameters_changed_during_a_round_are_put_back():
     import torch
 
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
 
     client = _adam_client()
@@ -160,7 +160,7 @@ def test_hyperparameters_changed_during_a_round_are_put_back():
 def test_an_overridden_init_optimizers_runs_every_round():
     import torch
 
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
     from speechbrain_fl.fl.toy import ToyBrain
 
@@ -180,10 +180,10 @@ def test_an_overridden_init_optimizers_runs_every_round():
     assert calls == [1, 2, 3]
 
 
-# --- the lean local loop (speechbrain_fl/fl/local_fit.py:lean_fit) against Brain.fit
+# --- the client round's Brain.fit, recorded
 
 
-def _recording_client(lean: bool, calls: list):
+def _recording_client(calls: list):
     """An Adam toy client (2 local epochs, SpeechBrain's shuffling sampler) recording hooks."""
     import speechbrain as sb
 
@@ -201,13 +201,12 @@ def _recording_client(lean: bool, calls: list):
 
     client = _adam_client()
     client.brain.__class__ = Recording
-    client.lean_fit = lean
     assert isinstance(client.brain, sb.Brain)
     return client
 
 
 def _two_rounds(client):
-    from speechbrain_fl.fl.client import train_round
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
 
     start = trainable_state(client.brain.modules)
@@ -225,45 +224,8 @@ def _assert_same(a, b):
         assert all(torch.equal(update_a[k], update_b[k]) for k in update_a)
 
 
-def test_lean_loop_update_equals_brain_fit(monkeypatch):
-    import speechbrain as sb
-
-    fit_calls, lean_calls = [], []
-    expected = _two_rounds(_recording_client(False, fit_calls))
-
-    def no_fit(*args, **kwargs):
-        raise AssertionError("the lean loop must not call Brain.fit")
-
-    monkeypatch.setattr(sb.Brain, "fit", no_fit)
-    got = _two_rounds(_recording_client(True, lean_calls))
-    _assert_same(got, expected)  # bit for bit, with the same train-loss
-    assert lean_calls == fit_calls  # the same hooks, stages, epochs, losses, in the same order
-    assert sum(c[0] == "batch" for c in fit_calls) == 2 * 2 * 4  # rounds x epochs x batches
-
-
-def test_lean_loop_comparison_catches_a_wrong_loop(monkeypatch):
-    """The equality above has power: a loop that forgets the sampler's set_epoch differs."""
-    import pytest
-
-    from speechbrain_fl.fl import local_fit
-
-    expected = _two_rounds(_recording_client(False, []))
-    real = local_fit.lean_fit
-
-    def without_set_epoch(brain, loader, epochs, **kwargs):
-        sampler, brain.train_sampler = brain.train_sampler, None
-        try:
-            real(brain, loader, epochs, **kwargs)
-        finally:
-            brain.train_sampler = sampler
-
-    monkeypatch.setattr(local_fit, "lean_fit", without_set_epoch)
-    with pytest.raises(AssertionError):
-        _assert_same(_two_rounds(_recording_client(True, [])), expected)
-
-
-def test_brain_needing_fit_gets_fit():
-    from speechbrain_fl.fl.client import lean_fit_applies, train_round
+def test_an_own_on_fit_start_runs_every_round():
+    from speechbrain_fl.fl.clientapp.train import train_round
     from speechbrain_fl.fl.params import trainable_state
     from speechbrain_fl.fl.toy import ToyBrain
 
@@ -275,23 +237,19 @@ def test_brain_needing_fit_gets_fit():
             super().on_fit_start()
 
     client = _adam_client()
-    assert lean_fit_applies(client.brain)
     client.brain.__class__ = OwnFitStart
-    assert not lean_fit_applies(client.brain)
     start = trainable_state(client.brain.modules)
     for server_round in (1, 2):
         train_round(client, _message(start, server_round), partition_id=0)
     assert starts == [1, 1]  # its on_fit_start ran every round, through Brain.fit
-    client.brain.__class__ = ToyBrain
-    client.brain.profiler = object()  # a SpeechBrain profiler: only Brain.fit drives it
-    assert not lean_fit_applies(client.brain)
 
 
 def test_in_place_weighted_sum_is_the_allocating_formula():
-    """speechbrain_fl/fl/aggregation.py:_weighted_sum accumulates in place, same roundings."""
+    """speechbrain_fl/fl/aggregate/rules.py:_weighted_sum accumulates in place, same roundings."""
     import torch
 
-    from speechbrain_fl.fl.aggregation import ClientUpdate, _weighted_sum
+    from speechbrain_fl.fl.aggregate.rules import _weighted_sum
+    from speechbrain_fl.fl.aggregate.update import ClientUpdate
 
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float16, torch.float32, torch.float64):
@@ -318,7 +276,7 @@ def test_pad_right_stacked_is_batch_pad_right():
     import torch
     from speechbrain.utils.data_utils import batch_pad_right
 
-    from speechbrain_fl.fl.client import pad_right_stacked
+    from speechbrain_fl.fl.clientapp.collation import pad_right_stacked
 
     gen = torch.Generator().manual_seed(0)
     cases = [
@@ -336,15 +294,15 @@ def test_pad_right_stacked_is_batch_pad_right():
     assert torch.equal(data, batch_pad_right(cases[2], value=-1.0)[0])
 
 
-def test_fast_collation_and_lean_loop_equal_the_plain_speechbrain_path():
-    """Updates bit for bit: fast collation + lean loop against PaddedBatch + Brain.fit."""
+def test_fast_collation_equals_the_plain_speechbrain_path():
+    """Updates bit for bit: the direct PaddedBatch build against SpeechBrain's PaddedBatch."""
     import speechbrain as sb
 
-    from speechbrain_fl.fl.client_data import _stacked_padded_batch
+    from speechbrain_fl.fl.clientapp.train import _stacked_padded_batch
 
-    old = _recording_client(False, old_calls := [])
+    old = _recording_client(old_calls := [])
     old.fast_collate = False
-    new = _recording_client(True, new_calls := [])
+    new = _recording_client(new_calls := [])
     expected = _two_rounds(old)
     got = _two_rounds(new)
     _assert_same(got, expected)

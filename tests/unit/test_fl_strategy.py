@@ -86,15 +86,31 @@ def test_noise_std_is_sigma_clip_over_qk(tmp_path):
 
 
 def test_plugin_budget_method_is_accepted_and_gets_ema_state(tmp_path):
-    """A method registered at run time is a valid YAML method, and an adaptive one (ema_base
-    set) gets the server's EMA budgets, as the built-in EMA methods do."""
-    from speechbrain_fl.privacy import get_budget_method, register_budget_method
+    """A method defined at run time (its class, named, and its allocator registered under that
+    name) is a valid ``--method``, and an adaptive one (ema_base set) gets the server's EMA
+    budgets, as the built-in EMA methods do."""
+    from typing import ClassVar
+
+    from speechbrain_fl.privacy import PFLDimEMA, get_budget_method, register_budget_method
     from speechbrain_fl.privacy.budgets import unregister_budget_method
+
+    class DimEmaPlugin(PFLDimEMA):
+        name: ClassVar[str] = "dim_ema_plugin_test"
 
     register_budget_method("dim_ema_plugin_test", ema_base="dim")(
         get_budget_method("pfl_dim_ema").allocate
     )
     try:
+        assert (
+            FLConfig.from_hparams(
+                {
+                    "output_folder": str(tmp_path),
+                    "noise_multiplier": 0.5,
+                    "method": DimEmaPlugin(clip=1.0, noise_multiplier=0.5),
+                }
+            ).method
+            == DimEmaPlugin.name
+        )
         hparams = {"output_folder": str(tmp_path), "method": "dim_ema_plugin_test", "clip": 1.0,
                    "noise_multiplier": 0.5, "sampling_rate": 1.0, "population_size": 2}  # fmt: skip
         cfg = FLConfig.from_hparams(hparams)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from speechbrain_fl.fl.config import FLConfig
+from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.fl.task import TaskSpec, import_factory, load_task
 from speechbrain_fl.privacy import Group, Layout, compute_epsilon
 from speechbrain_fl.privacy.accounting import effective_noise_multiplier, privacy_report

@@ -1,7 +1,7 @@
 """The server's aggregate on packed replies: the reference formula, bit for bit.
 
-``aggregate_train`` decodes each reply into one buffer (:mod:`speechbrain_fl.fl.replies`), sums
-the buffers block by block (:func:`speechbrain_fl.fl.aggregation._packed_sum`), adds the noise
+``aggregate_train`` decodes each reply into one buffer (:mod:`speechbrain_fl.fl.serverapp.replies`), sums
+the buffers block by block (:func:`speechbrain_fl.fl.aggregate.rules._packed_sum`), adds the noise
 and applies the update in NumPy passes. Each test recomputes the round independently with the
 allocating torch formulas, term by term in the sorted reply order, and asks ``torch.equal``:
 ``theta + (sum_i u_i.double() * w_i [+ noise])``, rounded once to the parameter dtype.
@@ -14,9 +14,10 @@ import torch
 from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
-from speechbrain_fl.fl.aggregation import BLOCK, ClientUpdate, _weighted_sum
+from speechbrain_fl.fl.aggregate.rules import BLOCK, _weighted_sum
+from speechbrain_fl.fl.aggregate.update import ClientUpdate
 from speechbrain_fl.fl.npy_codec import encode_record
-from speechbrain_fl.fl.replies import parse_train_reply
+from speechbrain_fl.fl.serverapp.replies import parse_train_reply
 from speechbrain_fl.privacy import GaussianNoise, Group, Layout, clip_update
 
 # more elements than one block, and not a multiple of it
@@ -122,7 +123,7 @@ def test_aggregate_train_with_dp_is_the_reference(tmp_path, dtype):
 
 
 def test_reply_buffers_are_reused_only_once_nothing_refers_to_them():
-    from speechbrain_fl.fl.replies import BufferPool
+    from speechbrain_fl.fl.serverapp.replies import BufferPool
 
     pool = BufferPool()
     expected_shapes = {n: tuple(s) for n, s in SHAPES.items()}
@@ -152,7 +153,7 @@ def test_reply_buffers_are_reused_only_once_nothing_refers_to_them():
 
 
 def test_pooled_decoding_is_the_unpooled_one_for_every_wire_dtype():
-    from speechbrain_fl.fl.replies import BufferPool
+    from speechbrain_fl.fl.serverapp.replies import BufferPool
 
     pool = BufferPool()
     expected_shapes = {n: tuple(s) for n, s in SHAPES.items()}

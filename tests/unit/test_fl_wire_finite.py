@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
 from speechbrain_fl.fl.npy_codec import encode_record
-from speechbrain_fl.fl.replies import ReplyRejected, parse_train_reply
+from speechbrain_fl.fl.serverapp.replies import ReplyRejected, parse_train_reply
 from speechbrain_fl.privacy import Group, Layout
 
 SHAPES = {"a.weight": (40, 30), "a.bias": (40,), "b.weight": (3, 40)}

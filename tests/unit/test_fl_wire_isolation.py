@@ -1,26 +1,22 @@
-"""The local backend's message copy and process-state restore (speechbrain_fl/fl/local_grid.py).
+"""The local backend's message copy and process-state restore (fl/engines/local_grid.py).
 
 A client that edits its message must not change what the server or the next client sees; a
 client that draws from or reseeds the process RNGs, or changes torch's thread count, must leave
-the server's streams as they were; :func:`message_copy` is ``copy.deepcopy`` (same structure,
-same sharing of immutable leaves) at less cost.
+the server's streams as they were.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 
 import numpy as np
-import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from speechbrain_fl.fl.local_grid import LocalGrid
-from speechbrain_fl.fl.message_copy import _ATOMIC, STRUCTURAL, message_copy
+from speechbrain_fl.fl.engines.local_grid import LocalGrid
 from speechbrain_fl.fl.npy_codec import encode_record
 
 TENSORS = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}
@@ -38,57 +34,6 @@ def _content() -> RecordDict:
         }  # fmt: skip
     )
     return RecordDict({"arrays": encode_record(TENSORS), "config": config})
-
-
-def _walk(a, b, path="message"):
-    """Assert that ``b`` is structured as ``a`` and shares exactly what deepcopy shares."""
-    assert type(a) is type(b), path
-    if type(a) in _ATOMIC:
-        assert a is b, path  # an immutable leaf is shared, as by deepcopy
-        return
-    if isinstance(a, tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _walk(x, y, f"{path}[{i}]")
-        return
-    assert a is not b, f"{path}: a mutable object is shared"
-    if isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            _walk(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _walk(x, y, f"{path}[{i}]")
-    else:
-        assert type(a) in STRUCTURAL, path
-        _walk(vars(a), vars(b), f"{path}.__dict__")
-
-
-@pytest.fixture
-def identity():
-    grid = LocalGrid(ClientApp(), num_nodes=1)
-    with grid.identity():
-        yield grid
-
-
-def test_message_copy_is_deepcopy_and_shares_only_immutable_leaves(identity):
-    message = Message(_content(), next(iter(identity.get_node_ids())), "train")
-    copied = message_copy(message)
-    _walk(message, copied)
-    reference = copy.deepcopy(message)
-    _walk(message, reference)  # deepcopy has the same structure and the same shared leaves
-    assert copied.content["arrays"]["w"].data is message.content["arrays"]["w"].data
-    assert {Message, RecordDict, ArrayRecord, ConfigRecord, Array} <= STRUCTURAL
-
-
-def test_message_copy_keeps_aliasing_as_deepcopy():
-    record = ArrayRecord({"w": Array(np.ones(2))})
-    ids = [1, 2]
-    content = RecordDict({"a": record, "b": record, "c": ConfigRecord({"x": ids, "y": ids})})
-    for copied in (message_copy(content), copy.deepcopy(content)):
-        assert copied["a"] is copied["b"] and copied["a"] is not record
-        assert copied["c"]["x"] is copied["c"]["y"] and copied["c"]["x"] is not ids
 
 
 def _mutating_app(seen: list) -> ClientApp:
@@ -191,18 +136,8 @@ def test_a_client_changing_run_config_is_an_error_reply():
     assert reply.has_error() and "run_config" in reply.error.reason
 
 
-def test_message_copy_of_what_deepcopy_would_recurse_into():
-    loop: list = [1]
-    loop.append(loop)  # self-reference: copied once, as by deepcopy
-    nested = {"t": (1, [2, 3]), "f": frozenset({1})}
-    for copied in (message_copy([loop, nested]), copy.deepcopy([loop, nested])):
-        assert copied[0][1] is copied[0] and copied[0] is not loop
-        assert copied[1]["t"] == (1, [2, 3]) and copied[1]["t"][1] is not nested["t"][1]
-        assert copied[1]["f"] == nested["f"]
-
-
 def test_process_state_falls_back_to_numpys_own_state_form(monkeypatch):
-    from speechbrain_fl.fl.local_grid import _ProcessState
+    from speechbrain_fl.fl.engines.local_grid import _ProcessState
 
     np.random.seed(3)
     expected = np.random.random(4)

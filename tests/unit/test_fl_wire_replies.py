@@ -13,10 +13,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from speechbrain_fl.fl.aggregation import ClientUpdate, _weighted_sum, uniform_mean
-from speechbrain_fl.fl.local_grid import LocalGrid
+from speechbrain_fl.fl.aggregate.rules import _weighted_sum, uniform_mean
+from speechbrain_fl.fl.aggregate.update import ClientUpdate
+from speechbrain_fl.fl.engines.local_grid import LocalGrid
 from speechbrain_fl.fl.npy_codec import decode_record, encode_record
-from speechbrain_fl.fl.replies import ReplyRejected, parse_train_reply
+from speechbrain_fl.fl.serverapp.replies import ReplyRejected, parse_train_reply
 
 SHAPES = {"w": (4, 3), "b": (3,), "s": ()}
 

@@ -1,6 +1,6 @@
 """The per-round state file: the same bytes as ``torch.save``, RNG states restored exactly.
 
-:func:`speechbrain_fl.fl.state.atomic_torch_save` serialises into memory and writes once; the
+:func:`speechbrain_fl.fl.serverapp.state.atomic_torch_save` serialises into memory and writes once; the
 Python ``random`` state is kept as one ``uint32`` array (:func:`capture_rng_states`), and a
 state saved by an earlier version (the tuple of 625 ints) still restores. A failed or killed
 write (one ``O_DSYNC`` write to a temporary, then ``os.replace``) leaves the previous state whole.
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import speechbrain_fl.utils.atomic as atomic
-from speechbrain_fl.fl.state import (
+from speechbrain_fl.fl.serverapp.state import (
     atomic_torch_save,
     capture_rng_states,
     load_state,
@@ -82,7 +82,7 @@ KILL_MID_WRITE = """
 import os, sys
 import torch
 import speechbrain_fl.utils.atomic as atomic
-from speechbrain_fl.fl.state import atomic_torch_save
+from speechbrain_fl.fl.serverapp.state import atomic_torch_save
 path = sys.argv[1]
 atomic_torch_save({"round": 1, "params": {"w": torch.ones(5000)}}, path)
 real_write = os.write

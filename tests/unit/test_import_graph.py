@@ -92,9 +92,9 @@ def test_no_import_loop(package):
 
 def test_layerwise_does_not_import_the_registry():
     code = (
-        "import sys; import speechbrain_fl.fl.layerwise; "
-        "assert 'speechbrain_fl.fl.aggregation' not in sys.modules; "
-        "from speechbrain_fl.fl.aggregation import get_rule; "
+        "import sys; import speechbrain_fl.fl.aggregate.layerwise; "
+        "assert 'speechbrain_fl.fl.aggregate.rules' not in sys.modules; "
+        "from speechbrain_fl.fl.aggregate.rules import get_rule; "
         "assert get_rule('layerwise_samples').weighting == 'samples'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent)

@@ -13,9 +13,10 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
-from speechbrain_fl.fl.aggregation import ClientUpdate, get_rule
-from speechbrain_fl.fl.layerwise import ServerMomentum, rule_name
-from speechbrain_fl.fl.replies import ReplyRejected, parse_train_reply
+from speechbrain_fl.fl.aggregate.layerwise import ServerMomentum, rule_name
+from speechbrain_fl.fl.aggregate.rules import get_rule
+from speechbrain_fl.fl.aggregate.update import ClientUpdate
+from speechbrain_fl.fl.serverapp.replies import ReplyRejected, parse_train_reply
 from speechbrain_fl.privacy import Group, Layout
 
 from .strategy_toys import make_reply

@@ -6,7 +6,7 @@ import time
 from flwr.app import Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from speechbrain_fl.fl.local_grid import LocalGrid
+from speechbrain_fl.fl.engines.local_grid import LocalGrid
 
 SLEEP = {0: 0.15, 1: 0.15, 2: 0.15, 3: 0.6}  # seconds each partition's client takes
 

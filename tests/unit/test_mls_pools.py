@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from speechbrain_fl.fl.profile import pool_norms, pool_retention
+from speechbrain_fl.fl.dp.profile import pool_norms, pool_retention
 from speechbrain_fl.privacy import Group, Layout
 from speechbrain_fl.privacy.budgets import compute_budgets
 

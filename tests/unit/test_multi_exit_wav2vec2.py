@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import Wav2Vec2Model
 
+from speechbrain_fl.models.exit_heads import StatPoolHead
 from speechbrain_fl.models.multi_exit_wav2vec2 import (
     MultiExitWav2Vec2,
-    StatPoolHead,
     build_multi_exit,
     create_tiny_wav2vec2,
     layer_of,

@@ -13,8 +13,9 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 
-from speechbrain_fl.fl import DPFedAvg, FLConfig, apps
-from speechbrain_fl.fl.fingerprint import (
+from speechbrain_fl.fl import DPFedAvg, FLConfig
+from speechbrain_fl.fl.engines import flwr_apps as apps
+from speechbrain_fl.fl.engines.fingerprint import (
     BaseModelMismatch,
     check_base_fingerprint,
     frozen_fingerprint,
@@ -228,7 +229,7 @@ def test_admitting_grid_sets_up_a_node_that_lost_its_setup(server_identity):
     grid = apps.AdmittingGrid(fake, RecordDict())
     assert grid.get_node_ids() == [1]
     train = Message(RecordDict(), dst_node_id=1, message_type="train")
-    lost = Message(Error(0, "<class 'speechbrain_fl.fl.apps.NodeNotSetUp'>:<'node 1'>"),
+    lost = Message(Error(0, "<class 'speechbrain_fl.fl.engines.flwr_apps.NodeNotSetUp'>:<'node 1'>"),
                    reply_to=train)  # fmt: skip
     real = fake.send_and_receive
     fake.send_and_receive = lambda messages, timeout=None: [lost]
@@ -278,7 +279,7 @@ def test_typed_run_config_keys():
 
 
 def test_run_deployment_refuses_the_managed_local_superlink(tmp_path):
-    from speechbrain_fl.fl.engine import run_deployment
+    from speechbrain_fl.fl.engines.run import run_deployment
 
     (tmp_path / "config.toml").write_text('[superlink.local]\naddress = ":local:"\n')
     with pytest.raises(ValueError, match="'local' .* address ':local:'.*keeps running"):

@@ -207,7 +207,7 @@ def test_clipped_norm_exact_on_large_tensors(exponent):
 @pytest.mark.parametrize("inplace", [False, True])
 def test_packed_update_matches_separate_tensors(inplace):
     """An update packed into one buffer takes the one-operation path with the same results."""
-    from speechbrain_fl.privacy.packing import pack_update
+    from speechbrain_fl.privacy.clipping.packing import pack_update
 
     lay = Layout(
         [Group(f"e{i}", "encoder", 3 * 128) for i in range(3)]

@@ -18,8 +18,8 @@ import torch
 from flwr.app import ArrayRecord, Context, RecordDict
 
 from speechbrain_fl.fl import DPFedAvg, FLConfig
-from speechbrain_fl.fl.server import run_server
-from speechbrain_fl.fl.strategy import AggregateFailed
+from speechbrain_fl.fl.aggregate.round_report import AggregateFailed
+from speechbrain_fl.fl.serverapp.main import run_server
 from speechbrain_fl.fl.toy import toy_server, toy_settings
 from speechbrain_fl.privacy import Group, Layout
 

@@ -17,7 +17,7 @@ import time
 import pytest
 from flwr.app import Context, RecordDict
 
-from speechbrain_fl.fl.server import run_server
+from speechbrain_fl.fl.serverapp.main import run_server
 from speechbrain_fl.fl.toy import toy_server, toy_settings
 from speechbrain_fl.utils import LOCK_FILE, RunLockedError, hold_run_lock
 

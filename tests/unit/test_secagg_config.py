@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from speechbrain_fl.fl.config import FLConfig
-from speechbrain_fl.fl.disclosure import privacy_disclosure
+from speechbrain_fl.fl.dp.disclosure import privacy_disclosure
+from speechbrain_fl.fl.settings.config import FLConfig
 
 BASE = {"output_folder": "o", "method": "flat", "clip": 1.0, "noise_multiplier": 1.0,
         "secure_aggregation": "secaggplus"}  # fmt: skip
@@ -44,7 +44,7 @@ def test_secure_runs_aggregate_uniformly_and_say_their_trust_model():
 
 
 def test_layerwise_rules_and_unclipped_runs_with_a_box_are_accepted():
-    from speechbrain_fl.fl.layerwise import ServerMomentum, layerwise_rule
+    from speechbrain_fl.fl.aggregate.layerwise import ServerMomentum, layerwise_rule
 
     for rule in (
         "layerwise",
@@ -65,7 +65,7 @@ def test_hparams_key_turns_it_on():
 
 
 def test_a_resume_may_not_change_the_trust_model():
-    from speechbrain_fl.fl.privacy_settings import check_privacy_settings, privacy_settings
+    from speechbrain_fl.fl.settings.resume import check_privacy_settings, privacy_settings
     from speechbrain_fl.privacy import Group, Layout
 
     layout = Layout([Group("w", "all", 3)])

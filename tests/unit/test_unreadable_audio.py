@@ -1,5 +1,5 @@
 """An unreadable audio file costs one utterance, not a client (speechbrain_fl/data/audio_check.py,
-speechbrain_fl/fl/client_data.py and client.py): a header check at preparation lists it; a
+speechbrain_fl/fl/clientapp/train.py and client.py): a header check at preparation lists it; a
 file whose header passes but whose decoding fails is dropped by the client's collate function
 and counted in its reply; a client with no readable utterance replies a zero update and says so."""
 
@@ -19,7 +19,7 @@ from speechbrain_fl.data.audio_check import (
     guarded_read,
     read_headers,
 )
-from speechbrain_fl.fl.client import ClientTask, train_round
+from speechbrain_fl.fl.clientapp.train import ClientTask, train_round
 from speechbrain_fl.fl.params import trainable_state
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Measure one round's client update norms per pool for local-optimizer settings (no DP).
 
-Runs the recipe's own client round (:func:`speechbrain_fl.fl.client.train_round`, the same
+Runs the recipe's own client round (:func:`speechbrain_fl.fl.clientapp.train.train_round`, the same
 Brain, data and local epochs as ``train_fl.py``) from the seed model on a few clients, once per
 setting, and prints for each the (LLM + connector)/encoder update-norm ratio per matrix and per
-coordinate (norm / sqrt(p) per pool; :func:`speechbrain_fl.fl.profile.pool_norms`) and the mean
+coordinate (norm / sqrt(p) per pool; :func:`speechbrain_fl.fl.dp.profile.pool_norms`) and the mean
 joint norm, so the clip C and the optimizer can be chosen against measured norms (the paper's
 Sec. IV-A3). The norms are of the training clients, outside any DP guarantee: a calibration
 for this embedded corpus, not a private procedure.
@@ -30,9 +30,9 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_fl  # noqa: E402
 
-from speechbrain_fl.fl.client import ClientTask, train_round  # noqa: E402
+from speechbrain_fl.fl.clientapp.train import ClientTask, train_round  # noqa: E402
+from speechbrain_fl.fl.dp.profile import pool_norms  # noqa: E402
 from speechbrain_fl.fl.params import trainable_state  # noqa: E402
-from speechbrain_fl.fl.profile import pool_norms  # noqa: E402
 from speechbrain_fl.recipe.schedules import RoundCosineLR  # noqa: E402
 
 #: The optimizers a setting names: SGD with momentum (ours) and the paper's AdamW (base.yaml's).

@@ -22,8 +22,7 @@ a run's report (:mod:`.report`) use whichever accountant they are given, so a ru
 epsilon and its extrapolation agree.
 
 Opacus and dp-accounting are imported on first use, inside the functions that call them: a
-non-private run never needs them, and importing them costs ~1 s or more of its start-up
-(``benchmarks/fl_overhead.py``); the RDP figures load Opacus's RDP analysis file on its own
+non-private run never needs them, and importing them lengthens its start-up; the RDP figures load Opacus's RDP analysis file on its own
 (:mod:`.rdp`).
 """
 

@@ -33,8 +33,8 @@ PLD_COARSE_ABOVE = 2.0
 def _pld_one_step(sampling_rate: float, noise_multiplier: float, interval: float):
     """The PLD of one Poisson-subsampled Gaussian step, as ``PLDAccountant`` builds it (cached).
 
-    Building it is most of an epsilon's cost (~1.2 s of ~1.4 s at q=0.5, sigma=1 on one CPU
-    thread; the ``T``-fold self-composition and the epsilon search are the rest), and it
+    Building it is most of an epsilon's cost (the ``T``-fold self-composition and the epsilon
+    search are the rest), and it
     depends on ``(q, sigma, interval)`` only, not on the number of rounds, so a run that asks
     for epsilon after every round builds it once. The PLD object is not modified by
     ``self_compose``/``compose``, which return new ones.

@@ -5,10 +5,8 @@ orders :data:`RDP_ORDERS`, times ``T`` (RDP composes additively), converted to (
 
 They need only Opacus's RDP analysis, ``opacus/accountants/analysis/rdp.py``, a module of pure
 functions over NumPy and SciPy; importing it the usual way runs the ``opacus`` package's
-``__init__`` first (its ``PrivacyEngine``, the grad samplers, the optimisers): ~0.3 s on the
-2-core test machine beyond ``torch._dynamo``, which that import also pulls in (~0.3 s more) and
-which a process's first ``torch.optim`` optimiser imports anyway; the RDP arithmetic itself
-takes ~0.1 s. :func:`_rdp_analysis` loads that one file of the installed Opacus on its own
+``__init__`` first (its ``PrivacyEngine``, the grad samplers, the optimisers, and
+``torch._dynamo``), which costs more than the RDP arithmetic itself. :func:`_rdp_analysis` loads that one file of the installed Opacus on its own
 instead (the same code; the package's own module when ``opacus`` is already imported, the usual
 import should the file ever need its package), at Opacus's default orders :data:`RDP_ORDERS`
 (``RDPAccountant.DEFAULT_ALPHAS``, checked equal in tests/unit/test_privacy_accounting_rdp.py).
