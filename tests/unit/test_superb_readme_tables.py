@@ -37,7 +37,7 @@ def test_a_changed_figure_is_caught_and_rewritten(tmp_path):
     first = sorted(default["test"], key=int)[0]
     default["test"][first]["accuracy"] += 0.1
     path.write_text(json.dumps(default))
-    assert differences(readme, root, results) == ["superb-default", "root-row"]
+    assert differences(readme, root, results) == ["results:superb-default", "root-row"]
     write(readme, root, results)
     assert differences(readme, root, results) == []
     assert f"{default['test'][first]['accuracy']:.3f}" in root.read_text()
@@ -54,4 +54,4 @@ def test_the_memory_table_names_the_measures_that_give_the_papers_order(tmp_path
     )
     assert "none of the measures" in memory_table(memory)
     path.write_text(json.dumps(memory))
-    assert "superb-memory" in differences(readme, root, results)
+    assert "results:superb-memory" in differences(readme, root, results)

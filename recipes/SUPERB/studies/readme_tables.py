@@ -175,10 +175,10 @@ def render(results=RESULTS):
     default = load("default_kws12.json", results)
     memory = load("memory_by_task.json", results)
     tables = {
-        "superb-default": default_table(default, memory),
-        "superb-memory": memory_table(memory),
-        "superb-depth": depth_table(load("depth_by_exit.json", results)),
-        "superb-probes": probe_table(load("phone_seed.json", results)),
+        "results:superb-default": default_table(default, memory),
+        "results:superb-memory": memory_table(memory),
+        "results:superb-depth": depth_table(load("depth_by_exit.json", results)),
+        "results:superb-probes": probe_table(load("phone_seed.json", results)),
     }
     return tables, root_row(default, memory)
 
