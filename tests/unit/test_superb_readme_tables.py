@@ -7,6 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 STUDIES = Path(__file__).resolve().parents[2] / "recipes" / "SUPERB" / "studies"
 sys.path.insert(0, str(STUDIES))
 
@@ -21,7 +23,9 @@ def _copies(tmp_path):
     from readme_tables import README, RESULTS, ROOT_README
 
     results = tmp_path / "results"
-    shutil.copytree(RESULTS, results)
+    results.mkdir()
+    for path in RESULTS.glob("*.json"):
+        shutil.copy(path, results)
     readme, root = tmp_path / "README.md", tmp_path / "ROOT.md"
     shutil.copy(README, readme)
     shutil.copy(ROOT_README, root)
@@ -37,7 +41,7 @@ def test_a_changed_figure_is_caught_and_rewritten(tmp_path):
     first = sorted(default["test"], key=int)[0]
     default["test"][first]["accuracy"] += 0.1
     path.write_text(json.dumps(default))
-    assert differences(readme, root, results) == ["superb-default", "root-row"]
+    assert differences(readme, root, results) == ["results:superb-default", "root-row"]
     write(readme, root, results)
     assert differences(readme, root, results) == []
     assert f"{default['test'][first]['accuracy']:.3f}" in root.read_text()
@@ -49,9 +53,42 @@ def test_the_memory_table_names_the_measures_that_give_the_papers_order(tmp_path
     results, readme, root = _copies(tmp_path)
     path = results / "memory_by_task.json"
     memory = json.loads(path.read_text())
-    memory["paper_order_kws_sid_er_asr"] = dict.fromkeys(
-        memory["paper_order_kws_sid_er_asr"], False
-    )
-    assert "none of the measures" in memory_table(memory)
+    order = memory["paper_order_kws_sid_er_asr"]
+    memory["paper_order_kws_sid_er_asr"] = dict.fromkeys(order, False)
+    assert "holds under: none of the measures." in memory_table(memory)
+    memory["paper_order_kws_sid_er_asr"] = {k: k == "peak_trained" for k in order}
+    assert "holds under: peak, CNN trained." in memory_table(memory)
     path.write_text(json.dumps(memory))
-    assert "superb-memory" in differences(readme, root, results)
+    if memory["paper_order_kws_sid_er_asr"] != order:  # another verdict: the README is stale
+        assert "results:superb-memory" in differences(readme, root, results)
+
+
+def _fake_run(folder, exit_, seed, correct):
+    """A centralized run's results.json and test_predictions.csv: clip i right if correct[i]."""
+    folder.mkdir(parents=True)
+    rows = ["ID,spk_id,label," + f"pred_{exit_}"]
+    rows += [f"u{i},s{i % 4},yes,{'yes' if ok else 'no'}" for i, ok in enumerate(correct)]
+    (folder / "test_predictions.csv").write_text("\n".join(rows) + "\n")
+    accuracy = sum(correct) / len(correct)
+    results = {"seed": seed, "test": {str(exit_): {"accuracy": accuracy, "ci95": [0, 1]}}}
+    (folder / "results.json").write_text(json.dumps(results))
+    return str(folder)
+
+
+def test_a_depth_row_pools_the_seeds_and_pairs_the_clips(tmp_path):
+    from readme_tables import depth_table, ingest_depth
+
+    shallow = [
+        _fake_run(tmp_path / f"e3_s{s}", 3, s, [i % 2 == 0 for i in range(8)]) for s in (1, 2)
+    ]
+    deep = [
+        _fake_run(tmp_path / f"e12_s{s}", 12, s, [i % 4 != 3 for i in range(8)]) for s in (1, 2)
+    ]
+    row = ingest_depth("toy", ",".join(shallow), ",".join(deep), results=tmp_path)
+    assert (row["seeds"], row["shallow"], row["deep"], row["deep_exit"]) == (2, 0.5, 0.75, 12)
+    assert row["difference"][0] == 0.25 and row["difference"][1] <= 0.25 <= row["difference"][2]
+    saved = json.loads((tmp_path / "depth_by_exit.json").read_text())
+    assert saved["rows"] == [row]
+    assert "| toy | 2 | 0.500 | 0.750 (exit 12) | +0.250 [" in depth_table(saved)
+    with pytest.raises(ValueError, match="same seeds"):
+        ingest_depth("toy", shallow[0], deep[1], results=tmp_path)

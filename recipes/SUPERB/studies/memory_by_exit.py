@@ -30,7 +30,7 @@ the paper's four savings and whether each measure orders the tasks as the paper 
 (KWS > SID > ER > ASR).
 
     > python recipes/SUPERB/studies/memory_by_exit.py --model base-random --batch_size 4 \\
-          --per_task recipes/SUPERB/studies/results/memory_by_task.json
+          --per_task recipes/SUPERB/studies/memory_by_task.json
 
 Authors
  * speechbrain-fl contributors

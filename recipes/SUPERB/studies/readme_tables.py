@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the SUPERB README's result tables and the root README's SUPERB row from results files.
 
-The one source of the recipe's reported figures is ``recipes/SUPERB/studies/results/``:
+The one source of the recipe's reported figures is the JSON files of ``recipes/SUPERB/studies/``:
 
 - ``default_kws12.json``: the default command's run (test accuracy per exit with its 95% CI,
   training memory per exit), copied from a run's ``results.json`` by ``--ingest_default``;
@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 RECIPE_DIR = Path(__file__).resolve().parents[1]  # recipes/SUPERB
-RESULTS = RECIPE_DIR / "studies" / "results"
+RESULTS = RECIPE_DIR / "studies"
 README = RECIPE_DIR / "README.md"
 ROOT_README = RECIPE_DIR.parents[1] / "README.md"
 ROW_PREFIX = "| SUPERB "
@@ -175,10 +175,10 @@ def render(results=RESULTS):
     default = load("default_kws12.json", results)
     memory = load("memory_by_task.json", results)
     tables = {
-        "superb-default": default_table(default, memory),
-        "superb-memory": memory_table(memory),
-        "superb-depth": depth_table(load("depth_by_exit.json", results)),
-        "superb-probes": probe_table(load("phone_seed.json", results)),
+        "results:superb-default": default_table(default, memory),
+        "results:superb-memory": memory_table(memory),
+        "results:superb-depth": depth_table(load("depth_by_exit.json", results)),
+        "results:superb-probes": probe_table(load("phone_seed.json", results)),
     }
     return tables, root_row(default, memory)
 
