@@ -238,5 +238,5 @@ def test_the_saved_hyperparams_yaml_builds_the_same_method(tmp_path, model):
     with open(base, encoding="utf-8") as handle:
         saved = resolve_references(handle, merged).getvalue()
     hp = load_hyperpyyaml(saved)
-    assert hp["method"] == AlphaSplit(clip=PRESET_CLIP[model], noise_multiplier=0.1, alpha=0.05)
+    assert hp["method"] == AlphaSplit(clip=PRESET_CLIP[model], noise_multiplier=1.0, alpha=0.05)
     assert hp["opt_class"].func.__name__ == "AdamW"
