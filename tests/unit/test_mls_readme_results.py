@@ -57,9 +57,10 @@ def test_the_block_carries_the_results_files_figures(readme_results):
     assert row.startswith(readme_results.ROW_PREFIX) and "Flat 0.610" in row
     assert "0.800 at round 0 -> 0.612 [0.550, 0.660]" in readme_results.main_line(main)
     main["simulated_deployment"] = {"population": 100000}
+    main["machine"] = "2 CPU cores, nothing else running"
     text = readme_results.quickstart(main)
     assert text.startswith(readme_results.QUICKSTART_PREFIX) and "9.2 minutes" in text
-    assert "100,000 clients" in text
+    assert "100,000 clients" in text and "(2 CPU cores, nothing else running)" in text
 
 
 def test_markers_are_required(readme_results):

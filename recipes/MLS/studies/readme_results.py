@@ -50,8 +50,8 @@ ROW_PREFIX = "| MLS |"
 QUICKSTART_PREFIX = "The main job (no `--debug`)"
 
 
-def collect_main(run: Path, command: str) -> dict:
-    """The main command's figures from its run folder's results.json."""
+def collect_main(run: Path, command: str, machine: str) -> dict:
+    """The main command's figures from its run folder's results.json, and the machine it ran on."""
     r = json.loads((Path(run) / "results.json").read_text())
     change = r["test_change_from_round0"]
     privacy = r["privacy"]
@@ -70,6 +70,7 @@ def collect_main(run: Path, command: str) -> dict:
         "sampling_rate": privacy["sampling_rate"],
         "simulated_deployment": privacy.get("simulated_deployment"),
         "timings_s": r["timings_s"],
+        "machine": machine,
     }
 
 
@@ -215,7 +216,7 @@ def quickstart(main: dict | None) -> str:
         return text
     t = main["timings_s"]
     return (
-        f"{text} Measured here\n(2 CPU cores shared with other jobs, one torch thread): "
+        f"{text} Measured here\n({main['machine']}): "
         f"{t['total'] / 60:.1f} minutes from an\nempty cache, test WER "
         f"{main['round0_wer']:.3f} -> {main['test_wer']:.3f} "
         f"({'significant' if main['significant'] else 'not significant'}), ε = "
@@ -317,13 +318,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--command", default="python recipes/MLS/train_fl.py hparams/alpha_split.yaml"
     )
+    parser.add_argument(
+        "--machine",
+        default="2 CPU cores shared with other jobs, one torch thread",
+        help="collect: the machine and load the main command ran on, as the READMEs state it",
+    )
     parser.add_argument("--grid", type=Path, help="collect: method_table.py --output-root")
     parser.add_argument("--seeds", type=int, nargs="+", default=[11, 12, 13])
     args = parser.parse_args(argv)
     if args.step == "collect":
         RESULTS.mkdir(exist_ok=True)
         if args.main:
-            out = collect_main(args.main, args.command)
+            out = collect_main(args.main, args.command, args.machine)
             (RESULTS / "main_command.json").write_text(json.dumps(out, indent=2) + "\n")
         if args.grid:
             out = collect_grid(args.grid, args.seeds)
