@@ -144,10 +144,15 @@ def check_hparams(hparams):
                 "one depth group empty; the heterogeneous scenario needs clients at both exits "
                 "(at least 2 clients), or use scenario: homogeneous"
             )
-    if hparams["pretrain_objective"] not in ("none", "bag_of_words", "ctc"):
+    if hparams["pretrain_objective"] not in ("none", "bag_of_words", "ctc", "phones"):
         raise ValueError(
             f"pretrain_objective: {hparams['pretrain_objective']!r} must be 'none', "
-            "'bag_of_words' or 'ctc'"
+            "'bag_of_words', 'ctc' or 'phones'"
+        )
+    corpus = hparams["phone_corpus"]
+    if not isinstance(corpus, dict) or set(corpus) != {"speakers", "utterances", "speaker_offset"}:
+        raise ValueError(
+            f"phone_corpus: {corpus!r} must map speakers, utterances and speaker_offset to integers"
         )
     pretrain_exits = hparams["pretrain_exits"]
     if (
