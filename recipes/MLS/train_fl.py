@@ -199,7 +199,8 @@ def component_layout(brain):
     """Trainable groups labelled encoder / connector / llm by the model's name patterns."""
     patterns = brain.modules.model.component_patterns()
     components = {label: [f"model.{p}" for p in pats] for label, pats in patterns.items()}
-    return layout_from_model(brain.modules, components=components)
+    group_by = getattr(brain.hparams, "group_by", "parameter")  # the hparams' clip groups
+    return layout_from_model(brain.modules, components=components, group_by=group_by)
 
 
 # ##########################################################################################
