@@ -75,6 +75,10 @@ def test_the_block_carries_the_results_files_figures(readme_results):
     grid["ceiling"]["closure_ci"] = [0.6, 0.8]
     assert "(CI above it): **not met**" in readme_results.recipe_block(main, grid)
     row = readme_results.root_row(main, grid)
+    assert (
+        "Flat 0.610; central ceiling 0.510 (FedAvg closes 70% of the gap from round 0 0.810)" in row
+    )
+    row = readme_results.root_row(main, grid)
     assert row.startswith(readme_results.ROW_PREFIX) and "Flat 0.610" in row
     assert "0.800 at round 0 -> 0.612 [0.550, 0.660]" in readme_results.main_line(main)
     main["simulated_deployment"] = {"population": 100000}

@@ -287,6 +287,12 @@ def root_row(main: dict | None, grid: dict | None) -> str:
         )
     if grid:
         wers = ", ".join(f"{r['name']} {r['wer_pooled']:.3f}" for r in grid["rows"])
+        top = grid.get("ceiling")
+        if top:
+            wers += (
+                f"; central ceiling {top['wer_pooled']:.3f} (FedAvg closes {top['closure']:.0%} "
+                f"of the gap from round 0 {top['wer_round0']:.3f})"
+            )
         ours.append(f"{len(grid['seeds'])} paired seeds: {wers}")
     paper = (
         "α-Split ≈ Flat, per-matrix budgets degrade (Whisper + TinyLlama, unfrozen: FedAvg "
