@@ -56,7 +56,12 @@ def test_the_block_carries_the_results_files_figures(readme_results):
     assert "gap to the ceiling (CI above it): **not measured**" in block
     # per-utterance CE files give the CE its CI; the ceiling gives its row and the closure
     grid["rows"][0].update(ce_pooled=0.19, ce_ci=[0.17, 0.21])
-    grid["pairs"][0]["ce"] = {"difference": 0.03, "ci95": [0.01, 0.05], "p": 0.004}
+    grid["pairs"][0]["ce"] = {
+        "difference": 0.03,
+        "ci95": [0.01, 0.05],
+        "p": 0.004,
+        "significant": False,
+    }
     grid["ceiling"] = {
         "seeds": [11, 12], "wers": [0.5, 0.52], "wer_pooled": 0.51, "change": -0.3,
         "change_ci": [-0.35, -0.25], "ce_pooled": 0.15, "ce_ci": [0.14, 0.16],
@@ -66,6 +71,7 @@ def test_the_block_carries_the_results_files_figures(readme_results):
     block = readme_results.recipe_block(main, grid)
     assert "| -0.200 [-0.300, -0.100] | 0.190 [0.170, 0.210] |" in block
     assert "| yes | +0.030 [+0.010, +0.050] | 0.004 |" in block
+    assert "than Flat: **met** on test WER; **not met** on test CE" in block
     assert (
         "| Central ceiling (pooled client data, no DP) | - | - | 0.500 / 0.520 | 0.510 "
         "| -0.300 [-0.350, -0.250] | 0.150 [0.140, 0.160] |" in block

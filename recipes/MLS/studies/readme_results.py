@@ -211,7 +211,8 @@ def targets(pairs: list[dict], top: dict | None = None) -> list[str]:
     and FedAvg's share of the gap to the central ceiling (``top``).
 
     A pair ``(a, b)`` holds ``WER_a - WER_b``; "worse" means a positive difference whose
-    95% CI excludes 0. The closure target is met when its 95% CI lies at or above the target.
+    95% CI excludes 0; a pair with per-utterance CE files is judged on the CE too, alike. The
+    closure target is met when its 95% CI lies at or above the target.
     """
     found = {(p["a"], p["b"]): p for p in pairs}
     checks = (
@@ -228,7 +229,9 @@ def targets(pairs: list[dict], top: dict | None = None) -> list[str]:
     for text, key, test in checks:
         pair = found.get(key)
         verdict = "not measured" if pair is None else ("met" if test(pair) else "not met")
-        out.append(f"- {text}: **{verdict}**")
+        ce = (pair or {}).get("ce")
+        on_ce = f" on test WER; **{'met' if test(ce) else 'not met'}** on test CE" if ce else ""
+        out.append(f"- {text}: **{verdict}**{on_ce}")
     target = f"FedAvg closes at least {CLOSURE_TARGET:.0%} of the gap to the ceiling (CI above it)"
     if top is None:
         out.append(f"- {target}: **not measured**")
