@@ -382,7 +382,9 @@ def make_settings(hparams, run_opts):
     start = time.time()
     data = prepare_task(hparams)
     timings["data"] = time.time() - start
+    start = time.time()
     seed_source, info = seed_model_folder(hparams, data["public"])
+    timings["seed"] = time.time() - start  # pretraining (info) or loading a shipped seed
     timings.update(info)
     spec = TASKS[hparams["task"]]
     ctc = spec["head"] == "ctc"
