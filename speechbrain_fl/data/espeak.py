@@ -5,7 +5,8 @@ system package is needed. This module binds the handful of C functions of espeak
 ``speak_lib.h`` that synthesis needs (``espeak_Initialize``, ``espeak_SetSynthCallback``,
 ``espeak_SetVoiceByName``, ``espeak_SetParameter``, ``espeak_Synth``, ``espeak_Synchronize``)
 and returns a float32 waveform at 16 kHz (espeak-ng renders at 22,050 Hz; the signal is
-resampled with ``torchaudio.transforms.Resample``).
+resampled with ``torchaudio.transforms.Resample``). :func:`synthesize_phonemes` also returns
+when each phoneme starts (espeak-ng's phoneme events), for frame-level phone labels.
 
 Why hand-written: the Python wrappers on PyPI either shell out to the ``espeak-ng`` executable
 (one process per utterance, ~100x slower) or only expose phonemisation. The binding runs at

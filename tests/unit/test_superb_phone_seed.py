@@ -110,3 +110,19 @@ def test_other_settings_pretrain_the_phone_seed_here(tmp_path, caplog):
     assert stats["phones"][0] == "_"
     again, timings = seed_model_folder(hparams, None)
     assert again == folder and timings == {}  # cached
+
+
+def test_the_pretraining_depends_on_its_settings_only(tmp_path):
+    import numpy as np
+
+    from speechbrain_fl.models.multi_exit_phone_seed import phone_corpus, phone_set
+    from speechbrain_fl.models.multi_exit_phone_seed import pretrain_phone_seed as pretrain
+
+    corpus = phone_corpus(1, 2, seed=0, offset=900)
+    kwargs = {"steps": 2, "batch_size": 2, "lr": 2e-3, "seed": 0, "cache_dir": str(tmp_path)}
+    first = pretrain(corpus, phone_set(corpus), log=None, **kwargs)[0].backbone.state_dict()
+    np.random.seed(99)  # transformers' time masks draw from NumPy's global generator
+    state = np.random.get_state()
+    second = pretrain(corpus, phone_set(corpus), log=None, **kwargs)[0].backbone.state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert np.array_equal(np.random.get_state()[1], state[1])  # the global generator restored
