@@ -150,9 +150,15 @@ def check_hparams(hparams):
             "'bag_of_words', 'ctc' or 'phones'"
         )
     corpus = hparams["phone_corpus"]
-    if not isinstance(corpus, dict) or set(corpus) != {"speakers", "utterances", "speaker_offset"}:
+    keys = {"speakers", "utterances", "speaker_offset"}
+    if (
+        not isinstance(corpus, dict)
+        or set(corpus) != keys
+        or not all(type(v) is int and v >= int(k != "speaker_offset") for k, v in corpus.items())
+    ):
         raise ValueError(
-            f"phone_corpus: {corpus!r} must map speakers, utterances and speaker_offset to integers"
+            f"phone_corpus: {corpus!r} must map speakers and utterances to integers >= 1 and "
+            "speaker_offset to an integer >= 0"
         )
     pretrain_exits = hparams["pretrain_exits"]
     if (
