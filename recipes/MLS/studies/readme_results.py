@@ -187,7 +187,8 @@ def recipe_block(main: dict | None, grid: dict | None) -> str:
         if top:
             low, high = top["closure_ci"]
             lines += ["", (
-                f"FedAvg against the central ceiling (seeds {', '.join(map(str, top['seeds']))}, "
+                f"FedAvg against the central ceiling (seed{'s' * (len(top['seeds']) > 1)} "
+                f"{', '.join(map(str, top['seeds']))}, "
                 f"paired): round 0 {top['wer_round0']:.3f}, FedAvg {top['wer_fedavg']:.3f}, "
                 f"ceiling {top['wer_pooled']:.3f} (ceiling - FedAvg "
                 f"{top['central_minus_fedavg']:+.3f} [{top['central_minus_fedavg_ci'][0]:+.3f}, "
