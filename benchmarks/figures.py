@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Write the engine-overhead figures of docs/benchmarks.md and README.md from their results file.
 
-``benchmarks/fl_overhead.py --save benchmarks/results/fl_overhead.json`` measures; this script
-renders the medians it saved as the docs' table (between ``<!-- fl_overhead:start -->`` and
-``<!-- fl_overhead:end -->``) and the README's summary sentence (``<!-- benchmarks:start -->``),
-so neither is typed by hand. ``--check`` only compares (``tests/unit/test_benchmark_figures.py``).
+``benchmarks/fl_overhead.py --save benchmarks/results/fl_overhead*.json`` measures (the
+whole-run medians, ``--pairs`` against pfl-research, ``--breakdown``); this script renders what
+it saved as the docs' tables (between ``<!-- fl_overhead:start -->`` and ``<!--
+fl_overhead:end -->``, ``fl_overhead_pairs``, ``fl_overhead_breakdown``) and the README's
+summary sentence (``<!-- benchmarks:start -->``), so none is typed by hand. ``--check`` only compares (``tests/unit/test_benchmark_figures.py``).
 
 Run: ``python benchmarks/figures.py [--check]``
 """
@@ -22,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 from speechbrain_fl.recipe.report import insert_table  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results" / "fl_overhead.json"
+RESULTS = ROOT / "benchmarks" / "results"
 DOCS, README = ROOT / "docs" / "benchmarks.md", ROOT / "README.md"
 LABELS = {
     "plain": "plain loop",
@@ -30,6 +31,8 @@ LABELS = {
     "local": "engine, `backend: local`",
     "ray": "engine, `backend: ray`",
     "local_rdp": "engine, `backend: local`, RDP accountant",
+    "pfl": "pfl-research 0.6.0",
+    "pfl_eps": "pfl-research 0.6.0, with its PLD accountant (`pfl_eps`)",
 }
 
 
@@ -65,6 +68,46 @@ def docs_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def pairs_table(results: dict) -> str:
+    """Ours / pfl-research over pairs of fresh processes: the median of the pairs' ratios
+    r_i = t_ours,i / t_pfl,i, with their range."""
+    lines = ["| ours / pfl-research | steady round | whole run |", "|---|---|---|"]
+    for setting, label in (("no_dp", "no DP"), ("dp", "DP, pfl reporting its epsilon")):
+        fig = results["settings"].get(setting)
+        if fig:
+            cells = [
+                f"{fig[k]['ratio']:.2f}x (pairs {fig[k]['min']:.2f}-{fig[k]['max']:.2f})"
+                for k in ("steady", "whole")
+            ]
+            lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    pairs = max(fig["pairs"] for fig in results["settings"].values())
+    lines += ["", f"`{results['command']}`: {pairs} pairs, {results['rounds']} rounds a run; "
+                  f"{results['machine']}."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def breakdown_table(results: dict) -> str:
+    """Milliseconds per client update of each timed part (medians of the runs), nested parts
+    indented under their part; the engine's whole steady round per client update and the
+    plain loop's in the same runs."""
+    settings = results["settings"]
+    order = list(dict.fromkeys(p[0] for fig in settings.values() for p in fig["parts"]))
+    depth = {p[0]: p[1] for fig in settings.values() for p in fig["parts"]}
+    value = {s: {p[0]: p[2] for p in fig["parts"]} for s, fig in settings.items()}
+    lines = ["| part | no DP | DP |", "|---|---|---|"]
+    for label in order:
+        cells = [f"{value[s][label]:.2f}" if label in value.get(s, {}) else "-"
+                 for s in ("no_dp", "dp")]  # fmt: skip
+        lines.append(f"| {'. ' * depth[label]}{label} | {cells[0]} | {cells[1]} |")
+    for key, label in (("engine", "**steady round per client update**"),
+                       ("plain", "plain loop, whole client update (same runs)")):  # fmt: skip
+        cells = [f"{settings[s][key]:.2f}" if s in settings else "-" for s in ("no_dp", "dp")]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    lines += ["", f"`{results['command']}`: medians of {results['repeats']} runs, "
+                  f"{results['machine']}."]  # fmt: skip
+    return "\n".join(lines)
+
+
 def readme_sentence(results: dict) -> str:
     """The README's summary: the engine's steady round and whole run against the two loops."""
     runs = results["runs"]
@@ -72,20 +115,40 @@ def readme_sentence(results: dict) -> str:
     steady_dp = _ratio(runs, "local,dp", "plain,dp", "steady")
     whole = _ratio(runs, "local", "plain", "whole")
     brain = _ratio(runs, "local", "brain", "steady")
-    return (
+    text = (
         f"on a toy workload (32 clients of a 101k-parameter MLP, 4 local steps each) a steady "
         f"round of the engine (local backend) takes {steady:.1f}x a plain torch loop's "
         f"({steady_dp:.1f}x with DP) and {brain:.1f}x that loop's with SpeechBrain's "
         f"`Brain.fit` for the local steps; a whole run, imports included, {whole:.1f}x"
     )
+    pairs = results.get("pairs")
+    if pairs:
+        nodp, dp = pairs["settings"]["no_dp"], pairs["settings"]["dp"]
+        text += (
+            f"; against pfl-research on the same workload, a steady round takes "
+            f"{nodp['steady']['ratio']:.2f}x pfl's ({dp['steady']['ratio']:.2f}x with DP) and "
+            f"a whole run {nodp['whole']['ratio']:.2f}x ({dp['whole']['ratio']:.2f}x)"
+        )
+    return text + "."
 
 
-def rendered() -> dict[Path, tuple[str, str]]:
-    """``{file: (marker name, text)}`` from the results file."""
-    results = json.loads(RESULTS.read_text(encoding="utf-8"))
+def rendered() -> dict[Path, list[tuple[str, str]]]:
+    """``{file: [(marker name, text), ...]}`` from the results files."""
+
+    def read(name):
+        path = RESULTS / f"{name}.json"
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+    results, pairs = read("fl_overhead"), read("fl_overhead_pairs")
+    tables = [("fl_overhead", docs_table(results))]
+    if pairs:
+        tables.append(("fl_overhead_pairs", pairs_table(pairs)))
+    breakdown = read("fl_overhead_breakdown")
+    if breakdown:
+        tables.append(("fl_overhead_breakdown", breakdown_table(breakdown)))
     return {
-        DOCS: ("fl_overhead", docs_table(results)),
-        README: ("benchmarks", readme_sentence(results)),
+        DOCS: tables,
+        README: [("benchmarks", readme_sentence({**results, "pairs": pairs}))],
     }
 
 
@@ -94,9 +157,10 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
     args = parser.parse_args(argv)
     stale = []
-    for path, (name, text) in rendered().items():
-        old = path.read_text(encoding="utf-8")
-        new = insert_table(old, name, text)
+    for path, tables in rendered().items():
+        old = new = path.read_text(encoding="utf-8")
+        for name, text in tables:
+            new = insert_table(new, name, text)
         if new != old:
             stale.append(str(path.relative_to(ROOT)))
             if not args.check:
