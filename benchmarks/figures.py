@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write the engine-overhead figures of docs/benchmarks.md and README.md from their results file.
 
-``benchmarks/fl_overhead.py --save benchmarks/results/fl_overhead*.json`` measures (the
+``benchmarks/fl_overhead.py --save benchmarks/measured/fl_overhead*.json`` measures (the
 whole-run medians, ``--pairs`` against pfl-research, ``--breakdown``); this script renders what
 it saved as the docs' tables (between ``<!-- fl_overhead:start -->`` and ``<!--
 fl_overhead:end -->``, ``fl_overhead_pairs``, ``fl_overhead_breakdown``) and the README's
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 from speechbrain_fl.recipe.report import insert_table  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "measured"
 DOCS, README = ROOT / "docs" / "benchmarks.md", ROOT / "README.md"
 LABELS = {
     "plain": "plain loop",
@@ -91,7 +92,8 @@ def breakdown_table(results: dict) -> str:
     indented under their part; the engine's whole steady round per client update and the
     plain loop's in the same runs."""
     settings = results["settings"]
-    order = list(dict.fromkeys(p[0] for fig in settings.values() for p in fig["parts"]))
+    figs = sorted(settings.values(), key=lambda fig: -len(fig["parts"]))  # DP's has all parts
+    order = list(dict.fromkeys(p[0] for fig in figs for p in fig["parts"]))
     depth = {p[0]: p[1] for fig in settings.values() for p in fig["parts"]}
     value = {s: {p[0]: p[2] for p in fig["parts"]} for s, fig in settings.items()}
     lines = ["| part | no DP | DP |", "|---|---|---|"]
@@ -129,7 +131,9 @@ def readme_sentence(results: dict) -> str:
             f"{nodp['steady']['ratio']:.2f}x pfl's ({dp['steady']['ratio']:.2f}x with DP) and "
             f"a whole run {nodp['whole']['ratio']:.2f}x ({dp['whole']['ratio']:.2f}x)"
         )
-    return text + "."
+    low, high = results["load_average"]
+    text += f" (measured with the machine busy: load average {low:.1f}-{high:.1f})."
+    return textwrap.fill(text, width=96, break_on_hyphens=False)
 
 
 def rendered() -> dict[Path, list[tuple[str, str]]]:
