@@ -35,6 +35,7 @@ BRAIN_KEYS = (
 # The Brain's objects of the hparams file (built in each process that loads it, never stored)
 BRAIN_OBJECTS = ("opt_class", "lr_schedule", "error_stats")
 
+
 def engine_hparams(hparams):
     """The hparams the federated engine is configured from (:class:`FLConfig`).
 

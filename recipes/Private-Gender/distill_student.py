@@ -180,8 +180,10 @@ RECIPE = Recipe(
     debug_caps=DEBUG_CAPS,
     # One run per output folder: the student's, and the teacher's while its outputs are read
     # (a teacher run on the same folder would rewrite them underneath).
-    lock_folders=lambda hp: [Path(hp["output_folder"]) / "teacher",
-                             Path(hp["output_folder"]) / "student"],  # fmt: skip
+    lock_folders=lambda hp: [
+        Path(hp["output_folder"]) / "teacher",
+        Path(hp["output_folder"]) / "student",
+    ],
 )
 
 

@@ -59,7 +59,8 @@ def run(seeds, root: Path, canaries: int, extra: list[str]) -> dict:
             folder = root / f"seed{seed}" / ("audit" if m else "plain")
             common = ["--output_folder", str(folder), "--seed", str(seed), *extra]
             teacher = run_recipe(
-                train_teacher, [
+                train_teacher,
+                [
                     "hparams/teacher.yaml",
                     *common,
                     "--dp_seed",
@@ -68,7 +69,7 @@ def run(seeds, root: Path, canaries: int, extra: list[str]) -> dict:
                     "False",
                     "--audit_canaries",
                     str(m),
-                ]  # fmt: skip
+                ],  # fmt: skip
             )
             student = run_recipe(distill_student, ["hparams/student.yaml", *common])
             found = {"teacher": teacher, "student": student}

@@ -151,7 +151,9 @@ def run_seed(seed: int, root: Path, extra: list[str]) -> dict:
     if teacher["method"]["audit_run"]:
         raise ValueError("claims.py: the claims compare models trained without audit canaries")
     students = {
-        name: run_recipe(distill_student, [str(RECIPE_DIR / "hparams" / "student.yaml"), *common, *args])
+        name: run_recipe(
+            distill_student, [str(RECIPE_DIR / "hparams" / "student.yaml"), *common, *args]
+        )
         for name, args in STUDENTS.items()
     }
     return record(teacher, students, time.time() - start)

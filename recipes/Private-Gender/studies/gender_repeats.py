@@ -100,7 +100,9 @@ def run_seed(seed: int, root: Path, extra: list[str], train_teacher, distill_stu
         students = {}
         if name == "default":
             for sname, sargs in STUDENTS.items():
-                students[sname] = run_recipe(distill_student, ["hparams/student.yaml", *common, *sargs])
+                students[sname] = run_recipe(
+                    distill_student, ["hparams/student.yaml", *common, *sargs]
+                )
         elif name == "plain":  # the student of the plain teacher (its front-end: no DSAF)
             students["KD"] = run_recipe(
                 distill_student, ["hparams/student.yaml", *common, "--dsaf", "False"]

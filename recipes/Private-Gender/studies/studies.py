@@ -362,14 +362,20 @@ def run_study(name: str, root: Path, extra: list[str], rows=None, seeds=(None,))
             folder = _at(root / "aux", seed)
             common = ["hparams/student.yaml", "--output_folder", str(folder), *sx]
             if not (folder / "teacher" / "aux_logits.npz").is_file():
-                run_recipe(train_teacher, ["hparams/teacher.yaml", "--output_folder", str(folder), *sx])
+                run_recipe(
+                    train_teacher, ["hparams/teacher.yaml", "--output_folder", str(folder), *sx]
+                )
             if name == "aux":
                 for size in AUX_SIZES:
                     sargs = ["--aux_subset", "null" if size is None else str(size)]
                     put(str(size), seed, run_recipe(distill_student, [*common, *sargs]))
             else:  # alpha = 0: the same student without the teacher (CE on D_aux labels only)
                 for alpha in ALPHAS:
-                    put(str(alpha), seed, run_recipe(distill_student, [*common, "--alpha", str(alpha)]))
+                    put(
+                        str(alpha),
+                        seed,
+                        run_recipe(distill_student, [*common, "--alpha", str(alpha)]),
+                    )
                 # The label-only control that also rebalances the classes (no teacher at all).
                 sargs = ["--alpha", "0.0", "--ce_class_weight", "balanced"]
                 put("0.0, balanced CE", seed, run_recipe(distill_student, [*common, *sargs]))
