@@ -73,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 T0 = time.perf_counter()
 
@@ -599,8 +600,10 @@ def measure(kind: str, dp: bool) -> dict | None:
     return out
 
 
-def breakdown(repeats: int) -> None:
-    """Print the per-client milliseconds of each :data:`TIMED` row (medians of ``repeats``)."""
+def breakdown(repeats: int) -> dict:
+    """Print the per-client milliseconds of each :data:`TIMED` row (medians of ``repeats``);
+    return them by DP setting (``--save``)."""
+    saved = {}
     for dp in (False, True):
         runs = [measure("breakdown", dp) for _ in range(repeats)]
         plain = [measure("plain", dp) for _ in range(repeats)]
@@ -615,10 +618,12 @@ def breakdown(repeats: int) -> None:
         )
         print("| part | ms per client |\n|---|---|")
         labels = list(dict.fromkeys(label for label, _, _ in TIMED))
+        parts = []
         for label in labels:
             value = statistics.median(r["per_client_ms"][label] for r in runs)
             if value > 0:
                 depth = (len(label) - len(label.lstrip())) // 2
+                parts.append([label.lstrip(), depth, value])
                 print(f"| {'. ' * depth}{label.lstrip()} | {value:.2f} |")
         whole = statistics.median(r["all_rounds_per_client_ms"] for r in runs)
         base = statistics.median(1000 * sum(r["rounds"][2:]) for r in plain) / (
@@ -626,9 +631,14 @@ def breakdown(repeats: int) -> None:
         )
         print(f"| steady round / client updates (engine) | {whole:.2f} |")
         print(f"| plain loop, same (expected cohort {cohort:g}) | {base:.2f} |")
+        saved["dp" if dp else "no_dp"] = {
+            "parts": parts, "engine": whole, "plain": base, "runs": len(runs),
+            "load_average": [min(loads), max(loads)],
+        }  # fmt: skip
+    return saved
 
 
-def pairs(count: int, kinds: list[str]) -> None:
+def pairs(count: int, kinds: list[str]) -> dict:
     """``count`` pairs of fresh processes per DP setting, the two kinds of ``kinds`` in turn.
 
     Each pair runs both kinds one right after the other, the first of the pair alternating
@@ -637,9 +647,10 @@ def pairs(count: int, kinds: list[str]) -> None:
     minutes) reaches both alike; the figure is the median over the pairs of each pair's ratio
     (first kind / second), with the pairs' range, for the steady round and the whole run. A
     kind that does not apply to a setting (``pfl_eps`` without DP) is replaced by ``pfl``
-    there.
+    there. Returns the figures by DP setting (``--save``).
     """
     first, second = kinds
+    saved = {}
     for dp in (False, True):
         names = [k if dp or k != "pfl_eps" else "pfl" for k in (first, second)]
         rows = []
@@ -664,13 +675,37 @@ def pairs(count: int, kinds: list[str]) -> None:
             f"{ROUNDS} rounds each (steady: median of rounds 3-{ROUNDS})"
         )
         print("| | first kind | second kind | ratio, median of pairs (range) |\n|---|---|---|---|")
+        figures = saved.setdefault("dp" if dp else "no_dp", {"kinds": names, "pairs": len(rows)})
         for key, unit, scale in (("steady", "ms", 1000), ("whole", "s", 1)):
             ratios = [a[key] / b[key] for a, b in rows]
+            figures[key] = {
+                "first": statistics.median(a[key] for a, _ in rows),
+                "second": statistics.median(b[key] for _, b in rows),
+                "ratio": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            }  # fmt: skip
             print(
                 f"| {key} | {scale * statistics.median(a[key] for a, _ in rows):.2f} {unit} | "
                 f"{scale * statistics.median(b[key] for _, b in rows):.2f} {unit} | "
                 f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |"
             )
+    return saved
+
+
+def save_json(path, figures: dict) -> None:
+    """A mode's figures as JSON, with the command and the machine (``benchmarks/figures.py``
+    renders the docs' tables and the README's summary from these files)."""
+    import platform
+
+    import torch
+
+    out = {
+        "command": "python benchmarks/fl_overhead.py " + " ".join(sys.argv[1:]),
+        "rounds": ROUNDS,
+        "machine": f"{os.cpu_count()}-core {platform.machine()}, no GPU, torch {torch.__version__}",
+        **figures,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
 
 
 def main() -> None:
@@ -691,6 +726,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=None, help=f"rounds per run (default {ROUNDS})"
     )
+    parser.add_argument("--save", default=None, help="write the medians to this JSON file")
     args = parser.parse_args()
     if args.rounds is not None:
         if args.rounds < 4:
@@ -701,13 +737,17 @@ def main() -> None:
         child(args.child, args.dp)
         return
     if args.breakdown:
-        breakdown(args.repeats)
+        saved = breakdown(args.repeats)
+        if args.save:
+            save_json(args.save, {"repeats": args.repeats, "settings": saved})
         return
     if args.pairs:
         kinds = args.kinds.split(",")
         if len(kinds) != 2:
             parser.error(f"--pairs compares two kinds, got --kinds {args.kinds!r}")
-        pairs(args.pairs, kinds)
+        saved = pairs(args.pairs, kinds)
+        if args.save:
+            save_json(args.save, {"settings": saved})
         return
     kinds = args.kinds.split(",")
     if any(k.startswith("pfl") for k in kinds):
@@ -743,6 +783,12 @@ def main() -> None:
         f"\n{args.repeats} runs each, medians; load average {min(loads):.1f}-{max(loads):.1f} "
         f"at the runs' starts, {load[0]:.1f} at the end; {os.cpu_count()} CPUs"
     )
+    if args.save:
+        save_json(args.save, {
+            "repeats": args.repeats, "load_average": [min(loads), max(loads)],
+            "runs": {f"{kind}{',dp' if dp else ''}": {**m, "runs": len(runs[(kind, dp)])}
+                     for (kind, dp), m in med.items()},
+        })  # fmt: skip
     print("| | whole run | vs plain | steady round | vs plain |\n|---|---|---|---|---|")
     for (kind, dp), m in med.items():
         if kind == "pfl_eps" and not dp:

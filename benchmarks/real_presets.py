@@ -60,7 +60,6 @@ from pathlib import Path
 
 import torch
 
-from speechbrain_fl.privacy.methods import method_name
 from speechbrain_fl.recipe.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,7 +281,7 @@ def run_preset(args) -> dict:
         layout_path = work / f"layout_{preset}_freeze{freeze}.json"
         layout.to_json(layout_path)
         row["layout"] = compare_with_table_i(layout)
-        method = method_name(hparams["method"])
+        method = hparams["method"].name
         alpha = hparams["alpha"] if method == "alpha_split" else None
         row["budgets_cli"] = budgets_cli(
             layout_path,

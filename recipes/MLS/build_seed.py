@@ -31,7 +31,7 @@ RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))
 from mls_seed_model import SHIPPED_SEED, seed_settings, seed_tensors  # noqa: E402
 
-from speechbrain_fl.fl.task import import_factory  # noqa: E402
+from speechbrain_fl.recipe import recipe_module  # noqa: E402
 from speechbrain_fl.recipe.shipped_seed import write_shipped_seed  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def main(argv=None):
     parser.add_argument("--out", default=str(SHIPPED_SEED), help="the shipped-seed folder")
     args, overrides = parser.parse_known_args(argv)
     cache = Path(args.cache_folder).resolve()
-    train_fl = sys.modules[import_factory(f"{RECIPE_DIR / 'train_fl.py'}:main").__module__]
+    train_fl = recipe_module(RECIPE_DIR / "train_fl.py")
     run = train_fl.RECIPE.parse(
         [
             str(RECIPE_DIR / "hparams" / "fedavg.yaml"),

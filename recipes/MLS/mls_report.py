@@ -35,7 +35,6 @@ from speechbrain_fl.metrics import (
     write_utterance_details,
 )
 from speechbrain_fl.plots import write_run_plots
-from speechbrain_fl.privacy.methods import method_name
 from speechbrain_fl.recipe import print_summary, write_results
 from speechbrain_fl.run_outputs import format_results_table
 
@@ -276,7 +275,7 @@ def results_summary(
 ):  # fmt: skip
     """The ``results.json`` mapping of a run (its schema is in recipes/MLS/README.md)."""
     return {
-        "method": method_name(hparams["method"]),
+        "method": hparams["method"].name,
         "model": str(hparams["model"]),
         "freeze_encoder": hparams["freeze_encoder"],
         "num_clients": settings.num_clients,
@@ -362,12 +361,12 @@ def report_run(
         hparams["output_folder"],
         noise_multiplier=config.noise_multiplier,
         clip=hparams["clip"] or 1.0,
-        alpha=hparams["alpha"] if method_name(hparams["method"]) == "alpha_split" else None,
+        alpha=hparams["alpha"] if hparams["method"].name == "alpha_split" else None,
         expected_cohort_size=cohort,
         round_accountant=config.round_accountant,
     )
     hparams["train_logger"].log_stats(
-        stats_meta={"round": result.last_round, "method": method_name(hparams["method"])},
+        stats_meta={"round": result.last_round, "method": hparams["method"].name},
         test_stats={"WER": test_report["WER"], "round0_WER": test_round0["WER"]},
     )
     print_summary(

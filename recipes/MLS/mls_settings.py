@@ -2,8 +2,7 @@
 
 - :func:`check_hparams`: every value check, before any work (the engine config included);
 - :func:`model_options`: the keyword arguments of ``build_speech_llm``;
-- :data:`BRAIN_KEYS` / :data:`BRAIN_OBJECTS` / :data:`PREPARATION_KEYS`: the plain values and
-  the objects the Brain reads, what shapes a run's preparation (a change of any prepares again; corpus and seed model are cached on disk).
+- :data:`BRAIN_KEYS` / :data:`BRAIN_OBJECTS`: the plain values and the objects the Brain reads.
 
 Authors
  * speechbrain-fl contributors
@@ -17,7 +16,7 @@ from pathlib import Path
 from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.models.presets import CONNECTOR_TREATMENTS, CTC_TREATMENTS, PRESETS
 from speechbrain_fl.privacy.layout import GROUPINGS
-from speechbrain_fl.privacy.methods import method_name, privacy_method, with_settings
+from speechbrain_fl.privacy.methods import PFLDim
 
 
 def model_options(hparams):
@@ -37,18 +36,6 @@ BRAIN_KEYS = (
 )
 # The Brain's objects of the hparams file (built in each process that loads it, never stored)
 BRAIN_OBJECTS = ("opt_class", "lr_schedule", "error_stats")
-PREPARATION_KEYS = (
-    "data_folder", "cache_folder", "save_folder", "skip_prep", "languages", "max_utts_per_split",
-    "corpus_speakers_per_language", "corpus_utterances_per_speaker",
-    "corpus_public_speakers_per_language", "corpus_public_utterances_per_speaker",
-    "corpus_eval_utterances_per_speaker", "partition", "num_clients", "seed", "model",
-    "pretrain_ctc_steps", "pretrain_lm_steps", "pretrain_speech_steps", "pretrain_lr",
-    "pretrain_batch_size", "pretrain_max_grad_norm", "connector", "shipped_seed",
-    "downsample_k", "ctc_weight", "prompt", "max_grad_norm", "freeze_encoder", "lora_r",
-    "lora_alpha", "gradient_checkpointing", "train_llm_lora", "connector_treatment",
-    "ctc_treatment", "corpus_client_rate",
-    "corpus_client_novel_share", *BRAIN_KEYS,
-)  # fmt: skip
 
 
 def engine_hparams(hparams):
@@ -60,25 +47,22 @@ def engine_hparams(hparams):
     C, 1.020x Flat-e's per-layer budget), and alpha = 0 is alpha-split's LLM pool alone with
     size-proportional budgets: PFL-Dim over the LLM + connector groups, which is what the engine
     runs (``alpha`` None). results.json keeps ``method: alpha_split``; its privacy section
-    records the engine's clip method. A method object becomes a
-    :class:`~speechbrain_fl.privacy.methods.PFLDim` with its clip and noise.
+    records the engine's clip method: a
+    :class:`~speechbrain_fl.privacy.methods.PFLDim` with the method's clip and noise.
 
     Example
     -------
-    >>> engine_hparams({"method": "alpha_split", "freeze_encoder": True, "alpha": 0.05})
-    {'method': 'pfl_dim', 'freeze_encoder': True, 'alpha': None}
-    >>> engine_hparams({"method": "alpha_split", "freeze_encoder": False, "alpha": 0.05})["method"]
-    'alpha_split'
     >>> from speechbrain_fl.privacy.methods import AlphaSplit
-    >>> engine_hparams({"method": AlphaSplit(clip=1.0, noise_multiplier=0.1, alpha=0.05),
-    ...                 "freeze_encoder": True, "alpha": 0.05})["method"]
-    PFLDim(clip=1.0, noise_multiplier=0.1)
+    >>> method = AlphaSplit(clip=1.0, noise_multiplier=0.1, alpha=0.05)
+    >>> engine_hparams({"method": method, "freeze_encoder": True, "alpha": 0.05})
+    {'method': PFLDim(clip=1.0, noise_multiplier=0.1), 'freeze_encoder': True, 'alpha': None}
+    >>> engine_hparams({"method": method, "freeze_encoder": False, "alpha": 0.05})["method"]
+    AlphaSplit(clip=1.0, noise_multiplier=0.1, alpha=0.05)
     """
     method = hparams["method"]
-    if method_name(method) == "alpha_split" and hparams["freeze_encoder"]:
-        if not isinstance(method, str):  # the object's clip and noise, as PFL-Dim's
-            return {**hparams, "method": privacy_method("pfl_dim", **vars(method)), "alpha": None}
-        return {**hparams, "method": "pfl_dim", "alpha": None}
+    if method.name == "alpha_split" and hparams["freeze_encoder"]:
+        pfl_dim = PFLDim(clip=method.clip, noise_multiplier=method.noise_multiplier)
+        return {**hparams, "method": pfl_dim, "alpha": None}
     return hparams
 
 
@@ -130,5 +114,5 @@ def check_hparams(hparams):
     # method, clip, noise and alpha: the engine config's own checks (alpha: auto is resolved
     # by the profiling, so any valid alpha stands in for it here)
     if hparams["alpha"] == "auto":
-        hparams = {**hparams, "alpha": 0.5, "method": with_settings(hparams["method"], alpha=0.5)}
+        hparams = {**hparams, "alpha": 0.5, "method": hparams["method"].replace(alpha=0.5)}
     FLConfig.from_hparams(engine_hparams(hparams))

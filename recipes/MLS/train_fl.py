@@ -54,15 +54,10 @@ from speechbrain_fl.fl.dp.profile import format_profile, norm_profile, profile_c
 from speechbrain_fl.fl.params import load_trainable, trainable_state
 from speechbrain_fl.fl.serverapp.task import ServerTask
 from speechbrain_fl.fl.settings.config import FLConfig
-from speechbrain_fl.fl.task import import_factory
 from speechbrain_fl.models.checkpoint import save_federated_model
 from speechbrain_fl.privacy import layout_from_model
-from speechbrain_fl.privacy.methods import method_name, with_settings
-from speechbrain_fl.recipe import (
-    FederatedRecipe,
-    ModelCache,
-    RunSettings,
-)
+from speechbrain_fl.privacy.methods import FedAvg
+from speechbrain_fl.recipe import FederatedRecipe, ModelCache, RunSettings, run_recipe
 
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
@@ -84,7 +79,6 @@ from mls_seed_model import seed_model_folder, shipped_seed_serves  # noqa: E402
 from mls_settings import (  # noqa: E402
     BRAIN_KEYS,
     BRAIN_OBJECTS,
-    PREPARATION_KEYS,
     check_hparams,
     engine_hparams,
     model_options,
@@ -210,11 +204,11 @@ def prepare_run(hparams, run_opts):
     """Data, partition and seed model of a run as :class:`~speechbrain_fl.recipe.RunSettings`.
 
     Prepared once per run (:meth:`speechbrain_fl.recipe.FederatedRecipe.prepare`): a later
-    process with the same preparation keys (a Ray actor, a SuperNode) reads the result instead.
-    Returns ``(settings, info)``.
+    process with the same values of what ``prepare`` read (a Ray actor, a SuperNode) reads the
+    result instead. Returns ``(settings, info)``.
     """
 
-    def prepare():
+    def prepare(hparams, run_opts):
         shipped = shipped_seed_serves(hparams, run_opts)
         data_folder, manifests, prep_report, partition, timings = dataio_prepare(
             hparams, progressbar=not run_opts.get("noprogressbar", False), shipped=shipped
@@ -243,8 +237,7 @@ def prepare_run(hparams, run_opts):
         info["missing_languages"] = prep_report.get("missing_languages", [])
         return {"settings": settings.to_dict(), "info": info}
 
-    key = {k: hparams[k] for k in PREPARATION_KEYS}
-    prepared = RECIPE.prepare(hparams, run_opts, key=key, make=prepare)
+    prepared = RECIPE.prepare(hparams, run_opts, make=prepare)
     return RunSettings.from_dict(prepared["settings"]), prepared["info"]
 
 
@@ -333,7 +326,7 @@ def mls_task(hparams_path=None, overrides=None):
             FLConfig.from_hparams(
                 {
                     **hparams,
-                    "method": "fedavg",
+                    "method": FedAvg(),
                     "noise_multiplier": 0.0,
                     "noise_cohort_size": None,
                     "accounting_population": None,
@@ -362,7 +355,7 @@ def finish_run(result, *, settings, hparams, info, start):
     what the script writes (results.json, test_utterances*.csv, the plots)."""
     folder = os.path.join(hparams["output_folder"], "final_model")
     languages = list(info.get("languages") or hparams["languages"])
-    facts = {"method": method_name(hparams["method"]), "model": str(hparams["model"])}
+    facts = {"method": hparams["method"].name, "model": str(hparams["model"])}
     save_final_model(
         result, settings=settings, hparams=hparams, folder=folder,
         info={**facts, "languages": languages},
@@ -520,7 +513,7 @@ def main(run):
                 )
             hparams["alpha"] = run.overrides["alpha"] = profile["alpha"]
             # the YAML's method object took alpha: auto; it gets the profiled alpha too
-            hparams["method"] = with_settings(hparams["method"], alpha=profile["alpha"])
+            hparams["method"] = hparams["method"].replace(alpha=profile["alpha"])
             logger.info("alpha: auto -> %.4f (from the norm profile)", hparams["alpha"])
 
     start = time.time()
@@ -537,7 +530,4 @@ def main(run):
 
 
 if __name__ == "__main__":
-    # Run inside the module the engine loads for TASK (not as __main__), so the server builder
-    # and this script share one copy of the module and its per-process model.
-    module = import_factory(f"{TASK.rsplit(':', 1)[0]}:main").__module__
-    sys.modules[module].RECIPE.run_script(sys.argv[1:], sys.modules[module].main)
+    run_recipe(__file__)  # this file's one module per process, then main(run)

@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from speechbrain_fl.data.audio_check import PRIVACY_NOTE, read_headers
+from speechbrain_fl.recipe.prepare import prepared_with, save_prepare_options
 from speechbrain_fl.utils.atomic import atomic_folder
 
 logger = logging.getLogger(__name__)
@@ -156,10 +157,9 @@ def _check_disjoint(sets: dict[str, list[dict]], disjoint_by: str) -> None:
 
 
 def _skip(save_folder: Path, options: dict) -> bool:
-    stamp = save_folder / OPTIONS_FILE
-    if not all((save_folder / f"{s}.csv").is_file() for s in SET_NAMES) or not stamp.is_file():
-        return False
-    return json.loads(stamp.read_text(encoding="utf-8")).get("options") == options
+    """The kit's prepare-options record (:func:`speechbrain_fl.recipe.prepared_with`)."""
+    files = [f"{s}.csv" for s in SET_NAMES]
+    return prepared_with(save_folder, options, files, name=OPTIONS_FILE)
 
 
 def _options(data_folder: Path, *, splits, classes, gender_map, unlabeled_values, disjoint_by,
@@ -422,4 +422,4 @@ def _write_manifests(save_folder: Path, manifests: dict, stamp: dict) -> None:
                 writer = csv.DictWriter(handle, fieldnames=MANIFEST_COLUMNS)
                 writer.writeheader()
                 writer.writerows(manifests[name])
-        (tmp / OPTIONS_FILE).write_text(json.dumps(stamp, indent=2), encoding="utf-8")
+        save_prepare_options(tmp, stamp["options"], stamp["report"], name=OPTIONS_FILE)

@@ -62,9 +62,8 @@ from speechbrain_fl.distill.store import (  # noqa: E402
     read_teacher_outputs,
     verify_teacher_outputs,
 )
-from speechbrain_fl.recipe import load_run_hparams  # noqa: E402
+from speechbrain_fl.recipe import Recipe, run_recipe  # noqa: E402
 from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
-from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -163,27 +162,35 @@ def train_student(model, *, feats, lengths, labels, teacher_probs, hparams, run_
 DEBUG_CAPS = {"aux_labels": 6, "bootstrap_resamples": 50}
 
 
-def main(argv):
-    start_all = time.time()
-    hparams_file, run_opts, overrides = sb.parse_arguments(argv)
-    hparams, hparams_path, overrides = load_run_hparams(
-        hparams_file,
-        overrides,
-        recipe_dir=RECIPE_DIR,
-        debug=bool(run_opts.get("debug")),
-        debug_caps=DEBUG_CAPS,
-    )
-    check_student_hparams(hparams, hparams_path, overrides)  # before any work
+def check_student(hparams, hparams_path, overrides):
+    """Every value the student uses, and the teacher's outputs present, before any work."""
+    check_student_hparams(hparams, hparams_path, overrides)
     root = Path(hparams["output_folder"])
     teacher_results = root / "teacher" / "results.json"
     if not teacher_results.is_file():
         raise FileNotFoundError(
             f"{teacher_results} not found: run train_teacher.py with --output_folder {root} first"
         )
+
+
+RECIPE = Recipe(
+    recipe_dir=RECIPE_DIR,
+    check=check_student,
+    check_source=True,  # its messages name the file and the command-line values
+    debug_caps=DEBUG_CAPS,
     # One run per output folder: the student's, and the teacher's while its outputs are read
     # (a teacher run on the same folder would rewrite them underneath).
-    with hold_run_lock(root / "teacher"), hold_run_lock(root / "student"):
-        return run_student(hparams, hparams_path, overrides, run_opts, root, start_all)
+    lock_folders=lambda hp: [
+        Path(hp["output_folder"]) / "teacher",
+        Path(hp["output_folder"]) / "student",
+    ],
+)
+
+
+def main(run):
+    """The student run of the parsed, checked command line (its folders locked)."""
+    root = Path(run.hparams["output_folder"])
+    return run_student(run.hparams, run.base_file, run.merged, run.run_opts, root, run.started)
 
 
 def run_student(hparams, hparams_path, overrides, run_opts, root: Path, start_all: float):
@@ -373,4 +380,4 @@ def print_summary(results, teacher_run, classes, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_recipe(__file__)

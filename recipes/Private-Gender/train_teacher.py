@@ -72,9 +72,8 @@ from speechbrain_fl.distill.store import (  # noqa: E402
     teacher_outputs_record,
     write_teacher_outputs,
 )
-from speechbrain_fl.recipe import load_run_hparams  # noqa: E402
+from speechbrain_fl.recipe import Recipe, run_recipe  # noqa: E402
 from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
-from speechbrain_fl.utils.run_lock import hold_run_lock  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -196,21 +195,20 @@ DEBUG_CAPS = {
 DEBUG_VALUES = {"corpus_clips_per_speaker": 2}  # 48 D_priv clips, 20 D_aux, 20 test
 
 
-def main(argv):
-    start_all = time.time()
-    hparams_file, run_opts, overrides = sb.parse_arguments(argv)
-    hparams, hparams_path, overrides = load_run_hparams(
-        hparams_file,
-        overrides,
-        recipe_dir=RECIPE_DIR,
-        debug=bool(run_opts.get("debug")),
-        debug_caps=DEBUG_CAPS,
-        debug_values=DEBUG_VALUES,
-    )
-    check_teacher_hparams(hparams, hparams_path, overrides)  # before any work
-    out = Path(hparams["output_folder"]) / "teacher"
-    with hold_run_lock(out):  # one run per output folder, for the whole run
-        return run_teacher(hparams, hparams_path, overrides, run_opts, out, start_all)
+RECIPE = Recipe(
+    recipe_dir=RECIPE_DIR,
+    check=check_teacher_hparams,
+    check_source=True,  # its messages name the file and the command-line values
+    debug_caps=DEBUG_CAPS,
+    debug_values=DEBUG_VALUES,
+    lock_folders=lambda hparams: [Path(hparams["output_folder"]) / "teacher"],
+)
+
+
+def main(run):
+    """The teacher run of the parsed, checked command line (its folder locked)."""
+    out = Path(run.hparams["output_folder"]) / "teacher"
+    return run_teacher(run.hparams, run.base_file, run.merged, run.run_opts, out, run.started)
 
 
 def run_teacher(hparams, hparams_path, overrides, run_opts, out: Path, start_all: float) -> dict:
@@ -499,4 +497,4 @@ def print_summary(results, classes, out: Path, *, modality: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_recipe(__file__)

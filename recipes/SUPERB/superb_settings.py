@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from superb_data import CTC_ALPHABET, TASKS, check_task, prepare_task, seed_model_folder
 
-from speechbrain_fl.privacy.methods import method_name
+from speechbrain_fl.privacy.methods import FedAvg
 from speechbrain_fl.recipe import RunSettings
 
 logger = logging.getLogger("superb_task")
@@ -105,9 +105,9 @@ def check_hparams(hparams):
             f"test_session: {session!r} must be an IEMOCAP session number >= 1 (1-5 on the "
             "real corpus; studies/er_folds.py runs all five)"
         )
-    if method_name(hparams.get("method", "fedavg")) != "fedavg":
+    if hparams.get("method", FedAvg()).name != "fedavg":
         raise ValueError(
-            f"method: {method_name(hparams['method'])!r}: the SUPERB recipe runs without clipping "
+            f"method: {hparams['method'].name!r}: the SUPERB recipe runs without clipping "
             "(method: fedavg); clipping partial (layer-wise) replies is not implemented"
         )
     if hparams["noise_multiplier"] > 0:

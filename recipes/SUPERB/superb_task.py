@@ -363,24 +363,16 @@ def load_hparams(hparams_file, overrides=None, run_opts=None):
     return hparams, base_file, merged
 
 
-# Preparation keys: every hparams value that is plain data (numbers, strings, lists,
-# mappings); objects (the train logger) are left out. A change of any of them prepares again
-# (the corpus and the seed model are cached on disk, so that is cheap).
-_PLAIN = (str, int, float, bool, type(None), list, dict)
-
-
 def prepare_settings(hparams, run_opts):
     """:func:`superb_settings.make_settings` once per run, as :class:`SuperbSettings`.
 
     The first process of a run (the script, or the ServerApp of ``flwr run``) prepares the data
     and the seed model and writes ``<save_folder>/prepared.json``; the others (Ray actors,
-    SuperNodes, ClientApps) read it, so no process rewrites a file another one is reading.
+    SuperNodes, ClientApps) read it, so no process rewrites a file another one is reading. A
+    change of a value ``make_settings`` read prepares again (the corpus and the seed model are
+    cached on disk, so that is cheap).
     """
-    key = {k: v for k, v in hparams.items() if isinstance(v, _PLAIN) and not k.startswith("__")}
-    prepared = RECIPE.prepare(
-        hparams, run_opts, key=key, make=lambda: make_settings(hparams, run_opts)
-    )
-    return SuperbSettings.from_dict(prepared)
+    return SuperbSettings.from_dict(RECIPE.prepare(hparams, run_opts, make=make_settings))
 
 
 def setup_run(hparams_path, overrides=None):

@@ -40,29 +40,20 @@ Authors
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 from pathlib import Path
 
 import speechbrain as sb
 import torch
 
-RECIPE_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(RECIPE_DIR))
-# Processes started from here (Ray workers, memory probes) find the recipe's modules too.
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(RECIPE_DIR), os.environ.get("PYTHONPATH", "")) if p
-)
-
-from speechbrain_fl.fl.task import import_factory  # noqa: E402
+from speechbrain_fl.recipe import recipe_module, run_recipe
 
 logger = logging.getLogger(__name__)
 
-# The task module as the engine loads it (by its file path), so this script, the ServerApp
-# and the Ray actors share one copy of it and of its per-process model.
-TASK = f"{RECIPE_DIR / 'superb_task.py'}:superb_task"
-superb = sys.modules[import_factory(TASK).__module__]
+# The task module as the engine loads it (by its file path): this script, the ServerApp and
+# the clients share one copy of it and of its per-process model.
+superb = recipe_module(Path(__file__).resolve().with_name("superb_task.py"))
+RECIPE = superb.RECIPE
 
 
 def main(run):
@@ -97,4 +88,4 @@ def main(run):
 
 
 if __name__ == "__main__":
-    superb.RECIPE.run_script(sys.argv[1:], main)
+    run_recipe(__file__)

@@ -9,8 +9,9 @@ allocates its clip budgets under that name. A recipe's hparams build it::
         noise_multiplier: !ref <noise_multiplier>
         alpha: 0.05
 
-``--method flat`` on the command line names a class; :func:`privacy_method` builds it from the
-hparams' keys. A new method is a subclass with a ``name`` (registered on definition).
+``--method flat`` on the command line names a class: the recipe kit builds it from the hparams'
+keys where the hparams are loaded (:func:`privacy_method`), so recipes and the engine only see
+method objects. A new method is a subclass with a ``name`` (registered on definition).
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ __all__ = [
     "PFLUnifEMA",
     "PFLUniform",
     "PrivacyMethod",
-    "method_name",
     "privacy_method",
-    "with_settings",
 ]
 
 
@@ -223,40 +222,3 @@ def privacy_method(name: str, **settings: Any) -> PrivacyMethod:
     cls = _CLASSES[name]
     own = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in settings.items() if k in own})
-
-
-def method_name(method: str | PrivacyMethod) -> str:
-    """The registered name of ``hparams["method"]``: an object's :attr:`~PrivacyMethod.name`,
-    or the name itself (``--method flat`` on the command line replaces the object by a name).
-
-    Example
-    -------
-    >>> method_name(Flat(clip=1.0)), method_name("pfl_dim")
-    ('flat', 'pfl_dim')
-    """
-    if isinstance(method, PrivacyMethod):
-        return method.name
-    if isinstance(method, str):
-        return method
-    raise ValueError(
-        f"method: {method!r} must be a registered method name or an object of "
-        "speechbrain_fl.privacy.methods (method: !new:speechbrain_fl.privacy.methods.Flat)"
-    )
-
-
-def with_settings(method: str | PrivacyMethod, **settings: Any) -> str | PrivacyMethod:
-    """``hparams["method"]`` with ``settings`` changed: an object is rebuilt with those it
-    holds (:meth:`PrivacyMethod.replace`); a name is returned as is, its settings being the
-    hparams' own keys (which the caller changes alongside).
-
-    Example
-    -------
-    >>> with_settings(AlphaSplit(clip=1.0, alpha="auto"), alpha=0.3).alpha
-    0.3
-    >>> with_settings("alpha_split", alpha=0.3)
-    'alpha_split'
-    """
-    if isinstance(method, PrivacyMethod):
-        return method.replace(**settings)
-    method_name(method)  # a bad value is named here
-    return method

@@ -20,29 +20,25 @@ data pipeline, its analysis):
 5. **the simulation run** (:meth:`FederatedRecipe.simulate`): the task's spec on Flower's
    Simulation Engine from the script, under the output folder's run lock.
 
-The script's ``__main__`` (:meth:`FederatedRecipe.run_script`: ``sb.parse_arguments``, the
-checked hparams, the run lock, then the recipe's ``main``, which creates the experiment directory) and its report
-(:mod:`speechbrain_fl.recipe.report`) complete a recipe; see ``docs/adding_a_recipe.md``.
+The script's entry point (:func:`speechbrain_fl.recipe.script.run_recipe`: the script's one
+module, ``sb.parse_arguments``, the checked hparams, the run lock, then the recipe's ``main``)
+and its report (:mod:`speechbrain_fl.recipe.report`) complete a recipe; see
+``docs/adding_a_recipe.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from speechbrain_fl.recipe.hparams import load_run_hparams, resolve_hparams_path
 from speechbrain_fl.recipe.prepare import prepare_once
 from speechbrain_fl.recipe.run_options import federated_run_options, split_overrides
+from speechbrain_fl.recipe.script import Recipe, RecipeRun
 from speechbrain_fl.recipe.settings import RunSettings
-from speechbrain_fl.utils.run_lock import RunLockedError
-from speechbrain_fl.utils.run_lock import hold_run_lock as run_lock
 
 __all__ = ["FederatedRecipe", "ModelCache", "RecipeRun"]
 
@@ -79,65 +75,16 @@ class ModelCache:
 
 
 @dataclass
-class RecipeRun:
-    """What the script's ``main`` works with (:meth:`FederatedRecipe.run_script`).
-
-    Arguments
-    ---------
-    hparams : dict
-        The loaded, debug-shrunk and checked hparams.
-    run_opts : dict
-        The supported SpeechBrain run options the user set.
-    hparams_path : str
-        The resolved hparams file (given to the engine's task spec).
-    overrides : dict
-        Hparams overrides and run options in one mapping (the task spec's overrides).
-    base_file : str
-        The file the hparams were loaded from (copied as ``hyperparams.yaml``).
-    merged : dict
-        The hparams overrides applied to it.
-    """
-
-    hparams: dict[str, Any]
-    run_opts: dict[str, Any]
-    hparams_path: str
-    overrides: dict[str, Any] = field(default_factory=dict)
-    base_file: str = ""
-    merged: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def experiment(self) -> dict[str, Any]:
-        """The keyword arguments of ``sb.create_experiment_directory`` for this run."""
-        kwargs = {
-            "experiment_directory": self.hparams["output_folder"],
-            "hyperparams_to_save": self.base_file,
-            "overrides": self.merged,
-        }
-        if "log_config" in self.run_opts:
-            kwargs["log_config"] = self.run_opts["log_config"]
-        return kwargs
-
-
-@dataclass
-class FederatedRecipe:
+class FederatedRecipe(Recipe):
     """A federated recipe's frame (see the module docstring).
 
     Arguments
     ---------
-    recipe_dir : Path
-        The recipe folder (``recipes/MLS``): hparams paths resolve against it.
+    recipe_dir, check, default_hparams, debug_caps, debug_values, defaults :
+        As in :class:`~speechbrain_fl.recipe.script.Recipe` (``default_hparams``: the file of
+        a factory called without one, ``hparams/fedavg.yaml``).
     task_ref : str
         The task factory as the engines load it, ``"<path to script>.py:<factory>"``.
-    default_hparams : str
-        The hparams file of a factory called without one (``hparams/fedavg.yaml``).
-    check : callable
-        ``check(hparams)``: every value check of the recipe; raises ``ValueError`` naming the
-        key and value. Runs in :meth:`load`, before any heavy work.
-    debug_caps, debug_values : mapping
-        The ``--debug`` sizes (:func:`~speechbrain_fl.recipe.hparams.shrink_for_debug`),
-        applied as overrides by :func:`~speechbrain_fl.recipe.hparams.load_run_hparams`.
-    defaults : callable, optional
-        ``defaults(hparams)``: fills values derived from others (before the debug sizes).
     node_manifest : callable, optional
         ``node_manifest(node, hparams) -> str``: a data-owning SuperNode's training manifest,
         prepared from its ``data-folder`` in the recipe's real layout (only that folder);
@@ -145,41 +92,15 @@ class FederatedRecipe:
         (:class:`~speechbrain_fl.fl.node_data.NodeData`).
     """
 
-    recipe_dir: Path
-    task_ref: str
-    default_hparams: str
-    check: Callable[[dict[str, Any]], None]
-    debug_caps: Mapping[str, Any] = field(default_factory=dict)
-    debug_values: Mapping[str, Any] = field(default_factory=dict)
-    defaults: Callable[[dict[str, Any]], None] | None = None
+    task_ref: str = ""
     node_manifest: Callable[[Any, dict[str, Any]], str] | None = None
     # the runs this process loaded, by the cache key of the spec that runs them (:meth:`spec`)
     _runs: dict[str, RecipeRun] = field(default_factory=dict, init=False, repr=False)
 
     # -- 1. load --------------------------------------------------------------------------
-    def load(self, hparams_file, overrides=None, run_opts=None):
-        """Hparams of a run (layered files, defaults, ``--debug`` sizes, checks), run options.
-
-        Returns
-        -------
-        tuple
-            ``(hparams, run_opts, base_file, merged_overrides)``.
-        """
-        run_opts = federated_run_options(run_opts or {})
-        # SpeechBrain's --debug: a run of seconds, with a small corpus, in <output_folder>_debug
-        # and <cache_folder>_debug (never the real run's), its sizes in the merged overrides
-        # (so in the saved hyperparams.yaml)
-        hparams, base_file, merged = load_run_hparams(
-            hparams_file,
-            overrides,
-            recipe_dir=self.recipe_dir,
-            debug=bool(run_opts.get("debug")),
-            debug_caps=self.debug_caps,
-            debug_values=self.debug_values,
-            defaults=self.defaults,
-        )
-        self.check(hparams)
-        return hparams, run_opts, base_file, merged
+    def run_options(self, run_opts):
+        """The run options a federated run honours; the others are refused, named."""
+        return federated_run_options(run_opts)
 
     def load_for_task(self, hparams_path=None, overrides=None):
         """A factory's hparams: the run this process loaded for the spec, else :meth:`load`.
@@ -203,60 +124,18 @@ class FederatedRecipe:
         hparams, run_opts, _, _ = self.load(hparams_path or self.default_hparams, values, run_opts)
         return hparams, run_opts, stage
 
-    def hparams_path(self, hparams_file) -> str:
-        """The resolved hparams file (working directory, recipe folder, app root)."""
-        return str(resolve_hparams_path(hparams_file, recipe_dir=self.recipe_dir))
-
     def parse(self, argv) -> RecipeRun:
-        """A script's command line: ``sb.parse_arguments`` then :meth:`load` (nothing written).
-
-        A script drives the Simulation Engine: ``engine`` other than ``simulation`` is refused
-        here, before any work (``flwr run`` loads the factory, not the script).
-        """
-        import speechbrain as sb
-
-        hparams_file, sb_run_opts, overrides = sb.parse_arguments(argv)
-        hparams, run_opts, base_file, merged = self.load(hparams_file, overrides, sb_run_opts)
-        engine = hparams.get("engine", "simulation")
-        if engine != "simulation":  # refused before any work, not at the first round
+        """:meth:`Recipe.parse`; ``engine`` other than ``simulation`` is refused here, before
+        any work (a script drives the Simulation Engine; ``flwr run`` loads the factory)."""
+        run = super().parse(argv)
+        engine = run.hparams.get("engine", "simulation")
+        if engine != "simulation":
             raise ValueError(
                 f"engine: {engine!r}: the script drives the Simulation Engine; for the "
                 "Deployment Engine start a SuperLink and SuperNodes and use `flwr run` with "
                 "task = the recipe's factory (see the recipe's README)"
             )
-        return RecipeRun(
-            hparams=hparams,
-            run_opts=run_opts,
-            hparams_path=self.hparams_path(hparams_file),
-            overrides={**merged, **run_opts},
-            base_file=str(base_file),
-            merged=merged,
-        )
-
-    def run_script(self, argv, main: Callable[[RecipeRun], Any]) -> Any:
-        """A script's ``__main__``: parse and check, lock the output folder, run ``main(run)``.
-
-        SpeechBrain's order: ``sb.parse_arguments`` -> hparams (every check, before any work)
-        -> the recipe's ``main``, which starts with ``sb.create_experiment_directory(
-        **run.experiment)`` (called from the recipe's own module, so SpeechBrain copies the
-        recipe script into the output folder). The output folder's run lock
-        (:func:`speechbrain_fl.utils.run_lock.hold_run_lock`) is held until ``main`` returns, so a
-        second run on the same folder stops at once.
-        """
-        try:
-            run = self.parse(argv)
-        except (ValueError, OSError) as err:
-            # A user error found before any work: one message naming the key or file, as
-            # argparse does, rather than a traceback through the kit (exit status 2).
-            print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-        with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(run_lock(run.hparams["output_folder"]))
-            except RunLockedError as err:  # another run holds the folder: name it and its pid
-                print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
-                raise SystemExit(2) from None
-            return main(run)
+        return run
 
     # -- 2. settings once per run ---------------------------------------------------------
     def prepare(
@@ -264,13 +143,14 @@ class FederatedRecipe:
         hparams: Mapping[str, Any],
         run_opts: Mapping[str, Any],
         *,
-        key: Mapping[str, Any],
-        make: Callable[[], Mapping[str, Any]],
+        make: Callable[[dict[str, Any], dict[str, Any]], Mapping[str, Any]],
     ) -> dict[str, Any]:
-        """``make()``'s JSON result, once per run and ``key`` (``<save_folder>/prepared.json``).
+        """``make(hparams, run_opts)``'s JSON result, once per run (``<save_folder>/prepared.json``).
 
-        ``key`` holds every hparams value that shapes the preparation; the run options join
-        it. A recipe converts the result back to its :class:`RunSettings` subclass.
+        The preparation's cache key is what ``make`` reads of ``hparams`` and ``run_opts``
+        (:func:`~speechbrain_fl.recipe.prepare.prepare_once`): a change of a value it read
+        prepares again, a change of any other key does not. A recipe converts the result back
+        to its :class:`RunSettings` subclass.
 
         On a data-owning SuperNode (``node_config`` with ``data-folder`` or ``data-manifest``,
         :mod:`speechbrain_fl.fl.node_data`) nothing is prepared: the result is the server's,
@@ -285,7 +165,7 @@ class FederatedRecipe:
         if bound is not None:
             return self._node_prepared(bound, hparams)
         os.makedirs(hparams["output_folder"], exist_ok=True)
-        result = prepare_once(hparams["save_folder"], {**key, "run_opts": dict(run_opts)}, make)
+        result = prepare_once(hparams["save_folder"], make, hparams=hparams, run_opts=run_opts)
         self._last_prepared = result
         return result
 

@@ -11,6 +11,9 @@ instead a method file is plain YAML applied as overrides on the base. The layers
 3. the method file;
 4. command-line overrides (``--number_of_rounds 3``).
 
+A ``method`` given by name (``--method flat``) is built as its registered class
+(:func:`resolve_method`), as a method file's ``!new:`` builds it.
+
 The merged overrides are applied with ``overrides_must_match=True``, so a typo in a method file
 or on the command line fails with the unknown key named, before anything heavy starts. A file
 that has no ``base.yaml`` beside it is loaded as a plain HyperPyYAML file.
@@ -56,6 +59,7 @@ __all__ = [
     "load_layered_hparams",
     "load_run_hparams",
     "resolve_hparams_path",
+    "resolve_method",
     "shrink_for_debug",
 ]
 
@@ -224,7 +228,30 @@ def load_layered_hparams(
     )
     stream, plain = _layered_source(source, merged)
     with stream as handle:
-        return load_hyperpyyaml(handle, plain), source, merged
+        hparams = load_hyperpyyaml(handle, plain)
+    return resolve_method(hparams, source), source, merged
+
+
+def resolve_method(hparams: dict[str, Any], source: Any = None) -> dict[str, Any]:
+    """``method`` given by name (``--method flat``, a run config's ``method="flat"``) becomes
+    the registered class built from the hparams' privacy keys, as the YAML's ``!new:`` builds
+    it; so a recipe and the engine only ever see a
+    :class:`~speechbrain_fl.privacy.methods.PrivacyMethod`. In place; returns ``hparams``.
+
+    Example
+    -------
+    >>> resolve_method({"method": "flat", "clip": 2.0, "noise_multiplier": 0.5})["method"]
+    Flat(clip=2.0, noise_multiplier=0.5)
+    """
+    method = hparams.get("method")
+    if isinstance(method, str):
+        from speechbrain_fl.privacy.methods import privacy_method
+
+        try:
+            hparams["method"] = privacy_method(method, **hparams)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}" if source else str(err)) from None
+    return hparams
 
 
 def _layers(hparams_file, overrides, *, recipe_dir, preset_key="model", preset_dir="models"):

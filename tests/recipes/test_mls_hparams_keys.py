@@ -19,7 +19,7 @@ import yaml
 from hyperpyyaml import load_hyperpyyaml, resolve_references
 
 from speechbrain_fl.fl.settings.config import FLConfig
-from speechbrain_fl.privacy.methods import AlphaSplit
+from speechbrain_fl.privacy.methods import AlphaSplit, PFLDim
 from speechbrain_fl.recipe.hparams import load_layered_hparams
 
 HPARAMS = Path(__file__).resolve().parents[2] / "recipes" / "MLS" / "hparams"
@@ -137,15 +137,16 @@ def test_each_method_file_builds_its_method_object_from_the_privacy_keys(tmp_pat
         assert getattr(hp["method"], key, value) == value, key
 
 
-def test_a_method_name_on_the_command_line_replaces_the_object(tmp_path):
-    """``--method pfl_dim`` on alpha_split.yaml: a name string, its settings the privacy keys;
-    FLConfig runs it by name, and the folder follows ``--experiment_name``."""
+def test_a_method_name_on_the_command_line_becomes_its_class(tmp_path):
+    """``--method pfl_dim`` on alpha_split.yaml: the registered class, built from the privacy
+    keys where the hparams are loaded; the folder follows ``--experiment_name``."""
     hp, _, _ = load_layered_hparams(
         HPARAMS / "alpha_split.yaml",
         {"method": "pfl_dim", "experiment_name": "pfl_dim", "noise_multiplier": 0.2},
         recipe_dir=HPARAMS.parent,
     )
-    assert hp["method"] == "pfl_dim" and "/pfl_dim/" in hp["output_folder"]
+    assert hp["method"] == PFLDim(clip=0.25, noise_multiplier=0.2)
+    assert "/pfl_dim/" in hp["output_folder"]
     cfg = FLConfig.from_hparams(engine_hparams(hp))
     assert (cfg.method, cfg.clip, cfg.noise_multiplier, cfg.alpha) == ("pfl_dim", 0.25, 0.2, None)
 

@@ -380,7 +380,8 @@ def test_student_refuses_logits_the_teacher_results_do_not_describe(default_runs
 
 
 def test_second_run_on_the_same_output_folder_stops_at_once(tmp_path, cache):
-    """While a run holds <output_folder>/teacher, another teacher run is refused naming it."""
+    """While a run holds <output_folder>/teacher, another teacher run is refused naming it, in
+    one line (exit status 2, no traceback), as every recipe script's entry point does."""
     from speechbrain_fl.utils.run_lock import hold_run_lock
 
     out = tmp_path / "out"
@@ -396,6 +397,7 @@ def test_second_run_on_the_same_output_folder_stops_at_once(tmp_path, cache):
             check=False,
         )
     message = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "RunLockedError" in message
+    assert proc.returncode == 2 and "train_teacher.py: error:" in proc.stderr
+    assert "Traceback" not in message
     assert str((out / "teacher").resolve()) in message and f"pid {os.getpid()}" in message
     assert not (out / "teacher" / "results.json").exists()

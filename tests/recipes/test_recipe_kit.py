@@ -186,9 +186,14 @@ def test_run_script_refuses_a_folder_another_process_holds(recipe_dir, capsys):
 
 def test_prepare_once_and_options_record(tmp_path):
     calls = []
-    result = prepare_once(tmp_path, {"splits": ("a", "b")}, lambda: calls.append(1) or [1])
-    assert prepare_once(tmp_path, {"splits": ["a", "b"]}, lambda: calls.append(1)) == result
-    assert calls == [1]  # a tuple and a list are one key once written as JSON
+
+    def prepare(hparams):
+        calls.append(hparams["splits"])
+        return [1]
+
+    result = prepare_once(tmp_path, prepare, hparams={"splits": ("a", "b")})
+    assert prepare_once(tmp_path, prepare, hparams={"splits": ["a", "b"]}) == result
+    assert calls == [("a", "b")]  # a tuple and a list are one key once written as JSON
     save_prepare_options(tmp_path, {"splits": ("a",)}, {"rows": 2})
     assert prepared_with(tmp_path, {"splits": ["a"]})
     assert not prepared_with(tmp_path, {"splits": ["a"]}, ["a.csv"])  # a manifest is missing

@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes" / "MLS"))
 import mls_settings  # noqa: E402
 
-from speechbrain_fl.privacy.methods import PFLDim, method_name  # noqa: E402
+from speechbrain_fl.privacy.methods import AlphaSplit, PFLDim  # noqa: E402
 from speechbrain_fl.recipe.hparams import load_layered_hparams  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "MLS"
@@ -69,11 +69,11 @@ def test_alpha_split_with_the_encoder_frozen_runs_the_papers_alpha_zero_row():
     assert frozen["method"] == PFLDim(clip=0.25, noise_multiplier=1.0)
     assert frozen["alpha"] is None
     unfrozen = mls_settings.engine_hparams(_hparams("alpha_split"))
-    assert method_name(unfrozen["method"]) == "alpha_split" and unfrozen["alpha"] == 0.05
-    # a name on the command line: the name is swapped
-    named = mls_settings.engine_hparams(_hparams("alpha_split", method="alpha_split",
-                                                 freeze_encoder=True))  # fmt: skip
-    assert named["method"] == "pfl_dim" and named["alpha"] is None
+    assert unfrozen["method"].name == "alpha_split" and unfrozen["alpha"] == 0.05
+    # a name on the command line is the same class, so it is swapped the same way
+    named = _hparams("alpha_split", method="alpha_split", freeze_encoder=True)
+    assert isinstance(named["method"], AlphaSplit)
+    assert mls_settings.engine_hparams(named)["method"] == frozen["method"]
 
 
 def test_alpha_auto_is_checked_with_a_stand_in_alpha_for_the_object_and_the_name():
@@ -100,7 +100,7 @@ def test_frozen_alpha_split_budgets_are_eq13_at_alpha_zero_and_use_all_of_c():
     layout = Layout([Group(f"llm.{i}", "llm", p) for i, p in enumerate(sizes)])
     hparams = mls_settings.engine_hparams(_hparams("alpha_split", freeze_encoder=True))
     clip = 0.25
-    method = method_name(hparams["method"])
+    method = hparams["method"].name
     budgets = compute_budgets(layout, method=method, clip=clip, alpha=hparams["alpha"])
     for i, p in enumerate(sizes):
         assert budgets[f"llm.{i}"] == pytest.approx(clip * (p / sum(sizes)) ** 0.5)

@@ -296,8 +296,8 @@ def test_a_data_owning_node_prepares_nothing(tmp_path):
     server = RunSettings(clients=["/srv/p0.csv", "/srv/p1.csv"], data_folder="/srv",
                          valid_csv="/srv/dev.csv", test_csv="/srv/test.csv",
                          model={"folder": "/srv/seed", "cache_dir": "/srv/cache"})  # fmt: skip
-    made = recipe.prepare(hparams, {}, key={"k": 1}, make=lambda: {"settings": server.to_dict(),
-                                                                   "info": {"n": 2}})  # fmt: skip
+    made = recipe.prepare(hparams, {}, make=lambda hparams, run_opts: {
+        "settings": server.to_dict(), "info": {"n": 2}})  # fmt: skip
     task = recipe.task(RunSettings.from_dict(made["settings"]), build_client=print,
                        build_server=print)  # fmt: skip
     sent = task.node_setup["prepared"]  # none of the server's data paths reach the nodes
@@ -308,13 +308,13 @@ def test_a_data_owning_node_prepares_nothing(tmp_path):
     node = NodeData.from_node_config({"data-folder": str(tmp_path / "node"),
                                       "work-dir": str(tmp_path / "w")})  # fmt: skip
 
-    def never():
+    def never(hparams, run_opts):
         raise AssertionError("a data-owning node must not prepare the corpus")
 
     with bound_node(node, {"prepared": sent, "model_folder": str(tmp_path / "w" / "m")}):
-        local = recipe.prepare(hparams, {}, key={"k": 1}, make=never)
+        local = recipe.prepare(hparams, {}, make=never)
     assert local["info"] == {"n": 2}
     assert local["settings"]["clients"] == [str(tmp_path / "node" / "train.csv")] * 2
     assert local["settings"]["model"]["folder"] == str(tmp_path / "w" / "m")
     with bound_node(node, None), pytest.raises(RuntimeError, match="has not received"):
-        recipe.prepare(hparams, {}, key={"k": 1}, make=never)
+        recipe.prepare(hparams, {}, make=never)

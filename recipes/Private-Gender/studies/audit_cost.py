@@ -32,6 +32,8 @@ import distill_student  # noqa: E402
 import train_teacher  # noqa: E402
 from gender_stats import paired, spread  # noqa: E402
 
+from speechbrain_fl.recipe import run_recipe  # noqa: E402
+
 #: (label, results file, dotted path to the value)
 METRICS = (
     ("teacher balanced acc.", "teacher", "teacher.test.balanced_accuracy.value"),
@@ -56,7 +58,8 @@ def run(seeds, root: Path, canaries: int, extra: list[str]) -> dict:
         for arm, m in (("with canaries", canaries), ("without", 0)):
             folder = root / f"seed{seed}" / ("audit" if m else "plain")
             common = ["--output_folder", str(folder), "--seed", str(seed), *extra]
-            teacher = train_teacher.main(
+            teacher = run_recipe(
+                train_teacher,
                 [
                     "hparams/teacher.yaml",
                     *common,
@@ -66,9 +69,9 @@ def run(seeds, root: Path, canaries: int, extra: list[str]) -> dict:
                     "False",
                     "--audit_canaries",
                     str(m),
-                ]  # fmt: skip
+                ],  # fmt: skip
             )
-            student = distill_student.main(["hparams/student.yaml", *common])
+            student = run_recipe(distill_student, ["hparams/student.yaml", *common])
             found = {"teacher": teacher, "student": student}
             values = {label: _get(found[src], path) for label, src, path in METRICS}
             audit = teacher["privacy"].get("audit")

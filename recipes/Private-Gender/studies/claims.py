@@ -143,13 +143,17 @@ def run_seed(seed: int, root: Path, extra: list[str]) -> dict:
     import distill_student
     import train_teacher
 
+    from speechbrain_fl.recipe import run_recipe
+
     start = time.time()
     common = ["--output_folder", str(root / f"seed_{seed}"), "--seed", str(seed), *extra]
-    teacher = train_teacher.main([str(RECIPE_DIR / "hparams" / "teacher.yaml"), *common])
+    teacher = run_recipe(train_teacher, [str(RECIPE_DIR / "hparams" / "teacher.yaml"), *common])
     if teacher["method"]["audit_run"]:
         raise ValueError("claims.py: the claims compare models trained without audit canaries")
     students = {
-        name: distill_student.main([str(RECIPE_DIR / "hparams" / "student.yaml"), *common, *args])
+        name: run_recipe(
+            distill_student, [str(RECIPE_DIR / "hparams" / "student.yaml"), *common, *args]
+        )
         for name, args in STUDENTS.items()
     }
     return record(teacher, students, time.time() - start)

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from gender_stats import collapsed, exact_mcnemar, paired, seeds_for_power, spread
 
+from speechbrain_fl.recipe import run_recipe
+
 __all__ = [
     "CLAIMS",
     "RUNS",
@@ -94,14 +96,16 @@ def run_seed(seed: int, root: Path, extra: list[str], train_teacher, distill_stu
     for name, targs in RUNS.items():
         folder = root / f"seed_{seed}" / name
         common = ["--output_folder", str(folder), "--seed", str(seed), *extra]
-        teacher = train_teacher.main(["hparams/teacher.yaml", *common, *targs])
+        teacher = run_recipe(train_teacher, ["hparams/teacher.yaml", *common, *targs])
         students = {}
         if name == "default":
             for sname, sargs in STUDENTS.items():
-                students[sname] = distill_student.main(["hparams/student.yaml", *common, *sargs])
+                students[sname] = run_recipe(
+                    distill_student, ["hparams/student.yaml", *common, *sargs]
+                )
         elif name == "plain":  # the student of the plain teacher (its front-end: no DSAF)
-            students["KD"] = distill_student.main(
-                ["hparams/student.yaml", *common, "--dsaf", "False"]
+            students["KD"] = run_recipe(
+                distill_student, ["hparams/student.yaml", *common, "--dsaf", "False"]
             )
         out[name] = compact(teacher, students)
     return out
@@ -116,7 +120,7 @@ def add_students(seed: int, root: Path, extra: list[str], stored: dict, distill_
     ran = False
     for name, sargs in STUDENTS.items():
         if name not in have:
-            res = distill_student.main(["hparams/student.yaml", *common, *sargs])
+            res = run_recipe(distill_student, ["hparams/student.yaml", *common, *sargs])
             have[name] = _block(res["test"])
             ran = True
     return ran

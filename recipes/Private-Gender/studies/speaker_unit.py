@@ -45,7 +45,7 @@ sys.path[:0] = [str(STUDIES_DIR), str(RECIPE_DIR)]
 import train_teacher  # noqa: E402
 from gender_stats import paired  # noqa: E402
 
-from speechbrain_fl.recipe import update_readme_table  # noqa: E402
+from speechbrain_fl.recipe import run_recipe, update_readme_table  # noqa: E402
 
 #: Paired comparisons (A, B) of the speaker-level settings, at equal epsilon per speaker.
 PAIRS = [("speaker, sum", "speaker, mean"), ("speaker, sum", "one clip"),
@@ -73,7 +73,7 @@ def run_one(name: str, overrides: list[str], *, seed: int, args) -> dict:
     corpus = json.dumps({"train": args.speakers, "dev": args.speakers // 2,
                          "test": args.speakers // 3, "validated_only": 2})  # fmt: skip
     out = args.root / f"{slug(name)}_{seed}"
-    result = train_teacher.main([
+    result = run_recipe(train_teacher, [
         "hparams/teacher.yaml", "--seed", str(seed), "--output_folder", str(out),
         "--cache_folder", str(args.root / "cache"), "--corpus_speakers", corpus,
         "--corpus_clips_per_speaker", str(args.clips), "--target_epsilon", str(args.epsilon),

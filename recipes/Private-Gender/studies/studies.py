@@ -61,7 +61,7 @@ import gender_repeats  # noqa: E402
 import train_teacher  # noqa: E402
 from gender_stats import paired, spread  # noqa: E402
 
-from speechbrain_fl.recipe import update_readme_table  # noqa: E402
+from speechbrain_fl.recipe import run_recipe, update_readme_table  # noqa: E402
 from speechbrain_fl.utils.atomic import atomic_open  # noqa: E402
 
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0, None)
@@ -83,8 +83,8 @@ TUNING_WARNING = (
 def pipeline(folder: Path, teacher_args, student_args=(), *, extra=()):
     """One teacher + student run into ``folder``; returns the student's results."""
     common = ["--output_folder", str(folder), *extra]
-    train_teacher.main(["hparams/teacher.yaml", *common, *teacher_args])
-    return distill_student.main(["hparams/student.yaml", *common, *student_args])
+    run_recipe(train_teacher, ["hparams/teacher.yaml", *common, *teacher_args])
+    return run_recipe(distill_student, ["hparams/student.yaml", *common, *student_args])
 
 
 def _metric(block, key):
@@ -362,17 +362,23 @@ def run_study(name: str, root: Path, extra: list[str], rows=None, seeds=(None,))
             folder = _at(root / "aux", seed)
             common = ["hparams/student.yaml", "--output_folder", str(folder), *sx]
             if not (folder / "teacher" / "aux_logits.npz").is_file():
-                train_teacher.main(["hparams/teacher.yaml", "--output_folder", str(folder), *sx])
+                run_recipe(
+                    train_teacher, ["hparams/teacher.yaml", "--output_folder", str(folder), *sx]
+                )
             if name == "aux":
                 for size in AUX_SIZES:
                     sargs = ["--aux_subset", "null" if size is None else str(size)]
-                    put(str(size), seed, distill_student.main([*common, *sargs]))
+                    put(str(size), seed, run_recipe(distill_student, [*common, *sargs]))
             else:  # alpha = 0: the same student without the teacher (CE on D_aux labels only)
                 for alpha in ALPHAS:
-                    put(str(alpha), seed, distill_student.main([*common, "--alpha", str(alpha)]))
+                    put(
+                        str(alpha),
+                        seed,
+                        run_recipe(distill_student, [*common, "--alpha", str(alpha)]),
+                    )
                 # The label-only control that also rebalances the classes (no teacher at all).
                 sargs = ["--alpha", "0.0", "--ce_class_weight", "balanced"]
-                put("0.0, balanced CE", seed, distill_student.main([*common, *sargs]))
+                put("0.0, balanced CE", seed, run_recipe(distill_student, [*common, *sargs]))
     return out
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 from speechbrain_fl.fl.settings.checks import check_config
 from speechbrain_fl.privacy import FedAvg, PrivacyMethod, get_budget_method, privacy_method
-from speechbrain_fl.privacy.methods import method_name
 
 __all__ = ["FLConfig", "YAML_KEYS", "ema_base_of"]
 
@@ -309,8 +308,11 @@ class FLConfig:
         ('pfl_dim_ema', 1.0, 1)
         """
         method = hparams.get("method", FedAvg())
-        if not isinstance(method, PrivacyMethod):  # ``--method <name>``: the registered class
-            method = privacy_method(method_name(method), **hparams)
+        if isinstance(method, str):  # a hand-built mapping may name a registered method
+            method = privacy_method(method, **hparams)
+        if not isinstance(method, PrivacyMethod):
+            raise ValueError(f"method: {method!r} must be a speechbrain_fl.privacy.methods "
+                             "object or a registered method name")  # fmt: skip
         method.check()
         keys = cls.yaml_keys()
         values = {YAML_KEYS.get(k, k): v for k, v in {**hparams, **method.settings()}.items()
