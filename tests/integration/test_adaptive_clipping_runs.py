@@ -66,7 +66,7 @@ def _check_trajectory(result, rows, pools):
             assert float(row[f"clip_{pool}"]) == pytest.approx(entry[f"clip_{pool}"])
             assert float(row[f"unclipped_{pool}"]) == pytest.approx(entry[f"unclipped_{pool}"])
         assert float(row["clip"]) == pytest.approx(entry["clip"])
-    for before, after in zip(adaptive["rounds"], adaptive["rounds"][1:]):
+    for before, after in zip(adaptive["rounds"], adaptive["rounds"][1:], strict=False):
         for pool in pools:
             step = math.exp(-0.2 * (before[f"unclipped_{pool}"] - 0.5))
             assert after[f"clip_{pool}"] == pytest.approx(before[f"clip_{pool}"] * step)
