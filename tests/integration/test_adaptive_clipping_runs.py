@@ -43,12 +43,12 @@ def _pooled_server(context, settings):
     return task
 
 
-def _run(tmp_path, name, *, pooled=False, **extra):
+def _run(tmp_path, name, *, pooled=False, grid_class=None, **extra):
     settings = toy_settings(None, {**SETTINGS, **extra, "output_folder": str(tmp_path / name)})
     client = _pooled_client if pooled else toy_client
     server = _pooled_server if pooled else toy_server
     app = make_client_app(functools.partial(client, settings=settings))
-    grid = RecordingGrid(LocalGrid(app, num_nodes=settings["num_partitions"]))
+    grid = (grid_class or RecordingGrid)(LocalGrid(app, num_nodes=settings["num_partitions"]))
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     with grid.identity():
         result = run_server(grid, server(context, settings))
@@ -138,3 +138,33 @@ def test_ray_engine_gives_the_local_backends_trajectory(tmp_path):
         files[backend] = (out / "rounds.csv").read_text()
     assert "clip_all" in files["local"].splitlines()[0]
     assert files["local"] == files["ray"]
+
+
+class _BadBitsGrid(RecordingGrid):
+    """Replaces the bits of partition 0's replies by a value that is not a bit."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for reply in replies:
+            metrics = reply.content.metric_records.get("metrics")
+            if metrics is not None and "clip-bits" in metrics and metrics["partition-id"] == 0:
+                metrics["clip-bits"] = [0.5]
+        return replies
+
+
+def test_reply_without_valid_bits_is_dropped(tmp_path):
+    result, rows, _ = _run(tmp_path, "bad", number_of_rounds=2, grid_class=_BadBitsGrid)
+    assert [int(r["dropped_replies"]) for r in rows] == [1, 1]
+    assert [int(r["num_replied"]) for r in rows] == [5, 5]
+    assert len(result.privacy["adaptive_clipping"]["rounds"]) == 2
+
+
+def test_resume_continues_from_the_clips_reached(tmp_path):
+    first, _, _ = _run(tmp_path, "run", number_of_rounds=2)
+    reached = first.privacy["adaptive_clipping"]["final_clips"]["all"]
+    resumed, rows, _ = _run(tmp_path, "run", number_of_rounds=3)
+    rounds = resumed.privacy["adaptive_clipping"]["rounds"]
+    assert len(rounds) == len(rows) == 3
+    assert rounds[2]["clip"] == pytest.approx(reached)
+    with pytest.raises(ValueError, match="clip_quantile"):
+        _run(tmp_path, "run", number_of_rounds=4, clip_quantile=0.6)
