@@ -242,8 +242,6 @@ class QuantileClipState:
                 seed,
             )
         self._rng = np.random.default_rng(seed)
-        #: per stepped round: the clips it used and the noisy unclipped fractions it released
-        self.history: list[dict[str, dict[str, float]]] = []
 
     @property
     def pools(self) -> tuple[str, ...]:
@@ -306,7 +304,7 @@ class QuantileClipState:
     ) -> dict[str, float]:
         """Release the noisy fractions and apply C_p <- C_p exp(-eta_C (b~_p - gamma)).
 
-        Returns the noisy fractions; :attr:`history` gets the clips used and the fractions.
+        Returns the noisy fractions (the run's ``rounds.csv`` keeps them, not this state).
         """
         fractions = self.noisy_fractions(
             bit_sums,
@@ -314,24 +312,22 @@ class QuantileClipState:
             num_counted=num_counted,
             noise_cohort_size=noise_cohort_size,
         )
-        self.history.append({"clip": dict(self.clips), "unclipped_fraction": dict(fractions)})
         for pool, b in fractions.items():
             self.clips[pool] *= math.exp(-self.learning_rate * (b - self.quantile))
         return fractions
 
     def state_dict(self) -> dict[str, Any]:
-        """The clips, the settings and the released history; never the generator's state."""
+        """The clips and the settings (no per-round history); never the generator's state."""
         return {
             "clips": dict(self.clips),
             "initial": dict(self.initial),
             "quantile": self.quantile,
             "learning_rate": self.learning_rate,
             "count_stddev": self.count_stddev,
-            "history": [dict(h) for h in self.history],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the clips and history, refusing other settings (naming the key)."""
+        """Restore the clips, refusing other settings (naming the key)."""
         own = self.state_dict()
         for key in ("initial", "quantile", "learning_rate", "count_stddev"):
             if state.get(key) != own[key]:
@@ -343,7 +339,6 @@ class QuantileClipState:
             raise ValueError(f"saved adaptive clipping pools {list(state['clips'])} differ "
                              f"from {list(self.clips)}")  # fmt: skip
         self.clips = {k: float(v) for k, v in state["clips"].items()}
-        self.history = [dict(h) for h in state.get("history", [])]
 
 
 def check_bits(bits: Any, num_pools: int) -> list[float]:

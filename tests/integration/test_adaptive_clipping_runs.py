@@ -64,12 +64,13 @@ def _check_trajectory(result, rows, pools):
     for row, entry in zip(rows, adaptive["rounds"], strict=True):
         for pool in pools:
             assert float(row[f"clip_{pool}"]) == pytest.approx(entry[f"clip_{pool}"])
-            assert float(row[f"unclipped_{pool}"]) == pytest.approx(entry[f"unclipped_{pool}"])
         assert float(row["clip"]) == pytest.approx(entry["clip"])
-    for before, after in zip(adaptive["rounds"], adaptive["rounds"][1:], strict=False):
+    after = [{p: float(r[f"clip_{p}"]) for p in pools} for r in rows[1:]]
+    after.append(adaptive["final_clips"])
+    for row, clips in zip(rows, after, strict=True):
         for pool in pools:
-            step = math.exp(-0.2 * (before[f"unclipped_{pool}"] - 0.5))
-            assert after[f"clip_{pool}"] == pytest.approx(before[f"clip_{pool}"] * step)
+            step = math.exp(-0.2 * (float(row[f"unclipped_{pool}"]) - 0.5))
+            assert clips[pool] == pytest.approx(float(row[f"clip_{pool}"]) * step)
 
 
 def test_flat_adaptive_clip_grows_when_every_client_is_clipped(tmp_path):

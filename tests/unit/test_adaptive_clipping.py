@@ -202,7 +202,6 @@ def test_geometric_update_moves_towards_the_quantile():
             clips.append(state.clips["all"])
         reached = float(np.mean(population <= np.median(clips[-100:])))
         assert reached == pytest.approx(gamma, abs=0.05)
-        assert len(state.history) == 300
 
 
 def test_state_round_trip_and_changed_settings_refused():
@@ -213,7 +212,8 @@ def test_state_round_trip_and_changed_settings_refused():
     again = QuantileClipState({"encoder": 0.3, "llm": 0.9}, quantile=0.5, learning_rate=0.2,
                               count_stddev=2.0)  # fmt: skip
     again.load_state_dict(saved)
-    assert again.clips == state.clips and again.history == state.history
+    assert again.clips == state.clips
+    assert "history" not in saved  # the state does not grow with the rounds
     other = QuantileClipState({"encoder": 0.3, "llm": 0.9}, quantile=0.6, learning_rate=0.2,
                               count_stddev=2.0)  # fmt: skip
     with pytest.raises(ValueError, match="quantile=0.5"):

@@ -41,6 +41,8 @@ __all__ = [
     "method_pools",
     "pools_message",
     "round_budgets",
+    "round_clips",
+    "round_row",
 ]
 
 #: The methods adaptive clipping supports (their pools are :func:`method_pools`).
@@ -164,10 +166,30 @@ def round_row(clips: Mapping[str, float], fractions: Mapping[str, float]) -> dic
     return row
 
 
+def round_clips(
+    budgets: Mapping[str, float], pools: Mapping[str, Sequence[str]]
+) -> dict[str, float]:
+    """A round's pool clips from its component budgets (``budgets.csv``): sqrt(sum_c C_c^2)
+    over the pool's components (a flat budget gives every component the clip C itself).
+
+    Example
+    -------
+    >>> round_clips({"encoder": 0.3, "llm": 0.3, "connector": 0.4},
+    ...             {"encoder": ["encoder"], "llm": ["llm", "connector"]})
+    {'encoder': 0.3, 'llm': 0.5}
+    >>> round_clips({"a": 0.7, "b": 0.7}, {"all": ["a", "b"]})
+    {'all': 0.7}
+    """
+    if list(pools) == ["all"]:
+        return {"all": float(next(iter(budgets.values())))}
+    return {p: math.sqrt(math.fsum(budgets[c] ** 2 for c in comps)) for p, comps in pools.items()}
+
+
 def adaptive_privacy(
     state: QuantileClipState,
     *,
     layout: Layout,
+    pools: Mapping[str, Sequence[str]],
     round_component_budgets: Sequence[Mapping[str, float]],
     update_noise_multiplier: float,
     sampling_rate: float,
@@ -181,20 +203,23 @@ def adaptive_privacy(
     ``sigma_eff`` covers its update sub-vector only: ``sigma_Delta C_t / min(C_t, B_pool,t)``
     with ``B_pool,t`` its budget in round t, the smallest over the rounds (conservative); it is
     :func:`~speechbrain_fl.privacy.privacy_report`'s figure on the budgets scaled by
-    ``C_0 / C_t``.
+    ``C_0 / C_t``. The clips of each round are read back from its budgets (``budgets.csv``),
+    so the server state holds no per-round history.
 
     Returns
     -------
     dict
         ``sigma_eff``, ``epsilon_per_component`` (replacing the fixed-C figures) and
-        ``adaptive_clipping``: the settings, ``update_noise_multiplier`` and per round the clips
-        used and the released noisy fractions.
+        ``adaptive_clipping``: the settings, ``update_noise_multiplier``, the initial and
+        final clips, and per round the clips it used (its noisy fractions: ``rounds.csv``).
     """
     c0 = math.sqrt(math.fsum(c * c for c in state.initial.values()))
-    scaled = []
-    for budgets, entry in zip(round_component_budgets, state.history, strict=False):
-        c_t = math.sqrt(math.fsum(c * c for c in entry["clip"].values()))
+    scaled, per_round = [], []
+    for t, budgets in enumerate(round_component_budgets, start=1):
+        clips = round_clips(budgets, pools)
+        c_t = math.sqrt(math.fsum(c * c for c in clips.values()))
         scaled.append({k: v * c0 / c_t for k, v in budgets.items()})
+        per_round.append({"round": t, "clip": c_t, **{f"clip_{p}": c for p, c in clips.items()}})
     per_pool = privacy_report(
         layout,
         scaled,
@@ -215,9 +240,6 @@ def adaptive_privacy(
             "update_noise_multiplier": update_noise_multiplier,
             "initial_clips": dict(state.initial),
             "final_clips": dict(state.clips),
-            "rounds": [
-                {"round": i + 1, **round_row(h["clip"], h["unclipped_fraction"])}
-                for i, h in enumerate(state.history)
-            ],
+            "rounds": per_round,
         },
     }

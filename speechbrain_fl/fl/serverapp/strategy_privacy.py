@@ -172,6 +172,7 @@ class PrivacyStateMixin:
         return extras | adaptive_privacy(
             self.adaptive,
             layout=self.layout,
+            pools=self.adaptive_pools,
             round_component_budgets=round_component_budgets,
             update_noise_multiplier=self.update_noise_multiplier,
             sampling_rate=self.accountant.sampling_rate,
