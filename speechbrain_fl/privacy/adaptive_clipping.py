@@ -205,7 +205,7 @@ class QuantileClipState:
     -------
     >>> state = QuantileClipState({"all": 1.0}, quantile=0.5, learning_rate=0.2,
     ...                           count_stddev=1e-9, seed=0)
-    >>> fractions = state.step({"all": 5.0}, expected_cohort_size=10)  # 10 of 10 unclipped
+    >>> fractions = state.step({"all": 10.0}, expected_cohort_size=10)  # 10 of 10 unclipped
     >>> round(fractions["all"], 6), round(state.clips["all"], 6)  # exp(-0.2 * 0.5)
     (1.0, 0.904837)
     """
