@@ -48,3 +48,5 @@ def test_results_file_supports_what_the_docs_say():
     assert flower["median_clip"] < ours["median_clip"] / 5  # Flower's clip runs away
     assert flower["ks_pvalue_vs_ours"] < 0.001
     assert fixed["ks_pvalue_vs_ours"] > 0.05  # one line changed: the same distribution
+    rows = result["by_round"]["flower_unclipped_bit"][1 : last + 1]
+    assert min(r["ks_pvalue_vs_ours"] for r in rows) > 0.05  # at no round either
