@@ -1,7 +1,7 @@
 """docs/adaptive_clipping.md's comparison with Flower is the study's results file, as generated.
 
 The table between the ``adaptive-vs-flower`` markers is what ``benchmarks/adaptive_clip_vs_flower.py
---table`` prints from ``benchmarks/results/adaptive_vs_flower.json``; the file's own figures hold
+--table`` prints from ``benchmarks/studies/adaptive_vs_flower.json``; the file's own figures hold
 what the docs say of them (Flower's sigma_Delta is ours, the pair's epsilon is the accountant's).
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "adaptive_clip_vs_flower.py"
-RESULTS = ROOT / "benchmarks" / "results" / "adaptive_vs_flower.json"
+RESULTS = ROOT / "benchmarks" / "studies" / "adaptive_vs_flower.json"
 DOC = ROOT / "docs" / "adaptive_clipping.md"
 
 
