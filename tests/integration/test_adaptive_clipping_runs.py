@@ -169,3 +169,12 @@ def test_resume_continues_from_the_clips_reached(tmp_path):
     assert rounds[2]["clip"] == pytest.approx(reached)
     with pytest.raises(ValueError, match="clip_quantile"):
         _run(tmp_path, "run", number_of_rounds=4, clip_quantile=0.6)
+
+
+def test_flat_over_several_components_records_its_clips(tmp_path):
+    """A flat clip over two components records no component budget: the clips per round come
+    from rounds.csv, and every pool's sigma_eff is the update's sigma_Delta."""
+    result, rows, _ = _run(tmp_path, "flat2", pooled=True)
+    _check_trajectory(result, rows, ["all"])
+    sigma = result.privacy["adaptive_clipping"]["update_noise_multiplier"]
+    assert result.privacy["sigma_eff"] == pytest.approx({"encoder": sigma, "llm": sigma})

@@ -32,6 +32,7 @@ from speechbrain_fl.privacy.adaptive_clipping import (
     update_noise_multiplier,
 )
 from speechbrain_fl.privacy.budgets import ALPHA_SPLIT_POOLS, Pool
+from speechbrain_fl.run_outputs import read_rounds
 
 __all__ = [
     "ADAPTIVE_METHODS",
@@ -41,8 +42,8 @@ __all__ = [
     "method_pools",
     "pools_message",
     "round_budgets",
-    "round_clips",
     "round_row",
+    "rounds_clips",
 ]
 
 #: The methods adaptive clipping supports (their pools are :func:`method_pools`).
@@ -166,30 +167,22 @@ def round_row(clips: Mapping[str, float], fractions: Mapping[str, float]) -> dic
     return row
 
 
-def round_clips(
-    budgets: Mapping[str, float], pools: Mapping[str, Sequence[str]]
-) -> dict[str, float]:
-    """A round's pool clips from its component budgets (``budgets.csv``): sqrt(sum_c C_c^2)
-    over the pool's components (a flat budget gives every component the clip C itself).
-
-    Example
-    -------
-    >>> round_clips({"encoder": 0.3, "llm": 0.3, "connector": 0.4},
-    ...             {"encoder": ["encoder"], "llm": ["llm", "connector"]})
-    {'encoder': 0.3, 'llm': 0.5}
-    >>> round_clips({"a": 0.7, "b": 0.7}, {"all": ["a", "b"]})
-    {'all': 0.7}
+def rounds_clips(output_folder: Any, pools: Sequence[str]) -> list[dict[str, float]]:
+    """Each trained round's pool clips, from the ``clip_<pool>`` columns of ``rounds.csv``
+    (the run's own record; the server state keeps no per-round history). Empty without it.
     """
-    if list(pools) == ["all"]:
-        return {"all": float(next(iter(budgets.values())))}
-    return {p: math.sqrt(math.fsum(budgets[c] ** 2 for c in comps)) for p, comps in pools.items()}
+    table = read_rounds(output_folder)
+    if table is None or not all(f"clip_{p}" in table for p in pools):
+        return []
+    keep = [i for i, r in enumerate(table["round"]) if r >= 1]
+    return [{p: float(table[f"clip_{p}"][i]) for p in pools} for i in keep]
 
 
 def adaptive_privacy(
     state: QuantileClipState,
     *,
     layout: Layout,
-    pools: Mapping[str, Sequence[str]],
+    round_clips: Sequence[Mapping[str, float]],
     round_component_budgets: Sequence[Mapping[str, float]],
     update_noise_multiplier: float,
     sampling_rate: float,
@@ -203,8 +196,15 @@ def adaptive_privacy(
     ``sigma_eff`` covers its update sub-vector only: ``sigma_Delta C_t / min(C_t, B_pool,t)``
     with ``B_pool,t`` its budget in round t, the smallest over the rounds (conservative); it is
     :func:`~speechbrain_fl.privacy.privacy_report`'s figure on the budgets scaled by
-    ``C_0 / C_t``. The clips of each round are read back from its budgets (``budgets.csv``),
-    so the server state holds no per-round history.
+    ``C_0 / C_t`` (a flat clip over several components records no component budget: each
+    sub-vector then counts the whole C_t, sigma_eff = sigma_Delta).
+
+    Arguments
+    ---------
+    round_clips : sequence of mapping
+        Per trained round, the pools' clips it used (:func:`rounds_clips`).
+    round_component_budgets : sequence of mapping
+        Per trained round, its component budgets (``budgets.csv``).
 
     Returns
     -------
@@ -215,8 +215,9 @@ def adaptive_privacy(
     """
     c0 = math.sqrt(math.fsum(c * c for c in state.initial.values()))
     scaled, per_round = [], []
-    for t, budgets in enumerate(round_component_budgets, start=1):
-        clips = round_clips(budgets, pools)
+    for t, (clips, budgets) in enumerate(
+        zip(round_clips, round_component_budgets, strict=False), start=1
+    ):
         c_t = math.sqrt(math.fsum(c * c for c in clips.values()))
         scaled.append({k: v * c0 / c_t for k, v in budgets.items()})
         per_round.append({"round": t, "clip": c_t, **{f"clip_{p}": c for p, c in clips.items()}})

@@ -43,6 +43,7 @@ from speechbrain_fl.fl.dp.adaptive import (
     pools_message,
     round_budgets,
     round_row,
+    rounds_clips,
 )
 from speechbrain_fl.fl.dp.canaries import FederatedAudit
 from speechbrain_fl.fl.dp.disclosure import privacy_disclosure, simulated_deployment
@@ -172,7 +173,7 @@ class PrivacyStateMixin:
         return extras | adaptive_privacy(
             self.adaptive,
             layout=self.layout,
-            pools=self.adaptive_pools,
+            round_clips=rounds_clips(self.config.output_folder, self.adaptive.pools),
             round_component_budgets=round_component_budgets,
             update_noise_multiplier=self.update_noise_multiplier,
             sampling_rate=self.accountant.sampling_rate,
