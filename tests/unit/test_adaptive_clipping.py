@@ -259,3 +259,13 @@ def test_secure_sum_of_bits_decodes_the_exact_count(bits, box, seed):
     decoded_sum = total * (2 * box / target) - m * box  # sum of the m dequantised vectors
     counts = bit_sums(decoded_sum / m, survivors=m, scale=box)
     assert counts == [float(sum(b[i] for b in bits)) for i in range(2)]
+
+
+def test_disclosure_says_the_count_is_inside_epsilon():
+    from speechbrain_fl.fl.dp.disclosure import privacy_disclosure
+    from speechbrain_fl.fl.settings.config import FLConfig
+
+    cfg = FLConfig(output_folder="o", noise_multiplier=1.0, clip=1.0, clip_quantile=0.5)
+    assert "covered by epsilon" in privacy_disclosure(cfg)["adaptive_clipping_note"]
+    fixed = FLConfig(output_folder="o", noise_multiplier=1.0, clip=1.0)
+    assert "adaptive_clipping_note" not in privacy_disclosure(fixed)
