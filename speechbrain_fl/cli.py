@@ -7,6 +7,13 @@ Per-group clip budgets of a layout (table, or ``--json``)::
     speechbrain-fl budgets --layout docs/examples/whisper_tinyllama_layout.json \\
         --method alpha_split --alpha 0.05 --clip 1.0 --noise-multiplier 0.1
 
+A real preset's groups, built at full size on the meta device (configs shipped with the
+package, no weights downloaded), grouped as the alpha-split paper's Table I (two groups per
+transformer layer: its LoRA A factors, its LoRA B factors; ``--group-by parameter``: one group
+per tensor, ``module``: one per adapted projection)::
+
+    speechbrain-fl budgets --preset whisper_tinyllama --method pfl_uniform
+
 (epsilon, delta) of a run, or the sigma needed for a target epsilon::
 
     speechbrain-fl privacy --sampling-rate 0.3 --noise-multiplier 1.0 --rounds 40 --delta 1e-5
@@ -62,8 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    b = sub.add_parser("budgets", help="per-group clip budgets of a layout JSON file")
-    b.add_argument("--layout", required=True, help="layout JSON: list of {name, component, numel}")
+    b = sub.add_parser("budgets", help="per-group clip budgets of a layout or a model preset")
+    source = b.add_mutually_exclusive_group(required=True)
+    source.add_argument("--layout", help="layout JSON: list of {name, component, numel}")
+    source.add_argument(
+        "--preset",
+        help="a real model preset (whisper_tinyllama, whisper_eurollm, voxtral), built at full "
+        "size on the meta device with LoRA rank 8 on the encoder and the LLM",
+    )
+    b.add_argument(
+        "--group-by",
+        choices=("layer_factor", "module", "parameter"),
+        help="--preset: layer_factor (default; per layer, its LoRA A factors and its B factors: "
+        "the paper's Table I), module (per adapted projection) or parameter (per tensor)",
+    )
+    b.add_argument(
+        "--freeze-encoder", action="store_true", help="--preset: no encoder LoRA (frozen)"
+    )
     b.add_argument("--method", required=True, choices=budget_methods())
     b.add_argument("--alpha", type=float, help="encoder budget fraction for alpha_split")
     b.add_argument("--clip", type=float, default=1.0, help="total L2 clip C (default 1.0)")
@@ -95,12 +117,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _budgets(args, parser) -> str:
-    path = Path(args.layout)
-    if not path.is_file():
-        parser.error(f"--layout: file not found: {path}")
+def _preset_layout(preset: str, *, group_by: str, freeze_encoder: bool) -> Layout:
+    """The trainable groups of a real preset built on the meta device (no weights)."""
+    from speechbrain_fl.models.preset_configs import check_preset, hub_ids
+    from speechbrain_fl.privacy.layout import layout_from_model
+
     try:
-        layout = Layout.from_json(path)
+        hub_ids(preset)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"--preset: {err}") from None
+    variant = "frozen" if freeze_encoder else "unfrozen"
+    model = check_preset(preset, return_models=True)[variant]
+    return layout_from_model(model, components=model.component_patterns(), group_by=group_by)
+
+
+def _layout(args, parser) -> Layout:
+    """The layout of ``--layout`` (a JSON file) or ``--preset`` (built, grouped by --group-by)."""
+    if args.preset is None:
+        if args.group_by is not None or args.freeze_encoder:
+            parser.error("--group-by and --freeze-encoder apply to --preset only")
+        path = Path(args.layout)
+        if not path.is_file():
+            parser.error(f"--layout: file not found: {path}")
+        return Layout.from_json(path)
+    args.group_by = args.group_by or "layer_factor"
+    return _preset_layout(args.preset, group_by=args.group_by, freeze_encoder=args.freeze_encoder)
+
+
+def _budgets(args, parser) -> str:
+    try:
+        layout = _layout(args, parser)
         budgets = compute_budgets(layout, method=args.method, clip=args.clip, alpha=args.alpha)
         comp = component_budgets(layout, budgets)
         if args.noise_multiplier < 0:
@@ -133,12 +179,20 @@ def _budgets(args, parser) -> str:
             for label, cb in comp.items()
         },
     }
-    if args.json:
-        return json.dumps(result, indent=1)
     flat = not isinstance(budgets, dict)
     lines = [
         f"method {args.method}  clip C={args.clip:g}  sigma={sigma:g}  "
         f"groups {len(layout)}  params {layout.total_numel:,}",
+    ]
+    if args.preset is not None:
+        result["preset"], result["group_by"] = args.preset, args.group_by
+        lines.append(
+            f"preset {args.preset} ({'encoder frozen' if args.freeze_encoder else 'encoder LoRA'}"
+            f", meta device), grouped by {args.group_by}"
+        )
+    if args.json:
+        return json.dumps(result, indent=1)
+    lines += [
         "",
         f"{'component':<12}{'groups':>7}{'params':>12}{'budget':>10}{'mean C_l':>10}"
         f"{'sigma_eff':>11}",

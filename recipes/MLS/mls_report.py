@@ -28,6 +28,7 @@ import torch
 from speechbrain_fl.fl.dp.disclosure import format_disclosure, privacy_disclosure
 from speechbrain_fl.fl.dp.profile import norm_profile, pool_norms, pool_retention
 from speechbrain_fl.metrics import (
+    UtteranceErrors,
     paired_bootstrap_details,
     utterance_errors_from_stats,
     wer_report,
@@ -472,3 +473,37 @@ def write_speaker_overlap(train_rows: list[dict], test_rows: list[dict], save_fo
         100 * total["fraction_of_train_utterances"],
     )
     return path
+
+
+def utterance_ce(brain, test_set, test_rows):
+    """Each test utterance's transcript cross-entropy (true audio) as per-utterance counts.
+
+    The teacher-forced CE of utterance u (Eq. 2, the mean over its n_u target tokens, CE_u)
+    is stored as ``num_edits`` = n_u * CE_u and ``num_ref_tokens`` = n_u, so the corpus figure
+    sum_u n_u CE_u / sum_u n_u is the test set's token-mean CE and the WER tools give its CIs
+    (the speaker-level bootstrap, the paired comparison, the pooling over seeds). Each
+    utterance is a batch of its own: the model returns a batch's token mean.
+
+    Returns
+    -------
+    speechbrain_fl.metrics.UtteranceErrors
+    """
+    model = brain.modules.model
+    info = {r["ID"]: (r["spk_id"], r.get("language", "")) for r in test_rows}
+    loader = sb.dataio.dataloader.make_dataloader(test_set, batch_size=1, shuffle=False)
+    was_training = model.training
+    model.eval()
+    rows = []
+    with torch.no_grad():
+        for batch in loader:
+            batch = batch.to(brain.device)
+            wavs, lens = batch.sig
+            out = model(wavs, lens, list(batch.wrd), list(batch.language))
+            speaker, language = info[batch.id[0]]
+            rows.append(
+                {"ID": batch.id[0], "spk_id": speaker, "language": language,
+                 "num_edits": float(out.ce_loss) * out.num_tokens,
+                 "num_ref_tokens": out.num_tokens}
+            )  # fmt: skip
+    model.train(was_training)
+    return UtteranceErrors.from_rows(rows)

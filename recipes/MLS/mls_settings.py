@@ -16,6 +16,7 @@ from pathlib import Path
 
 from speechbrain_fl.fl.settings.config import FLConfig
 from speechbrain_fl.models.presets import CONNECTOR_TREATMENTS, CTC_TREATMENTS, PRESETS
+from speechbrain_fl.privacy.layout import GROUPINGS
 from speechbrain_fl.privacy.methods import method_name, privacy_method, with_settings
 
 
@@ -30,6 +31,7 @@ BRAIN_KEYS = (
     "max_new_tokens",
     "num_beams",
     "max_grad_norm",
+    "group_by",
     "dataloader_options",
     "eval_dataloader_options",
 )
@@ -105,6 +107,13 @@ def check_hparams(hparams):
         )
     if not isinstance(hparams["shipped_seed"], bool):
         raise ValueError(f"shipped_seed: {hparams['shipped_seed']!r} must be True or False")
+    if hparams["group_by"] not in GROUPINGS:
+        raise ValueError(f"group_by: {hparams['group_by']!r} must be one of {sorted(GROUPINGS)}")
+    if hparams["scenario"] not in ("federated", "centralized"):
+        raise ValueError(f"scenario: {hparams['scenario']!r} must be federated or centralized")
+    steps = hparams["central_steps"]
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"central_steps: {steps!r} must be a positive integer or null")
     cache_mb = hparams["feature_cache_mb"]
     if isinstance(cache_mb, bool) or not isinstance(cache_mb, int) or cache_mb < 0:
         raise ValueError(f"feature_cache_mb: {cache_mb!r} must be an integer >= 0 (MB; 0 = off)")

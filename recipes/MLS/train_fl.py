@@ -67,6 +67,7 @@ from speechbrain_fl.recipe import (
 RECIPE_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(RECIPE_DIR))  # the recipe's own modules, SpeechBrain style
 from mls_brain import SpeechLLMBrain, make_dataset  # noqa: E402
+from mls_central import run_centralized  # noqa: E402
 from mls_prepare import node_train_manifest, prepare_mls  # noqa: E402
 from mls_report import (  # noqa: E402, F401 (re-exported: the recipe's analysis API)
     PAPER_SIGMA,
@@ -198,7 +199,8 @@ def component_layout(brain):
     """Trainable groups labelled encoder / connector / llm by the model's name patterns."""
     patterns = brain.modules.model.component_patterns()
     components = {label: [f"model.{p}" for p in pats] for label, pats in patterns.items()}
-    return layout_from_model(brain.modules, components=components)
+    group_by = getattr(brain.hparams, "group_by", "parameter")  # the hparams' clip groups
+    return layout_from_model(brain.modules, components=components, group_by=group_by)
 
 
 # ##########################################################################################
@@ -312,6 +314,8 @@ def mls_task(hparams_path=None, overrides=None):
             "alpha: auto is resolved by the norm profiling of train_fl.py; with flwr run give "
             "alpha a number (train_fl.py --profile_rounds 1 prints one)"
         )
+    if hparams["scenario"] != "federated":
+        raise ValueError(f"scenario: {hparams['scenario']!r}: flwr run trains federated only")
     if stage not in ("train", "profile"):
         raise ValueError(f"stage: {stage!r} must be 'train' or 'profile'")
     settings, info = prepare_run(hparams, run_opts)
@@ -482,6 +486,12 @@ def main(run):
         stats_meta={"round": 0, "stage": "test"}, test_stats={"WER": test_round0["WER"]}
     )
 
+    if hparams["scenario"] == "centralized":  # the pooled-data ceiling (mls_central.py)
+        return run_centralized(
+            brain=brain, settings=settings, hparams=hparams, test_set=test_set,
+            test_rows=test_rows, round0=(test_round0, details_round0), timings=timings,
+            start=start_all,
+        )  # fmt: skip
     profile = None
     alpha_from_profile = hparams["alpha"] == "auto"
     if hparams["profile_rounds"] > 0:

@@ -29,11 +29,15 @@ import speechbrain as sb
 import torch
 
 from speechbrain_fl.data.audio_check import guarded_read
+from speechbrain_fl.models.multi_exit_phone_seed import phone_seed_folder, phone_seed_settings
 from speechbrain_fl.recipe import cache_tag, cached_seed_model, file_digest
 
 logger = logging.getLogger(__name__)
 
 CTC_ALPHABET = " 'abcdefghijklmnopqrstuvwxyz"  # id 0 is the CTC blank
+#: The phone seed shipped with the recipe (seed.safetensors in float16, seed.json)
+SHIPPED_SEED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seed")
+REBUILD = ", or rebuild it (python recipes/SUPERB/studies/phone_seed.py --out OUT --ship recipes/SUPERB/seed)"
 
 TASKS = {
     "kws12": {
@@ -247,7 +251,7 @@ def prepare_task(hparams):
             path = os.path.join(hparams["save_folder"], "partition", path)
         clients.append(path)
     public = None
-    if hparams["model"] == "tiny" and hparams["pretrain_objective"] != "none":
+    if hparams["model"] == "tiny" and hparams["pretrain_objective"] in ("bag_of_words", "ctc"):
         from librispeech_prepare import prepare_librispeech
 
         public_options = dict(hparams["public_corpus_options"])
@@ -378,7 +382,14 @@ def seed_model_folder(hparams, public):
     - ``ctc``: character CTC after layer 12, the objective of the paper's initialisation
       (LibriSpeech-100h fine-tuning). Measured here: 200 CPU steps leave it in CTC's all-blank
       phase (loss 2.9), and KWS federated training from that seed stalled at ln 12, so it is
-      not the default for the short embedded pretraining.
+      not the default for the short embedded pretraining;
+    - ``phones``: frame-level phone classification at layer 12 on its own generated speech
+      (:mod:`speechbrain_fl.models.multi_exit_phone_seed`; ``phone_corpus``, the
+      ``pretrain_*`` keys). The recipe ships this seed (``seed/``): a run whose settings equal
+      the shipped ones (and ``shipped_seed: True``) starts from it, checked by SHA-256; other
+      settings pretrain it here (one log line says so).
+
+    ``pretrain_seed`` seeds the pretraining (null: the run's ``seed``).
     """
     from speechbrain_fl.models.multi_exit_wav2vec2 import resolve_backbone, tiny_config_tag
 
@@ -387,9 +398,14 @@ def seed_model_folder(hparams, public):
     objective = hparams["pretrain_objective"]
     if objective == "none":  # random initialisation (the default)
         return resolve_backbone("tiny", cache_dir=hparams["cache_folder"], seed=hparams["seed"]), {}
+    if objective == "phones":
+        return phone_seed_folder(
+            phone_settings(hparams), cache_folder=hparams["cache_folder"],
+            shipped=SHIPPED_SEED if hparams["shipped_seed"] else None, rebuild_hint=REBUILD,
+        )  # fmt: skip
     if objective not in ("bag_of_words", "ctc"):
         raise ValueError(
-            f"pretrain_objective: {objective!r} must be 'none', 'bag_of_words' or 'ctc'"
+            f"pretrain_objective: {objective!r} must be 'none', 'bag_of_words', 'ctc' or 'phones'"
         )
     csv_path, data_folder = public
     key = {
@@ -399,7 +415,7 @@ def seed_model_folder(hparams, public):
         "lr": hparams["pretrain_lr"],
         "batch_size": hparams["pretrain_batch_size"],
         "exits": list(_loss_exits(hparams, objective)),
-        "seed": hparams["seed"],
+        "seed": pretrain_seed(hparams),
         "public": file_digest(csv_path),
     }
 
@@ -417,6 +433,20 @@ def seed_model_folder(hparams, public):
         ),
         marker="config.json",
     )
+
+
+def pretrain_seed(hparams):
+    """The seed of the seed model's pretraining: ``pretrain_seed``, or the run's when null."""
+    return hparams["seed"] if hparams["pretrain_seed"] is None else int(hparams["pretrain_seed"])
+
+
+def phone_settings(hparams):
+    """The phone seed's settings for this run (compared with the shipped seed's)."""
+    return phone_seed_settings(
+        **hparams["phone_corpus"], steps=hparams["pretrain_steps"],
+        batch_size=hparams["pretrain_batch_size"], lr=hparams["pretrain_lr"],
+        seed=pretrain_seed(hparams),
+    )  # fmt: skip
 
 
 def _loss_exits(hparams, objective):
@@ -437,10 +467,11 @@ def _pretrain_seed(folder, *, hparams, objective, csv_path, data_folder):
     from speechbrain_fl.models.multi_exit_wav2vec2 import MultiExitWav2Vec2, resolve_backbone
     from speechbrain_fl.models.pretrain import train_steps
 
-    source = resolve_backbone("tiny", cache_dir=hparams["cache_folder"], seed=hparams["seed"])
+    seed = pretrain_seed(hparams)
+    source = resolve_backbone("tiny", cache_dir=hparams["cache_folder"], seed=seed)
     # The seed model's own seed (its key holds it): the heads' initialisation and the
     # loader's shuffling of this one-off step, whatever ran before in the process.
-    torch.manual_seed(hparams["seed"])
+    torch.manual_seed(seed)
     with open(csv_path, newline="", encoding="utf-8") as handle:
         vocab = sorted({w for row in csv.DictReader(handle) for w in row["wrd"].split()})
     ctc = objective == "ctc"

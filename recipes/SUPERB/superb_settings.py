@@ -144,10 +144,21 @@ def check_hparams(hparams):
                 "one depth group empty; the heterogeneous scenario needs clients at both exits "
                 "(at least 2 clients), or use scenario: homogeneous"
             )
-    if hparams["pretrain_objective"] not in ("none", "bag_of_words", "ctc"):
+    if hparams["pretrain_objective"] not in ("none", "bag_of_words", "ctc", "phones"):
         raise ValueError(
             f"pretrain_objective: {hparams['pretrain_objective']!r} must be 'none', "
-            "'bag_of_words' or 'ctc'"
+            "'bag_of_words', 'ctc' or 'phones'"
+        )
+    corpus = hparams["phone_corpus"]
+    keys = {"speakers", "utterances", "speaker_offset"}
+    if (
+        not isinstance(corpus, dict)
+        or set(corpus) != keys
+        or not all(type(v) is int and v >= int(k != "speaker_offset") for k, v in corpus.items())
+    ):
+        raise ValueError(
+            f"phone_corpus: {corpus!r} must map speakers and utterances to integers >= 1 and "
+            "speaker_offset to an integer >= 0"
         )
     pretrain_exits = hparams["pretrain_exits"]
     if (
@@ -377,7 +388,9 @@ def make_settings(hparams, run_opts):
     start = time.time()
     data = prepare_task(hparams)
     timings["data"] = time.time() - start
+    start = time.time()
     seed_source, info = seed_model_folder(hparams, data["public"])
+    timings["seed"] = time.time() - start  # pretraining (info) or loading a shipped seed
     timings.update(info)
     spec = TASKS[hparams["task"]]
     ctc = spec["head"] == "ctc"

@@ -335,7 +335,7 @@ def build_server(context, *, settings, hparams, fl_config):
 RECIPE = FederatedRecipe(
     recipe_dir=RECIPE_DIR,
     task_ref=TASK,
-    default_hparams="hparams/kws.yaml",
+    default_hparams="hparams/kws35.yaml",
     check=check_hparams,
     defaults=default_rounds,
     # --debug: tiny sizes, seconds to run: 2 clients, 2 rounds, a few generated clips per task
@@ -347,6 +347,7 @@ RECIPE = FederatedRecipe(
         "bootstrap_resamples": 200,
         "num_clients": 2,
         "public_corpus_options": {"splits": {"public": 2}, "utterances_per_speaker": 2},
+        "phone_corpus": {"speakers": 1, "utterances": 2},
         "corpus_options": debug_corpus_options,
     },
     debug_values={"measure_memory": False},

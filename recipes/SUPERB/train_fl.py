@@ -14,16 +14,18 @@ model scored on VoxCeleb1 trials), er (IEMOCAP, 4 classes), asr (LibriSpeech). S
 exit) and heterogeneous (half the clients at exit 3, half at the task's best exit).
 
 Without ``data_folder`` the recipe generates the task's corpus with espeak-ng in the real
-layout, starts the tiny model from random weights (``pretrain_objective: none``; a
-pretraining on a generated LibriSpeech-style ``public`` split, ``bag_of_words`` or ``ctc``,
-is an option: README, *Embedded corpora*) and runs on CPU. Federated scenarios run the task factory ``superb_task.py:superb_task`` (the one ``flwr
-run`` loads) on the Simulation Engine.
+layout and runs on CPU with the tiny model. The default task file, ``hparams/kws35.yaml``,
+starts it from the phone seed shipped in ``seed/`` (``pretrain_objective: phones``); the
+other task files start from random weights (``pretrain_objective: none``; ``bag_of_words``,
+``ctc`` and ``phones`` pretrain it: README, *Embedded corpora*). Federated scenarios run the
+task factory ``superb_task.py:superb_task`` (the one ``flwr run`` loads) on the Simulation
+Engine.
 
 To run this recipe (from the repository root or from recipes/SUPERB/):
 
-    > python recipes/SUPERB/train_fl.py hparams/kws.yaml
-    > python recipes/SUPERB/train_fl.py hparams/kws.yaml --scenario homogeneous --exit 3
-    > python recipes/SUPERB/train_fl.py hparams/kws.yaml --aggregation fedavg_full
+    > python recipes/SUPERB/train_fl.py hparams/kws35.yaml
+    > python recipes/SUPERB/train_fl.py hparams/kws35.yaml --scenario homogeneous --exit 3
+    > python recipes/SUPERB/train_fl.py hparams/kws35.yaml --aggregation fedavg_full
     > python recipes/SUPERB/train_fl.py hparams/kws.yaml --weighting samples
     > python recipes/SUPERB/train_fl.py hparams/er.yaml --data_folder /data/IEMOCAP \\
           --model wav2vec2-base-100h --device cuda

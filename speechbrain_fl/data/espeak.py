@@ -5,7 +5,8 @@ system package is needed. This module binds the handful of C functions of espeak
 ``speak_lib.h`` that synthesis needs (``espeak_Initialize``, ``espeak_SetSynthCallback``,
 ``espeak_SetVoiceByName``, ``espeak_SetParameter``, ``espeak_Synth``, ``espeak_Synchronize``)
 and returns a float32 waveform at 16 kHz (espeak-ng renders at 22,050 Hz; the signal is
-resampled with ``torchaudio.transforms.Resample``).
+resampled with ``torchaudio.transforms.Resample``). :func:`synthesize_phonemes` also returns
+when each phoneme starts (espeak-ng's phoneme events), for frame-level phone labels.
 
 Why hand-written: the Python wrappers on PyPI either shell out to the ``espeak-ng`` executable
 (one process per utterance, ~100x slower) or only expose phonemisation. The binding runs at
@@ -40,6 +41,7 @@ __all__ = [
     "Voice",
     "VariantInfo",
     "synthesize",
+    "synthesize_phonemes",
     "list_variants",
     "variant_info",
     "native_sample_rate",
@@ -51,6 +53,9 @@ SAMPLE_RATE = 16000
 # speak_lib.h enums (API revision 12).
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
 _INITIALIZE_DONT_EXIT = 0x8000
+_INITIALIZE_PHONEME_EVENTS = 0x0001
+_EVENT_LIST_TERMINATED = 0
+_EVENT_PHONEME = 7
 _POS_CHARACTER = 1
 _CHARS_UTF8 = 1
 _PARAM_RATE = 1
@@ -61,7 +66,8 @@ _RATE_MIN, _RATE_MAX = 80, 450
 
 
 class _Event(ctypes.Structure):
-    """``espeak_EVENT`` (only passed through: the callback ignores events)."""
+    """``espeak_EVENT``; the callback reads the phoneme events (type 7: ``id`` holds the
+    phoneme's name, ``sample`` the sample it starts at)."""
 
     _fields_ = [
         ("type", ctypes.c_int),
@@ -140,7 +146,7 @@ def data_path() -> str:
 class _Engine:
     """One loaded, initialised instance of libespeak-ng (see :func:`_synth_pcm`)."""
 
-    def __init__(self):
+    def __init__(self, phoneme_events: bool = False):
         import espeakng_loader
 
         self.lib = ctypes.CDLL(espeakng_loader.get_library_path())
@@ -166,9 +172,8 @@ class _Engine:
         lib.espeak_Synth.restype = ctypes.c_int
         lib.espeak_Synchronize.restype = ctypes.c_int
         lib.espeak_Terminate.restype = ctypes.c_int
-        rate = lib.espeak_Initialize(
-            _AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path().encode(), _INITIALIZE_DONT_EXIT
-        )
+        options = _INITIALIZE_DONT_EXIT | (_INITIALIZE_PHONEME_EVENTS if phoneme_events else 0)
+        rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path().encode(), options)
         if rate <= 0:
             raise RuntimeError(
                 f"espeak_Initialize failed (returned {rate}) with data path {data_path()!r}"
@@ -198,6 +203,7 @@ class _Engine:
             self.set_seed(seed)
         data = text.encode("utf-8") + b"\0"
         _CHUNKS.clear()
+        _PHONEMES.clear()
         err = self.lib.espeak_Synth(data, len(data), 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
         self.lib.espeak_Synchronize()
         chunks = list(_CHUNKS)
@@ -214,17 +220,29 @@ class _Engine:
 def _collect(wav, numsamples, events):
     if wav and numsamples > 0:
         _CHUNKS.append(np.ctypeslib.as_array(wav, shape=(numsamples,)).copy())
+    i = 0
+    while events and events[i].type != _EVENT_LIST_TERMINATED:
+        if events[i].type == _EVENT_PHONEME:
+            name = events[i].id.decode("utf-8", "replace")  # a char[8], up to its NUL
+            _PHONEMES.append((name, int(events[i].sample)))
+        i += 1
     return 0
 
 
 _CHUNKS: list[np.ndarray] = []
+_PHONEMES: list[tuple[str, int]] = []  # (name, start sample): only with phoneme events on
 _CALLBACK_REF = _CALLBACK(_collect)  # one C callback for the process; C keeps a raw pointer
 _LOCK = threading.Lock()
 _NATIVE_RATE: list[int] = []
 
 
-def _synth_pcm(text: str, voice: Voice, seed: int) -> tuple[np.ndarray, int]:
+def _synth_pcm(
+    text: str, voice: Voice, seed: int, phonemes: list | None = None
+) -> tuple[np.ndarray, int]:
     """Synthesise int16 PCM at the native rate in a freshly loaded libespeak-ng.
+
+    ``phonemes``: a list, initialised with phoneme events on; it receives espeak-ng's
+    ``(phoneme, start sample at the native rate)`` pairs.
 
     espeak-ng keeps state between utterances (filter memories, pitch and flutter phases,
     noise generators), so the same call would give different samples depending on what was
@@ -234,10 +252,13 @@ def _synth_pcm(text: str, voice: Voice, seed: int) -> tuple[np.ndarray, int]:
     ``dlclose`` cannot unload it and that guarantee is lost (the audio stays valid).
     """
     with _LOCK:
-        engine = _Engine()
+        engine = _Engine(phoneme_events=phonemes is not None)
         try:
             pcm = engine.synth(text, voice, seed)
+            if phonemes is not None:
+                phonemes.extend(_PHONEMES)
         finally:
+            _PHONEMES.clear()
             engine.close()
         if not _NATIVE_RATE:
             _NATIVE_RATE.append(engine.sample_rate)
@@ -291,6 +312,41 @@ def synthesize(
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"synthesize() needs non-empty text, got {text!r}")
     pcm, native_rate = _synth_pcm(text, voice, int(seed))
+    return _to_float(pcm, native_rate, sample_rate)
+
+
+def synthesize_phonemes(
+    text: str, voice: Voice, *, sample_rate: int = SAMPLE_RATE, seed: int = 0
+) -> tuple[np.ndarray, list[tuple[str, float]]]:
+    """:func:`synthesize` with espeak-ng's phoneme events: the waveform and the phonemes' starts.
+
+    espeak-ng is initialised with ``espeakINITIALIZE_PHONEME_EVENTS``; each phoneme event
+    gives the phoneme's name (its ``id`` field, with espeak-ng's stress and length marks as
+    written, e.g. ``"'a"``) and the native-rate sample it starts at, returned in seconds
+    (``sample / native_rate``). Phonemes end where the next starts. The waveform is the one
+    :func:`synthesize` returns for the same arguments.
+
+    Returns
+    -------
+    tuple
+        ``(wav, phonemes)``: float32 samples and ``[(name, start_seconds), ...]`` in order.
+
+    Example
+    -------
+    >>> wav, phonemes = synthesize_phonemes("hello", Voice(language="en"))
+    >>> [name.lstrip("'") for name, _ in phonemes][:4], phonemes[0][1] < phonemes[-1][1]
+    (['h', '@', 'l', 'oU'], True)
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"synthesize_phonemes() needs non-empty text, got {text!r}")
+    events: list[tuple[str, int]] = []
+    pcm, native_rate = _synth_pcm(text, voice, int(seed), phonemes=events)
+    phonemes = [(name, sample / native_rate) for name, sample in events if name]
+    return _to_float(pcm, native_rate, sample_rate), phonemes
+
+
+def _to_float(pcm: np.ndarray, native_rate: int, sample_rate: int) -> np.ndarray:
+    """int16 PCM at ``native_rate`` to float32 in [-1, 1] at ``sample_rate``."""
     pcm = pcm.astype(np.float32) / 32768.0
     if sample_rate == native_rate or pcm.size == 0:
         return pcm

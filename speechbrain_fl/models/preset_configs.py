@@ -319,6 +319,7 @@ def check_preset(
     downsample_k: int | None = None,
     train_llm_lora: bool = True,
     connector_treatment: str = "train",
+    return_models: bool = False,
 ) -> dict[str, dict]:
     """Check a real preset's configs against the code on meta-device builds (no weights).
 
@@ -334,7 +335,9 @@ def check_preset(
     -------
     dict
         ``{"frozen": counts, "unfrozen": counts}`` with ``counts = {component: {"total",
-        "trainable", "trainable_lora_groups"}}`` (parameter numbers; trainable LoRA tensors).
+        "trainable", "trainable_lora_groups"}}`` (parameter numbers; trainable LoRA tensors);
+        with ``return_models``, ``{"frozen": model, "unfrozen": model}``: the checked
+        :class:`SpeechLLM` builds themselves, on the meta device (shapes, no values).
 
     Example
     -------
@@ -418,6 +421,8 @@ def check_preset(
         )
         return model
 
+    if return_models:
+        return {"frozen": build(True), "unfrozen": build(False)}
     return {
         "frozen": _count(build(True)),
         "unfrozen": _count(build(False)),

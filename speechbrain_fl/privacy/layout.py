@@ -1,8 +1,10 @@
 """Trainable groups of a model: name, component label and size (docs/design.md contract 1).
 
 A *group* is the unit that receives its own clip budget: one trainable tensor (a LoRA A or B
-matrix, a connector weight or bias) with ``group_by="parameter"``, or all trainable tensors of
-one module (a LoRA A and B pair, a linear layer's weight and bias) with ``group_by="module"``.
+matrix, a connector weight or bias) with ``group_by="parameter"``, all trainable tensors of
+one module (a LoRA A and B pair, a linear layer's weight and bias) with ``group_by="module"``,
+or, with ``group_by="layer_factor"``, the LoRA A factors of one numbered layer's adapted
+projections together and their B factors together (two groups per transformer layer).
 Each group carries a component label (``encoder``, ``connector``, ``llm`` or any label the YAML
 defines by name patterns), which is what the alpha-split pools and the per-component privacy
 report are keyed by.
@@ -14,6 +16,12 @@ Decisions
   (``...q_proj``), so the A and B matrices of one adapted layer form one group, as the
   adapted layer is the natural "module" of a LoRA update. Any other parameter belongs to the
   module that owns it (the name without its last segment).
+- ``layer_factor`` is our reading of the alpha-split paper's Table I ("L = 110": 64 encoder,
+  44 LLM, 2 connector groups for Whisper large-v3-turbo + TinyLlama-1.1B, two per layer). It is
+  the one grouping of that preset's trainable tensors that gives those counts and the table's
+  encoder group of 30,720 values (the A factors of q, k and v: 3 x 8 x 1,280); a LoRA
+  parameter's layer is its path up to the first all-digit segment (``...layers.3``), and a
+  tensor of no LoRA layer (the connector's weight, its bias) is a group of its own.
 - Components are assigned with :mod:`fnmatch` patterns, first matching label wins (dict order),
   so a YAML can list specific patterns before catch-alls.
 """
@@ -278,6 +286,29 @@ def _module_of(parameter: str) -> str:
     return ".".join(parts[:-1]) or parameter
 
 
+def _layer_factor_of(parameter: str) -> str:
+    """``<layer>.lora_A`` / ``<layer>.lora_B`` of a LoRA parameter; any other is its own group.
+
+    Example
+    -------
+    >>> _layer_factor_of("llm.model.layers.3.self_attn.v_proj.lora_B.default.weight")
+    'llm.model.layers.3.lora_B'
+    >>> _layer_factor_of("connector.proj.bias")
+    'connector.proj.bias'
+    """
+    parts = parameter.split(".")
+    lora = next((i for i, p in enumerate(parts) if p.startswith("lora_") and i > 0), None)
+    if lora is None:
+        return parameter
+    layer = next((i for i, p in enumerate(parts[:lora]) if p.isdigit()), None)
+    head = parts[: layer + 1] if layer is not None else parts[:lora]
+    return ".".join([*head, parts[lora]])
+
+
+#: ``group_by`` values of :func:`layout_from_model` and the key each groups parameters by.
+GROUPINGS = {"parameter": None, "module": _module_of, "layer_factor": _layer_factor_of}
+
+
 def layout_from_model(
     model: torch.nn.Module,
     *,
@@ -295,8 +326,9 @@ def layout_from_model(
         ``{label: [fnmatch pattern, ...]}``; the first label (in dict order) with a matching
         pattern wins.
     group_by : str
-        ``"parameter"`` (one group per tensor) or ``"module"`` (one group per module; LoRA A and
-        B of one adapted layer together).
+        ``"parameter"`` (one group per tensor), ``"module"`` (one group per module; LoRA A and
+        B of one adapted layer together) or ``"layer_factor"`` (per numbered layer, its LoRA A
+        factors together and its B factors together; the paper's Table I, module docstring).
     default_component : str, optional
         Label for parameters no pattern matches; when ``None`` such a parameter is an error.
 
@@ -312,8 +344,8 @@ def layout_from_model(
     >>> [(g.name, g.component, g.numel) for g in lay]
     [('0', 'encoder', 8), ('1', 'llm', 3)]
     """
-    if group_by not in ("parameter", "module"):
-        raise ValueError(f"group_by must be 'parameter' or 'module', got {group_by!r}")
+    if group_by not in GROUPINGS:
+        raise ValueError(f"group_by must be one of {sorted(GROUPINGS)}, got {group_by!r}")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
@@ -336,7 +368,7 @@ def layout_from_model(
 
     modules: dict[str, list[tuple[str, int, str]]] = {}
     for n, p in params:
-        modules.setdefault(_module_of(n), []).append((n, int(p.numel()), label_of(n)))
+        modules.setdefault(GROUPINGS[group_by](n), []).append((n, int(p.numel()), label_of(n)))
     groups = []
     for mod, members in modules.items():
         labels = {lab for _, _, lab in members}

@@ -253,3 +253,21 @@ def test_prepare_only_fills_the_cache_and_trains_nothing(tmp_path, recipe_cache)
     assert (out / "save" / "partition" / "partition.json").is_file()
     assert list(Path(recipe_cache("MLS")).glob("seed_tiny_*/speech_llm.json"))
     assert not (out / "results.json").exists() and not (out / "rounds.csv").exists()
+
+
+def test_centralized_scenario_trains_the_pooled_data_for_the_federated_budget(
+    tmp_path, recipe_cache
+):
+    """--scenario centralized: no rounds, the federated run's expected steps on the pooled
+    client utterances, and the test WER and per-utterance CE against round 0."""
+    out = tmp_path / "out"
+    proc = _run(out, recipe_cache, "--scenario", "centralized", hparams="fedavg")
+    results = json.loads((out / "results.json").read_text())
+    central = results["centralized"]
+    assert results["scenario"] == "centralized" and central["steps"] == central["federated_budget"]
+    assert central["stages"] == 2 and central["pooled_utterances"] > 0
+    assert set(results["test_ce"]) == {"final", "round0"}
+    for name in ("test_utterances", "test_ce_utterances"):
+        assert (out / f"{name}.csv").is_file() and (out / f"{name}_round0.csv").is_file()
+    assert not (out / "rounds.csv").exists()
+    assert "Centralized ceiling: test WER" in proc.stdout

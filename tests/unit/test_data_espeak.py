@@ -11,6 +11,7 @@ from speechbrain_fl.data.espeak import (
     list_variants,
     native_sample_rate,
     synthesize,
+    synthesize_phonemes,
     variant_info,
 )
 from speechbrain_fl.data.voices import PROSODY_PRESETS, apply_prosody, make_speakers
@@ -54,6 +55,18 @@ def test_bad_input_errors():
         Voice(language="en", rate=20)
     with pytest.raises(KeyError, match="nope"):
         variant_info("nope")
+
+
+def test_phoneme_events_leave_the_audio_unchanged_and_time_the_phonemes():
+    voice = Voice(language="en", variant="m2", rate=150)
+    wav, phonemes = synthesize_phonemes("stop the red car", voice, seed=3)
+    np.testing.assert_array_equal(wav, synthesize("stop the red car", voice, seed=3))
+    names = [name.lstrip("',%=") for name, _ in phonemes]
+    assert names[:3] == ["s", "t", "0"] and "r" in names and "d" in names
+    starts = [start for _, start in phonemes]
+    assert starts == sorted(starts) and 0.0 <= starts[0] and starts[-1] < len(wav) / SAMPLE_RATE
+    with pytest.raises(ValueError, match="non-empty text"):
+        synthesize_phonemes(" ", voice)
 
 
 def test_variants_by_gender():

@@ -47,12 +47,43 @@ def test_the_block_carries_the_results_files_figures(readme_results):
     assert "0.800 at round 0 -> 0.612" in block and "ε = 1.23" in block and "555 s" in block
     assert (
         "| Flat | 0.1685 | 0.1959\\* | 0.600 / 0.620 | 0.610 | -0.200 [-0.300, -0.100] "
-        "| 1.100 ± 0.141 |" in block
+        "| 1.100 ± 0.141 (mean ± sd) |" in block
     )
     assert "| PFL-Uniform | 0.4643 | 0.9944† | not run |" in block
-    assert "| PFL-Uniform - Flat | 2 | +0.050 [+0.010, +0.090] | 0.020 | yes |" in block
+    assert "| PFL-Uniform - Flat | 2 | +0.050 [+0.010, +0.090] | 0.020 | yes | - | - |" in block
     assert "- PFL-Uniform significantly worse than Flat: **met**" in block
     assert "- FedAvg at or below Flat: **not measured**" in block
+    assert "gap to the ceiling (CI above it): **not measured**" in block
+    # per-utterance CE files give the CE its CI; the ceiling gives its row and the closure
+    grid["rows"][0].update(ce_pooled=0.19, ce_ci=[0.17, 0.21])
+    grid["pairs"][0]["ce"] = {
+        "difference": 0.03,
+        "ci95": [0.01, 0.05],
+        "p": 0.004,
+        "significant": False,
+    }
+    grid["ceiling"] = {
+        "seeds": [11, 12], "wers": [0.5, 0.52], "wer_pooled": 0.51, "change": -0.3,
+        "change_ci": [-0.35, -0.25], "ce_pooled": 0.15, "ce_ci": [0.14, 0.16],
+        "wer_round0": 0.81, "wer_fedavg": 0.6, "central_minus_fedavg": -0.09,
+        "central_minus_fedavg_ci": [-0.12, -0.06], "closure": 0.7, "closure_ci": [0.66, 0.74],
+    }  # fmt: skip
+    block = readme_results.recipe_block(main, grid)
+    assert "| -0.200 [-0.300, -0.100] | 0.190 [0.170, 0.210] |" in block
+    assert "| yes | +0.030 [+0.010, +0.050] | 0.004 |" in block
+    assert "than Flat: **met** on test WER; **not met** on test CE" in block
+    assert (
+        "| Central ceiling (pooled client data, no DP) | - | - | 0.500 / 0.520 | 0.510 "
+        "| -0.300 [-0.350, -0.250] | 0.150 [0.140, 0.160] |" in block
+    )
+    assert "FedAvg closes 70% [66%, 74%] of the gap" in block
+    assert "gap to the ceiling (CI above it): **met**" in block
+    grid["ceiling"]["closure_ci"] = [0.6, 0.8]
+    assert "(CI above it): **not met**" in readme_results.recipe_block(main, grid)
+    row = readme_results.root_row(main, grid)
+    assert (
+        "Flat 0.610; central ceiling 0.510 (FedAvg closes 70% of the gap from round 0 0.810)" in row
+    )
     row = readme_results.root_row(main, grid)
     assert row.startswith(readme_results.ROW_PREFIX) and "Flat 0.610" in row
     assert "0.800 at round 0 -> 0.612 [0.550, 0.660]" in readme_results.main_line(main)

@@ -47,6 +47,9 @@ def test_round_cosine_lr_decays_to_its_floor():
     [
         ("connector_treatment", "own", "connector_treatment: 'own' must be one of"),
         ("ctc_treatment", "drop", "ctc_treatment: 'drop' must be one of"),
+        ("group_by", "layer", "group_by: 'layer' must be one of"),
+        ("scenario", "central", "scenario: 'central' must be federated or centralized"),
+        ("central_steps", 0, "central_steps: 0 must be a positive integer or null"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(key, value, match):

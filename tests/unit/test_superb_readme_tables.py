@@ -36,7 +36,7 @@ def test_a_changed_figure_is_caught_and_rewritten(tmp_path):
     from readme_tables import differences, write
 
     results, readme, root = _copies(tmp_path)
-    path = results / "default_kws12.json"
+    path = results / "default.json"
     default = json.loads(path.read_text())
     first = sorted(default["test"], key=int)[0]
     default["test"][first]["accuracy"] += 0.1
@@ -92,3 +92,48 @@ def test_a_depth_row_pools_the_seeds_and_pairs_the_clips(tmp_path):
     assert "| toy | 2 | 0.500 | 0.750 (exit 12) | +0.250 [" in depth_table(saved)
     with pytest.raises(ValueError, match="same seeds"):
         ingest_depth("toy", shallow[0], deep[1], results=tmp_path)
+
+
+def _fake_arm(folder, seed, correct_by_exit, aggregation="layerwise"):
+    """A federated run's results.json and test_predictions.csv with one column per exit."""
+    folder.mkdir(parents=True)
+    exits = sorted(correct_by_exit)
+    n = len(correct_by_exit[exits[0]])
+    rows = ["ID,spk_id,label," + ",".join(f"pred_{e}" for e in exits)]
+    for i in range(n):
+        preds = ",".join("yes" if correct_by_exit[e][i] else "no" for e in exits)
+        rows.append(f"u{i},s{i % 4},yes,{preds}")
+    (folder / "test_predictions.csv").write_text("\n".join(rows) + "\n")
+    test = {str(e): {"accuracy": sum(c) / n, "ci95": [0, 1]} for e, c in correct_by_exit.items()}
+    results = {"seed": seed, "task": "kws35", "rounds": 2, "aggregation": aggregation,
+               "scenario": "heterogeneous" if len(exits) > 1 else "homogeneous", "test": test}  # fmt: skip
+    (folder / "results.json").write_text(json.dumps(results))
+    return str(folder)
+
+
+def test_table2_pools_the_arms_and_tests_the_pairs(tmp_path):
+    from readme_tables import ingest_table2, table2
+
+    right = [True] * 16
+    half = [i < 8 for i in range(16)]  # 2 of the 4 clips of every speaker
+    most = [i != 15 for i in range(16)]  # 4 of 4, speaker s3 3 of 4
+    arms = {
+        "homo": [_fake_arm(tmp_path / f"homo_{s}", s, {12: right}) for s in (1, 2)],
+        "fedavg": [_fake_arm(tmp_path / f"fa_{s}", s, {3: half, 12: half}, "fedavg_full")
+                   for s in (1, 2)],
+        "layerwise": [_fake_arm(tmp_path / f"lw_{s}", s, {3: half, 12: most}) for s in (1, 2)],
+    }  # fmt: skip
+    data = ingest_table2(*(",".join(arms[k]) for k in ("homo", "fedavg", "layerwise")),
+                         results=tmp_path)  # fmt: skip
+    assert data["deep_exit"] == 12 and data["seeds"] == [1, 2]
+    assert data["arms"]["layerwise"]["pooled"]["12"][0] == 0.9375
+    assert data["arms"]["homogeneous"]["pooled"].get("3") is None
+    pairs = {(p["a"], p["b"]): p for p in data["pairs"]}
+    lw_fa = pairs[("layerwise", "fedavg_full")]
+    # every (seed, speaker) unit favours layer-wise: exact sign-flip p = 2 / 2^8
+    assert lw_fa["difference"][0] == 0.4375 and abs(lw_fa["p"] - 2 / 256) < 1e-9
+    assert pairs[("layerwise", "homogeneous")]["difference"][0] == -0.0625
+    text = table2(json.loads((tmp_path / "table2_kws35.json").read_text()))
+    assert "| layer-wise - FedAvg | +0.438 [" in text and text.endswith("): met.")
+    with pytest.raises(ValueError, match="seeds"):
+        ingest_table2(arms["homo"][0], arms["fedavg"][1], arms["layerwise"][0], results=tmp_path)

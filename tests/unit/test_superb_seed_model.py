@@ -31,7 +31,7 @@ def public_split(tmp_path_factory):
 def _hparams(cache, exits):
     return {"model": "tiny", "cache_folder": str(cache), "pretrain_objective": "bag_of_words",
             "pretrain_steps": 2, "pretrain_lr": 0.01, "pretrain_batch_size": 2,
-            "pretrain_exits": exits, "seed": 0}  # fmt: skip
+            "pretrain_exits": exits, "pretrain_seed": None, "seed": 0}  # fmt: skip
 
 
 def _layers(folder):

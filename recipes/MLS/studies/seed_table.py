@@ -11,8 +11,9 @@ seeds show how much the draws move it. This module tabulates those runs:
   paired speaker-level 95% CI, the per-coordinate (LLM + connector)/encoder update-norm ratio
   and each pool's clipped-signal retention (mean over seeds), and the LLM retention against
   Flat's;
-- the paired comparisons (Flat against PFL-Uniform, PFL-Dim and alpha-split;
-  alpha-split against PFL-Uniform and PFL-Dim; Flat against FedAvg), pooled over the seeds:
+- the paired comparisons (Flat against PFL-Uniform, PFL-Dim, the EMA variants and
+  alpha-split; alpha-split against PFL-Uniform and PFL-Dim; Flat against FedAvg), pooled over
+  the seeds:
   ``WER_A - WER_B`` with its 95% CI and p-value (:func:`compare.compare_runs`).
 
 Authors
@@ -39,6 +40,8 @@ from speechbrain_fl.metrics import paired_bootstrap_details, read_utterance_deta
 PAIRS = (
     ("pfl_uniform", "flat"),
     ("pfl_dim", "flat"),
+    ("pfl_dim_ema", "flat"),
+    ("pfl_unif_ema", "flat"),
     ("alpha_split", "flat"),
     ("alpha_split", "pfl_uniform"),
     ("alpha_split", "pfl_dim"),

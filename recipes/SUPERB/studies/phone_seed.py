@@ -1,30 +1,21 @@
-#!/usr/bin/env python3
-"""A tiny seed with its loss at the top: frame-level phone classification, and layer probes.
+"""The phone seed and where it keeps what: per-layer linear probes of content and speaker.
 
-The paper starts from wav2vec 2.0 Base fine-tuned for ASR, whose upper layers carry phonetic
-content the lower ones lack. This study builds the tiny model's analogue and measures where it
-keeps what:
-
-1. **Public speech with phone timings.** ``--speakers`` x ``--utterances`` generated sentences
-   (voices from ``--speaker_offset`` on, apart from the task corpora's), synthesised by
-   espeak-ng with its phoneme events on; frame t (20 ms, the model's frame rate) is labelled
-   with the phoneme sounding at its centre, ``_`` before the first and after the last.
-   Stress marks are dropped (``'a`` and ``a`` are one label).
-2. **Pretraining.** The random tiny model (12 layers, hidden 64) with one frame-level linear
-   head after layer 12, trained by the cross-entropy of the frame labels over valid frames
-   (``loss = -1/|F| sum_{t in F} log p_12(y_t | x)``), AdamW, one-cycle lr (peak ``--lr``),
-   ``--steps`` steps of ``--batch_size`` utterances; the backbone is saved to
-   ``<out>/seed`` (a folder ``train_fl.py --model`` loads).
-3. **Probes** on frozen states of held-out voices (``--probe_speakers``), for the random
-   model and the seed, after every layer l: *content*, a linear softmax probe of the frame's
-   phone (trained on half of the voices, tested on the others: frame accuracy); *speaker*, a
-   linear probe of the voice from the utterance's mean state (trained on the first
-   utterances of each voice, tested on the rest). Probes are full-batch AdamW on standardised
-   states, ``--probe_steps`` steps.
+The seed (:mod:`speechbrain_fl.models.multi_exit_phone_seed`) is the tiny model pretrained by
+frame-level phone classification at layer 12 on generated public speech (``--speakers`` x
+``--utterances`` sentences, voices from ``--speaker_offset`` on). This script pretrains it,
+saves the backbone to ``<out>/seed`` (a folder ``train_fl.py --model`` loads) and, with
+``--ship FOLDER``, writes it as the recipe's shipped seed (``seed.safetensors`` in float16 and
+``seed.json`` with its SHA-256 and settings, :func:`speechbrain_fl.recipe.shipped_seed
+.write_shipped_seed`). Then it probes the random model and the seed on frozen states of
+held-out voices (``--probe_speakers`` x ``--probe_utterances``), after every layer l:
+*content*, a linear softmax probe of the frame's phone (trained on half of the voices, tested
+on the others: frame accuracy); *speaker*, a linear probe of the voice from the utterance's
+mean state (trained on the first utterances of each voice, tested on the last two). Probes are
+full-batch AdamW on standardised states, ``--probe_steps`` steps.
 
 Writes ``<out>/phone_seed.json`` (losses, probe accuracies by layer, settings).
 
-    > python recipes/SUPERB/studies/phone_seed.py --out /tmp/phone_seed
+    > python recipes/SUPERB/studies/phone_seed.py --out /tmp/phone_seed --ship recipes/SUPERB/seed
 
 Authors
  * speechbrain-fl contributors
@@ -33,141 +24,18 @@ Authors
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
-RECIPE_DIR = Path(__file__).resolve().parents[1]
-if str(RECIPE_DIR) not in sys.path:
-    sys.path.insert(0, str(RECIPE_DIR))
-
-FRAME_S = 0.02  # the wav2vec 2.0 frame hop (320 samples at 16 kHz)
-_PHONEME_EVENTS = 0x0001  # espeakINITIALIZE_PHONEME_EVENTS
-_EVENT_PHONEME = 7  # espeakEVENT_PHONEME
-SILENCE = "_"
-
-
-@contextmanager
-def _phoneme_events(events):
-    """espeak-ng with phoneme events on, its callback appending (phoneme, sample) to ``events``."""
-    from speechbrain_fl.data import espeak
-
-    def collect(wav, numsamples, evs):
-        if wav and numsamples > 0:
-            espeak._CHUNKS.append(np.ctypeslib.as_array(wav, shape=(numsamples,)).copy())
-        i = 0
-        while evs and evs[i].type != 0:  # espeakEVENT_LIST_TERMINATED
-            if evs[i].type == _EVENT_PHONEME:
-                name = ctypes.string_at(evs[i].id, 8).split(b"\0")[0].decode("ascii", "replace")
-                events.append((name.lstrip("',%="), int(evs[i].sample)))  # stress marks dropped
-            i += 1
-        return 0
-
-    saved = espeak._CALLBACK_REF, espeak._INITIALIZE_DONT_EXIT
-    espeak._CALLBACK_REF = espeak._CALLBACK(collect)
-    espeak._INITIALIZE_DONT_EXIT = saved[1] | _PHONEME_EVENTS
-    try:
-        yield
-    finally:
-        espeak._CALLBACK_REF, espeak._INITIALIZE_DONT_EXIT = saved
-
-
-def synthesize_phones(text, voice, seed=0):
-    """16 kHz float32 waveform of ``text`` and its phoneme label per 20-ms frame."""
-    from speechbrain_fl.data import espeak
-
-    events = []
-    with _phoneme_events(events):
-        pcm, rate = espeak._synth_pcm(text, voice, int(seed))
-    wav = espeak.synthesize(text, voice, seed=seed)  # the same samples, resampled to 16 kHz
-    seconds = len(pcm) / rate
-    frames = int(len(wav) / 16000 / FRAME_S)
-    labels = [SILENCE] * frames
-    starts = [(name, sample / rate) for name, sample in events if name]
-    for k, (name, start) in enumerate(starts):
-        end = starts[k + 1][1] if k + 1 < len(starts) else seconds
-        first, last = int(start / FRAME_S), min(frames, int(np.ceil(end / FRAME_S)))
-        for t in range(first, last):
-            labels[t] = name
-    return wav, labels
-
-
-def build_corpus(speakers, utterances, *, seed, offset):
-    """``[(speaker, wav, labels)]`` for ``speakers`` voices x ``utterances`` sentences."""
-    from speechbrain_fl.data.sentences import make_sentences
-    from speechbrain_fl.data.voices import make_speakers
-
-    voices = make_speakers(speakers, seed=seed, offset=offset)
-    texts = make_sentences("english", speakers * utterances, seed=seed + 17 + offset)
-    corpus = []
-    for s, voice in enumerate(voices):
-        for u in range(utterances):
-            wav, labels = synthesize_phones(texts[s * utterances + u], voice.voice("en"), seed=u)
-            corpus.append((s, wav, labels))
-    return corpus
-
-
-def _batch(items, index):
-    """Padded waveforms, relative lengths and frame labels (-100 beyond each utterance)."""
-    wavs = [torch.from_numpy(w) for _, w, _ in items]
-    longest = max(len(w) for w in wavs)
-    batch = torch.zeros(len(wavs), longest)
-    for i, w in enumerate(wavs):
-        batch[i, : len(w)] = w
-    lens = torch.tensor([len(w) / longest for w in wavs])
-    labels = torch.full((len(items), int(longest / 16000 / FRAME_S) + 2), -100, dtype=torch.long)
-    for i, (_, _, lab) in enumerate(items):
-        labels[i, : len(lab)] = torch.tensor([index.get(p, 0) for p in lab])
-    return batch, lens, labels
-
-
-def frame_loss(model, wavs, lens, labels):
-    """Mean cross-entropy of the frame labels at layer 12 over valid frames."""
-    logp = model(wavs, lens, depth=12)  # (B, T, P) log-probabilities
-    target = labels[:, : logp.shape[1]]
-    if target.shape[1] < logp.shape[1]:
-        pad = torch.full((target.shape[0], logp.shape[1] - target.shape[1]), -100)
-        target = torch.cat([target, pad], dim=1)
-    return torch.nn.functional.nll_loss(logp.transpose(1, 2), target, ignore_index=-100)
-
-
-def pretrain(corpus, phones, args):
-    """Train the tiny model's frame head at layer 12; return (model, losses)."""
-    from transformers import Wav2Vec2Model
-
-    from speechbrain_fl.models.multi_exit_wav2vec2 import MultiExitWav2Vec2, resolve_backbone
-
-    torch.manual_seed(args.seed)
-    source = resolve_backbone("tiny", cache_dir=args.cache_folder, seed=args.seed)
-    model = MultiExitWav2Vec2(
-        Wav2Vec2Model.from_pretrained(source), num_outputs=len(phones), exits=(12,), head="ctc"
-    )
-    model.train()
-    index = {p: i for i, p in enumerate(phones)}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1
-    )
-    rng = np.random.default_rng(args.seed)
-    losses = []
-    for step in range(args.steps):
-        size = min(args.batch_size, len(corpus))
-        items = [corpus[i] for i in rng.choice(len(corpus), size, replace=False)]
-        loss = frame_loss(model, *_batch(items, index))
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step}: loss {np.mean(losses[-50:]):.3f}", flush=True)
-    return model, losses
+from speechbrain_fl.models.multi_exit_phone_seed import (
+    build_phone_seed,
+    phone_corpus,
+    phone_seed_settings,
+    seed_tensors,
+)
 
 
 @torch.no_grad()
@@ -234,13 +102,15 @@ def probes(model, corpus, phones, steps):
 
 
 def main(argv=None):
-    """Build the corpus, pretrain, probe the random model and the seed, write the results."""
+    """Pretrain the seed (and ship it), probe the random model and the seed, write the results."""
     from transformers import Wav2Vec2Model
 
     from speechbrain_fl.models.multi_exit_wav2vec2 import MultiExitWav2Vec2, resolve_backbone
+    from speechbrain_fl.recipe.shipped_seed import write_shipped_seed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ship", default=None, help="write the shipped seed into this folder")
     parser.add_argument("--cache_folder", default="results/SUPERB/cache")
     parser.add_argument("--speakers", type=int, default=48)
     parser.add_argument("--utterances", type=int, default=16)
@@ -256,23 +126,32 @@ def main(argv=None):
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    offset = args.speaker_offset
-    corpus = build_corpus(args.speakers, args.utterances, seed=args.seed, offset=offset)
-    probe_corpus = build_corpus(
+    seed_keys = ("speakers", "utterances", "speaker_offset", "steps", "batch_size", "lr", "seed")
+    seed_settings = phone_seed_settings(**{k: getattr(args, k) for k in seed_keys})
+    model, losses, phones = build_phone_seed(
+        out / "seed", seed_settings, cache_dir=args.cache_folder,
+        log=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    if args.ship:
+        stats = json.loads((out / "seed" / "pretraining.json").read_text())
+        command = "python recipes/SUPERB/studies/phone_seed.py --out OUT --ship " + args.ship
+        manifest = write_shipped_seed(
+            args.ship, seed_tensors(out / "seed"), settings=seed_settings,
+            facts={"command": command, **stats},
+        )  # fmt: skip
+        print(f"Shipped seed written to {args.ship} (sha256 {manifest['sha256']})", flush=True)
+    probe_corpus = phone_corpus(
         args.probe_speakers, args.probe_utterances, seed=args.seed,
         offset=args.speaker_offset + args.speakers,
     )  # fmt: skip
-    phones = [SILENCE] + sorted({p for _, _, lab in corpus for p in lab} - {SILENCE})
-    print(f"{len(corpus)} utterances, {len(phones)} phone labels", flush=True)
-    model, losses = pretrain(corpus, phones, args)
-    model.backbone.save_pretrained(out / "seed")
     random_model = MultiExitWav2Vec2(
         Wav2Vec2Model.from_pretrained(
             resolve_backbone("tiny", cache_dir=args.cache_folder, seed=args.seed)
         ),
         num_outputs=len(phones), exits=(12,), head="ctc",
     )  # fmt: skip
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "cache_folder")}
+    excluded = ("out", "ship", "cache_folder")
+    settings = {k: v for k, v in vars(args).items() if k not in excluded}
     results = {"settings": settings, "phones": phones, "loss_first_50": np.mean(losses[:50]),
                "loss_last_50": np.mean(losses[-50:]), "probes": {}}  # fmt: skip
     for name, net in (("random", random_model), ("phone_seed", model)):

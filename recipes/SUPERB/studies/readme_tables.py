@@ -3,8 +3,11 @@
 
 The one source of the recipe's reported figures is the JSON files of ``recipes/SUPERB/studies/``:
 
-- ``default_kws12.json``: the default command's run (test accuracy per exit with its 95% CI,
+- ``default.json``: the default command's run (test accuracy per exit with its 95% CI,
   training memory per exit), copied from a run's ``results.json`` by ``--ingest_default``;
+- ``table2_kws35.json``: the paper's Table 2 on the default task (homogeneous at the deep exit,
+  heterogeneous with FedAvg, heterogeneous layer-wise; one run per seed each), written by
+  ``--ingest_table2`` with pooled accuracies, paired differences and p-values;
 - ``memory_by_task.json``: exit 3 against exit 12 at wav2vec 2.0 Base size per task, written
   by ``memory_by_exit.py --per_task``;
 - ``phone_seed.json``: the phone seed's per-layer probes (``phone_seed.py``'s output);
@@ -13,13 +16,13 @@ The one source of the recipe's reported figures is the JSON files of ``recipes/S
   it from the runs' ``test_predictions.csv``, comma-separated folders one per seed: the
   (seed, speaker) bootstrap of ``results_table.paired_difference``).
 
-From them it renders four tables into ``recipes/SUPERB/README.md``, between the markers
-``<!-- results:superb-default:start -->`` / ``...:end -->`` (and ``superb-memory``,
-``superb-depth``, ``superb-probes``), and the row of the root README's results table that
+From them it renders five tables into ``recipes/SUPERB/README.md``, between the markers
+``<!-- results:superb-default:start -->`` / ``...:end -->`` (and ``superb-table2``,
+``superb-memory``, ``superb-depth``, ``superb-probes``), and the row of the root README's results table that
 starts with ``| SUPERB`` (a table row cannot hold markers, so the row is found by its prefix).
 ``--check`` writes nothing and exits 1 naming every table that differs from its file.
 
-    > python recipes/SUPERB/studies/readme_tables.py --ingest_default results/SUPERB/kws12/...
+    > python recipes/SUPERB/studies/readme_tables.py --ingest_default RUN "a 2-core CPU"
     > python recipes/SUPERB/studies/readme_tables.py
     > python recipes/SUPERB/studies/readme_tables.py --check
 
@@ -34,11 +37,14 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 RECIPE_DIR = Path(__file__).resolve().parents[1]  # recipes/SUPERB
 RESULTS = RECIPE_DIR / "studies"
 README = RECIPE_DIR / "README.md"
 ROOT_README = RECIPE_DIR.parents[1] / "README.md"
 ROW_PREFIX = "| SUPERB "
+SHORT_NAMES = {"kws12": "KWS-12", "kws35": "KWS-35", "sid": "SID", "er": "ER", "asr": "ASR"}
 TASK_NAMES = {"kws12": "KWS-12 (Speech Commands)", "sid": "SID (VoxCeleb1)",
               "er": "ER (IEMOCAP)", "asr": "ASR (LibriSpeech)"}  # fmt: skip
 
@@ -63,8 +69,9 @@ def _row(memory, task, front_end):
 def default_table(default, memory):
     """The headline table: the default run per exit and exit 3's memory saving at Base size."""
     lines = ["| Figure | Paper | This repo |", "|---|---|---|"]
+    task = SHORT_NAMES[default["task"]]
     for exit_, entry in sorted(default["test"].items(), key=lambda kv: int(kv[0])):
-        lines.append(f"| KWS-12 test accuracy, exit {exit_} [95% CI] | lost | {_ci(entry)} |")
+        lines.append(f"| {task} test accuracy, exit {exit_} [95% CI] | lost | {_ci(entry)} |")
     for task in ("kws12", "asr"):
         saved = _row(memory, task, "trained")["saved"]
         lines.append(
@@ -73,6 +80,13 @@ def default_table(default, memory):
             f"{saved['saving_pct']:.1f}% ({saved['exit3_mib']:.0f} vs {saved['exit12_mib']:.0f}"
             " MiB) |"
         )
+    timings = default.get("timings_s")
+    if timings:
+        parts = [f"corpus generation {timings['data']:.0f} s", f"seed {timings['seed']:.0f} s",
+                 f"federated training {timings['training']:.0f} s",
+                 f"test and memory {timings['evaluation'] + timings['memory']:.0f} s"]  # fmt: skip
+        lines += ["", f"Wall time from an empty cache: {timings['total'] / 60:.1f} min ("
+                  + ", ".join(parts) + f"); {default['machine']}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -133,17 +147,14 @@ def depth_table(depth):
 
 def probe_table(probes):
     """Linear-probe accuracy per layer on frozen states: the random model and the phone seed."""
-    lines = [
-        "| Layer | Phone (content), random | Phone (content), seed | Voice (speaker), random "
-        "| Voice (speaker), seed |",
-        "|---|---|---|---|---|",
-    ]
     random, seed = probes["probes"]["random"], probes["probes"]["phone_seed"]
-    for layer in sorted(random["content"], key=int):
-        lines.append(
-            f"| {layer} | {random['content'][layer]:.3f} | {seed['content'][layer]:.3f} | "
-            f"{random['speaker'][layer]:.3f} | {seed['speaker'][layer]:.3f} |"
-        )
+    layers = sorted(random["content"], key=int)
+    lines = ["| Probe, model | " + " | ".join(f"L{layer}" for layer in layers) + " |",
+             "|---|" + "---|" * len(layers)]  # fmt: skip
+    for probe, name in (("content", "Phone (content)"), ("speaker", "Voice (speaker)")):
+        for model, label in ((random, "random"), (seed, "seed")):
+            cells = " | ".join(f"{model[probe][layer]:.3f}" for layer in layers)
+            lines.append(f"| {name}, {label} | {cells} |")
     settings = probes["settings"]
     lines.append("")
     lines.append(
@@ -162,7 +173,8 @@ def root_row(default, memory):
     accuracy = ", ".join(f"{e[1]['accuracy']:.3f} at exit {e[0]}" for e in tests)
     kws = _row(memory, "kws12", "trained")["saved"]
     return (
-        f"| SUPERB KWS-12 | Test accuracy {accuracy} ({default['rounds']} rounds, one seed); "
+        f"| SUPERB {SHORT_NAMES[default['task']]} | Test accuracy {accuracy} "
+        f"({default['rounds']} rounds, one seed); "
         f"training memory exit 3 vs 12 at wav2vec 2.0 Base size: -{kws['saving_pct']:.1f}% "
         f"(tensors of one step, batch {memory['batch_size']}, 1-s clips) | Accuracy tables lost "
         f"from the paper's text; memory -{_row(memory, 'kws12', 'trained')['paper_saving_pct']}"
@@ -172,10 +184,11 @@ def root_row(default, memory):
 
 def render(results=RESULTS):
     """``({table name: markdown}, root README row)`` from the results files."""
-    default = load("default_kws12.json", results)
+    default = load("default.json", results)
     memory = load("memory_by_task.json", results)
     tables = {
         "results:superb-default": default_table(default, memory),
+        "results:superb-table2": table2(load("table2_kws35.json", results)),
         "results:superb-memory": memory_table(memory),
         "results:superb-depth": depth_table(load("depth_by_exit.json", results)),
         "results:superb-probes": probe_table(load("phone_seed.json", results)),
@@ -196,7 +209,7 @@ def differences(readme=README, root_readme=ROOT_README, results=RESULTS):
 
 
 def write(readme=README, root_readme=ROOT_README, results=RESULTS):
-    """Write the four tables into ``readme`` and the row into ``root_readme``."""
+    """Write the five tables into ``readme`` and the row into ``root_readme``."""
     from speechbrain_fl.recipe import update_readme_table
 
     tables, row = render(results)
@@ -211,12 +224,14 @@ def write(readme=README, root_readme=ROOT_README, results=RESULTS):
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
-def ingest_default(folder, results=RESULTS):
-    """Copy what the tables read from a default run's ``results.json``."""
-    run = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
+def ingest_default(folder, machine, results=RESULTS):
+    """Copy what the tables read from a default run's ``results.json``; ``machine`` says where
+    it ran (the wall time's context)."""
+    run = {**json.loads((Path(folder) / "results.json").read_text(encoding="utf-8")),
+           "machine": machine}  # fmt: skip
     keys = ("task", "scenario", "aggregation", "weighting", "rounds", "num_clients", "seed")
-    keep = {k: run[k] for k in (*keys, "test", "memory_mb") if k in run}
-    (Path(results) / "default_kws12.json").write_text(json.dumps(keep, indent=1) + "\n")
+    keep = {k: run[k] for k in (*keys, "test", "memory_mb", "timings_s", "machine") if k in run}
+    (Path(results) / "default.json").write_text(json.dumps(keep, indent=1) + "\n")
 
 
 def _seed_runs(folders):
@@ -268,13 +283,123 @@ def ingest_depth(label, shallow_folders, deep_folders, results=RESULTS):
     return row
 
 
+TABLE2_ARMS = {
+    "homogeneous": "Homogeneous: every client at exit {deep}",
+    "fedavg_full": "Heterogeneous 50/50 (exits 3 and {deep}), FedAvg over all layers",
+    "layerwise": "Heterogeneous 50/50 (exits 3 and {deep}), layer-wise (n_i L_i)",
+}
+TABLE2_PAIRS = (("layerwise", "fedavg_full"), ("layerwise", "homogeneous"),
+                ("fedavg_full", "homogeneous"))  # fmt: skip
+
+
+def _runs_of(folders):
+    """The ``results.json`` of comma-separated run folders (one per seed), folder attached."""
+    runs = []
+    for folder in folders.split(","):
+        run = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
+        runs.append({**run, "_folder": str(folder)})
+    return runs
+
+
+def paired_p(run_a, exit_a, run_b, exit_b, *, num_resamples=9999, seed=0):
+    """Two-sided p of a paired sign-flip permutation test over (seed, speaker) units.
+
+    H0: the two arms' correct-clip counts are exchangeable within each unit u. The statistic
+    is ``sum_u (c^a_u - c^b_u)``; a permutation swaps the arms of random units
+    (``scipy.stats.permutation_test``, ``permutation_type="samples"``).
+    """
+    from results_table import _unit_predictions
+    from scipy.stats import permutation_test
+
+    a, b = _unit_predictions(run_a, exit_a), _unit_predictions(run_b, exit_b)
+    if a is None or b is None or set(a) != set(b):
+        raise ValueError("paired_p needs per-clip predictions of the same test clips")
+    units = sorted({unit for unit, _ in a.values()})
+    index = {unit: i for i, unit in enumerate(units)}
+    counts = np.zeros((2, len(units)))
+    for key in a:
+        counts[0, index[a[key][0]]] += a[key][1]
+        counts[1, index[b[key][0]]] += b[key][1]
+    result = permutation_test(
+        (counts[0], counts[1]), lambda x, y, axis: np.sum(x - y, axis=axis),
+        permutation_type="samples", vectorized=True, n_resamples=num_resamples,
+        alternative="two-sided", random_state=seed,
+    )  # fmt: skip
+    return float(result.pvalue)
+
+
+def ingest_table2(homogeneous, fedavg_full, layerwise, results=RESULTS):
+    """Write ``table2_kws35.json``: the paper's Table 2 arms, one run folder per seed each.
+
+    Each arm's accuracy at the deep exit (and exit 3 for the heterogeneous arms) is pooled
+    over the seeds' test clips with a (seed, speaker) bootstrap CI; each pair of arms at the
+    deep exit gets the paired difference (``results_table.paired_difference``) and the p of
+    :func:`paired_p`.
+    """
+    from results_table import paired_difference, pooled_accuracy
+
+    arms = {"homogeneous": _runs_of(homogeneous), "fedavg_full": _runs_of(fedavg_full),
+            "layerwise": _runs_of(layerwise)}  # fmt: skip
+    seeds = [r["seed"] for r in arms["homogeneous"]]
+    deep = max(int(e) for e in arms["homogeneous"][0]["test"])
+    for name, runs in arms.items():
+        if [r["seed"] for r in runs] != seeds:
+            raise ValueError(f"{name}: seeds {[r['seed'] for r in runs]}, expected {seeds}")
+    out = {"task": arms["homogeneous"][0]["task"], "seeds": seeds, "deep_exit": deep,
+           "rounds": arms["homogeneous"][0]["rounds"], "arms": {}, "pairs": []}  # fmt: skip
+    for name, runs in arms.items():
+        exits = sorted(int(e) for e in runs[0]["test"])
+        out["arms"][name] = {
+            "aggregation": runs[0]["aggregation"], "scenario": runs[0]["scenario"],
+            "per_seed": {str(e): [r["test"][str(e)]["accuracy"] for r in runs] for e in exits},
+            "pooled": {str(e): pooled_accuracy(runs, str(e)) for e in exits},
+        }  # fmt: skip
+    for a, b in TABLE2_PAIRS:
+        value, (lo, hi) = paired_difference(arms[a], str(deep), arms[b], str(deep))
+        p = paired_p(arms[a], str(deep), arms[b], str(deep))
+        out["pairs"].append({"a": a, "b": b, "difference": [value, lo, hi], "p": p})
+    path = Path(results) / "table2_kws35.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def table2(data):
+    """The paper's Table 2 on the default task: three arms, pooled over seeds, and the pairs."""
+    deep = data["deep_exit"]
+    lines = [f"| Set-up | Exit {deep} [95% CI] | Exit 3 [95% CI] | Exit {deep} per seed |",
+             "|---|---|---|---|"]  # fmt: skip
+    for name, label in TABLE2_ARMS.items():
+        arm = data["arms"][name]
+        cells = []
+        for e in (str(deep), "3"):
+            pooled = arm["pooled"].get(e)
+            cells.append("-" if pooled is None else _ci({"accuracy": pooled[0], "ci95": pooled[1]}))
+        seeds = " / ".join(f"{v:.3f}" for v in arm["per_seed"][str(deep)])
+        lines.append(f"| {label.format(deep=deep)} | {cells[0]} | {cells[1]} | {seeds} |")
+    lines += ["", f"| Exit {deep}: difference | Paired [95% CI] | p |", "|---|---|---|"]
+    names = {"homogeneous": "homogeneous", "fedavg_full": "FedAvg", "layerwise": "layer-wise"}
+    for pair in data["pairs"]:
+        value, lo, hi = pair["difference"]
+        lines.append(f"| {names[pair['a']]} - {names[pair['b']]} | {value:+.3f} "
+                     f"[{lo:+.3f}, {hi:+.3f}] | {pair['p']:.3f} |")  # fmt: skip
+    target = next(p for p in data["pairs"] if (p["a"], p["b"]) == ("layerwise", "fedavg_full"))
+    met = target["difference"][1] > 0 and target["p"] < 0.05
+    lines += ["", f"Seeds {', '.join(str(s) for s in data['seeds'])}, {data['rounds']} rounds. "
+              f"Target (layer-wise significantly above heterogeneous FedAvg at exit {deep}): "
+              + ("met." if met else "not met.")]  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv=None):
     """Write the tables (default), check them, or ingest a run first."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a README differs")
-    parser.add_argument("--ingest_default", default=None, help="a default run's output folder")
+    parser.add_argument("--ingest_default", nargs=2, default=None, metavar=("RUN", "MACHINE"),
+                        help="a default run's output folder and where it ran")  # fmt: skip
     parser.add_argument("--ingest_depth", nargs=3, default=None,
                         metavar=("LABEL", "SHALLOW_RUNS", "DEEP_RUNS"))  # fmt: skip
+    parser.add_argument("--ingest_table2", nargs=3, default=None,
+                        metavar=("HOMOGENEOUS_RUNS", "FEDAVG_RUNS", "LAYERWISE_RUNS"))  # fmt: skip
     args = parser.parse_args(argv)
     if args.check:
         stale = differences()
@@ -283,9 +408,11 @@ def main(argv=None):
             return 1
         return 0
     if args.ingest_default:
-        ingest_default(args.ingest_default)
+        ingest_default(*args.ingest_default)
     if args.ingest_depth:
         ingest_depth(*args.ingest_depth)
+    if args.ingest_table2:
+        ingest_table2(*args.ingest_table2)
     write()
     return 0
 
