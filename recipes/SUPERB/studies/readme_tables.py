@@ -85,8 +85,11 @@ def default_table(default, memory):
         parts = [f"corpus generation {timings['data']:.0f} s", f"seed {timings['seed']:.0f} s",
                  f"federated training {timings['training']:.0f} s",
                  f"test and memory {timings['evaluation'] + timings['memory']:.0f} s"]  # fmt: skip
-        lines += ["", f"Wall time from an empty cache: {timings['total'] / 60:.1f} min ("
-                  + ", ".join(parts) + f"); {default['machine']}."]  # fmt: skip
+        wall = default.get("wall_s")
+        launch = "" if wall is None else f"{wall / 60:.1f} min from launch to exit; "
+        lines += ["", f"Time from an empty cache: {launch}the run's own clock "
+                  f"{timings['total'] / 60:.1f} min (" + ", ".join(parts)
+                  + f"); {default['machine']}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -224,13 +227,14 @@ def write(readme=README, root_readme=ROOT_README, results=RESULTS):
     path.write_text("\n".join(lines), encoding="utf-8")
 
 
-def ingest_default(folder, machine, results=RESULTS):
+def ingest_default(folder, machine, wall_s=None, results=RESULTS):
     """Copy what the tables read from a default run's ``results.json``; ``machine`` says where
-    it ran (the wall time's context)."""
+    it ran, ``wall_s`` the seconds from launch to exit measured outside the process."""
     run = {**json.loads((Path(folder) / "results.json").read_text(encoding="utf-8")),
-           "machine": machine}  # fmt: skip
+           "machine": machine, "wall_s": None if wall_s is None else float(wall_s)}  # fmt: skip
     keys = ("task", "scenario", "aggregation", "weighting", "rounds", "num_clients", "seed")
-    keep = {k: run[k] for k in (*keys, "test", "memory_mb", "timings_s", "machine") if k in run}
+    extra = ("test", "memory_mb", "timings_s", "machine", "wall_s")
+    keep = {k: run[k] for k in (*keys, *extra) if k in run}
     (Path(results) / "default.json").write_text(json.dumps(keep, indent=1) + "\n")
 
 
@@ -380,8 +384,9 @@ def table2(data):
     names = {"homogeneous": "homogeneous", "fedavg_full": "FedAvg", "layerwise": "layer-wise"}
     for pair in data["pairs"]:
         value, lo, hi = pair["difference"]
+        p = "< 0.001" if pair["p"] < 0.001 else f"{pair['p']:.3f}"
         lines.append(f"| {names[pair['a']]} - {names[pair['b']]} | {value:+.3f} "
-                     f"[{lo:+.3f}, {hi:+.3f}] | {pair['p']:.3f} |")  # fmt: skip
+                     f"[{lo:+.3f}, {hi:+.3f}] | {p} |")  # fmt: skip
     target = next(p for p in data["pairs"] if (p["a"], p["b"]) == ("layerwise", "fedavg_full"))
     met = target["difference"][1] > 0 and target["p"] < 0.05
     lines += ["", f"Seeds {', '.join(str(s) for s in data['seeds'])}, {data['rounds']} rounds. "
@@ -394,8 +399,9 @@ def main(argv=None):
     """Write the tables (default), check them, or ingest a run first."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a README differs")
-    parser.add_argument("--ingest_default", nargs=2, default=None, metavar=("RUN", "MACHINE"),
-                        help="a default run's output folder and where it ran")  # fmt: skip
+    parser.add_argument("--ingest_default", nargs="+", default=None,
+                        metavar="RUN MACHINE [WALL_S]",
+                        help="a default run's output folder, where it ran, its wall seconds")  # fmt: skip
     parser.add_argument("--ingest_depth", nargs=3, default=None,
                         metavar=("LABEL", "SHALLOW_RUNS", "DEEP_RUNS"))  # fmt: skip
     parser.add_argument("--ingest_table2", nargs=3, default=None,
