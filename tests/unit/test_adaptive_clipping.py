@@ -269,3 +269,21 @@ def test_disclosure_says_the_count_is_inside_epsilon():
     assert "covered by epsilon" in privacy_disclosure(cfg)["adaptive_clipping_note"]
     fixed = FLConfig(output_folder="o", noise_multiplier=1.0, clip=1.0)
     assert "adaptive_clipping_note" not in privacy_disclosure(fixed)
+
+
+def test_default_count_noise_is_a_twentieth_of_the_noise_cohort():
+    from speechbrain_fl.fl.dp.adaptive import adaptive_state
+    from speechbrain_fl.fl.settings.config import FLConfig
+
+    real = FLConfig(output_folder="o", noise_multiplier=1.0, clip=0.4, clip_quantile=0.5)
+    state, sigma, pools = adaptive_state(real, LAYOUT, expected_cohort_size=40.0)
+    assert state.count_stddev == 2.0 and pools == {"all": ["encoder", "connector", "llm"]}
+    assert sigma == pytest.approx(update_noise_multiplier(1.0, count_stddev=2.0))
+    simulated = FLConfig(output_folder="o", noise_multiplier=1.0, clip=0.4, clip_quantile=0.5,
+                         noise_cohort_size=1000, accounting_population=100000)  # fmt: skip
+    state, _, _ = adaptive_state(simulated, LAYOUT, expected_cohort_size=4.0)
+    assert state.count_stddev == 50.0  # M / 20, as the update's noise is M's
+    with pytest.raises(ValueError, match="clip_count_stddev=0.1 is too small"):
+        adaptive_state(FLConfig(output_folder="o", noise_multiplier=1.0, clip=0.4,
+                                clip_quantile=0.5, clip_count_stddev=0.1),
+                       LAYOUT, expected_cohort_size=40.0)  # fmt: skip
