@@ -126,6 +126,7 @@ def test_table2_pools_the_arms_and_tests_the_pairs(tmp_path):
     data = ingest_table2(*(",".join(arms[k]) for k in ("homo", "fedavg", "layerwise")),
                          results=tmp_path)  # fmt: skip
     assert data["deep_exit"] == 12 and data["seeds"] == [1, 2]
+    assert all(p["seeds"] == [1, 2] for p in data["pairs"])
     assert data["arms"]["layerwise"]["pooled"]["12"][0] == 0.9375
     assert data["arms"]["homogeneous"]["pooled"].get("3") is None
     pairs = {(p["a"], p["b"]): p for p in data["pairs"]}
@@ -134,6 +135,13 @@ def test_table2_pools_the_arms_and_tests_the_pairs(tmp_path):
     assert lw_fa["difference"][0] == 0.4375 and abs(lw_fa["p"] - 2 / 256) < 1e-9
     assert pairs[("layerwise", "homogeneous")]["difference"][0] == -0.0625
     text = table2(json.loads((tmp_path / "table2_kws35.json").read_text()))
-    assert "| layer-wise - FedAvg | +0.438 [" in text and text.endswith("): met.")
-    with pytest.raises(ValueError, match="seeds"):
+    assert "| layer-wise - FedAvg | 1, 2 | +0.438 [" in text and text.endswith("): met.")
+    # an arm short of a seed: its pairs use the seeds both arms ran
+    data = ingest_table2(arms["homo"][0], ",".join(arms["fedavg"]), ",".join(arms["layerwise"]),
+                         results=tmp_path)  # fmt: skip
+    pairs = {(p["a"], p["b"]): p["seeds"] for p in data["pairs"]}
+    assert pairs[("layerwise", "fedavg_full")] == [1, 2]
+    assert pairs[("layerwise", "homogeneous")] == [1]
+    assert "| - | 1.000 / - |" in table2(data)
+    with pytest.raises(ValueError, match="no seed in common"):
         ingest_table2(arms["homo"][0], arms["fedavg"][1], arms["layerwise"][0], results=tmp_path)

@@ -336,32 +336,37 @@ def ingest_table2(homogeneous, fedavg_full, layerwise, results=RESULTS):
     """Write ``table2_kws35.json``: the paper's Table 2 arms, one run folder per seed each.
 
     Each arm's accuracy at the deep exit (and exit 3 for the heterogeneous arms) is pooled
-    over the seeds' test clips with a (seed, speaker) bootstrap CI; each pair of arms at the
-    deep exit gets the paired difference (``results_table.paired_difference``) and the p of
-    :func:`paired_p`.
+    over its seeds' test clips with a (seed, speaker) bootstrap CI; each pair of arms at the
+    deep exit gets, over the seeds both arms ran, the paired difference
+    (``results_table.paired_difference``) and the p of :func:`paired_p`.
     """
     from results_table import paired_difference, pooled_accuracy
 
     arms = {"homogeneous": _runs_of(homogeneous), "fedavg_full": _runs_of(fedavg_full),
             "layerwise": _runs_of(layerwise)}  # fmt: skip
-    seeds = [r["seed"] for r in arms["homogeneous"]]
     deep = max(int(e) for e in arms["homogeneous"][0]["test"])
-    for name, runs in arms.items():
-        if [r["seed"] for r in runs] != seeds:
-            raise ValueError(f"{name}: seeds {[r['seed'] for r in runs]}, expected {seeds}")
+    seeds = sorted({r["seed"] for runs in arms.values() for r in runs}, key=str)
     out = {"task": arms["homogeneous"][0]["task"], "seeds": seeds, "deep_exit": deep,
            "rounds": arms["homogeneous"][0]["rounds"], "arms": {}, "pairs": []}  # fmt: skip
     for name, runs in arms.items():
         exits = sorted(int(e) for e in runs[0]["test"])
+        if max(exits) != deep or len({r["seed"] for r in runs}) != len(runs):
+            raise ValueError(f"{name}: deep exit {max(exits)} (expected {deep}) or a seed twice")
         out["arms"][name] = {
             "aggregation": runs[0]["aggregation"], "scenario": runs[0]["scenario"],
+            "seeds": [r["seed"] for r in runs],
             "per_seed": {str(e): [r["test"][str(e)]["accuracy"] for r in runs] for e in exits},
             "pooled": {str(e): pooled_accuracy(runs, str(e)) for e in exits},
         }  # fmt: skip
     for a, b in TABLE2_PAIRS:
-        value, (lo, hi) = paired_difference(arms[a], str(deep), arms[b], str(deep))
-        p = paired_p(arms[a], str(deep), arms[b], str(deep))
-        out["pairs"].append({"a": a, "b": b, "difference": [value, lo, hi], "p": p})
+        both = [s for s in out["arms"][a]["seeds"] if s in out["arms"][b]["seeds"]]
+        if not both:
+            raise ValueError(f"{a} and {b}: no seed in common, nothing to pair")
+        run_a = [r for s in both for r in arms[a] if r["seed"] == s]
+        run_b = [r for s in both for r in arms[b] if r["seed"] == s]
+        value, (lo, hi) = paired_difference(run_a, str(deep), run_b, str(deep))
+        p = paired_p(run_a, str(deep), run_b, str(deep))
+        out["pairs"].append({"a": a, "b": b, "seeds": both, "difference": [value, lo, hi], "p": p})
     path = Path(results) / "table2_kws35.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     return out
@@ -369,8 +374,9 @@ def ingest_table2(homogeneous, fedavg_full, layerwise, results=RESULTS):
 
 def table2(data):
     """The paper's Table 2 on the default task: three arms, pooled over seeds, and the pairs."""
-    deep = data["deep_exit"]
-    lines = [f"| Set-up | Exit {deep} [95% CI] | Exit 3 [95% CI] | Exit {deep} per seed |",
+    deep, seeds = data["deep_exit"], data["seeds"]
+    order = " / ".join(str(s) for s in seeds)
+    lines = [f"| Set-up | Exit {deep} [95% CI] | Exit 3 [95% CI] | Exit {deep}, seeds {order} |",
              "|---|---|---|---|"]  # fmt: skip
     for name, label in TABLE2_ARMS.items():
         arm = data["arms"][name]
@@ -378,20 +384,24 @@ def table2(data):
         for e in (str(deep), "3"):
             pooled = arm["pooled"].get(e)
             cells.append("-" if pooled is None else _ci({"accuracy": pooled[0], "ci95": pooled[1]}))
-        seeds = " / ".join(f"{v:.3f}" for v in arm["per_seed"][str(deep)])
-        lines.append(f"| {label.format(deep=deep)} | {cells[0]} | {cells[1]} | {seeds} |")
-    lines += ["", f"| Exit {deep}: difference | Paired [95% CI] | p |", "|---|---|---|"]
+        by_seed = dict(zip(arm["seeds"], arm["per_seed"][str(deep)], strict=True))
+        per_seed = " / ".join(f"{by_seed[s]:.3f}" if s in by_seed else "-" for s in seeds)
+        lines.append(f"| {label.format(deep=deep)} | {cells[0]} | {cells[1]} | {per_seed} |")
+    lines += ["", f"| Exit {deep}: difference | Seeds | Paired [95% CI] | p |", "|---|---|---|---|"]
     names = {"homogeneous": "homogeneous", "fedavg_full": "FedAvg", "layerwise": "layer-wise"}
     for pair in data["pairs"]:
         value, lo, hi = pair["difference"]
         p = "< 0.001" if pair["p"] < 0.001 else f"{pair['p']:.3f}"
-        lines.append(f"| {names[pair['a']]} - {names[pair['b']]} | {value:+.3f} "
+        lines.append(f"| {names[pair['a']]} - {names[pair['b']]} | "
+                     f"{', '.join(str(s) for s in pair['seeds'])} | {value:+.3f} "
                      f"[{lo:+.3f}, {hi:+.3f}] | {p} |")  # fmt: skip
     target = next(p for p in data["pairs"] if (p["a"], p["b"]) == ("layerwise", "fedavg_full"))
     met = target["difference"][1] > 0 and target["p"] < 0.05
-    lines += ["", f"Seeds {', '.join(str(s) for s in data['seeds'])}, {data['rounds']} rounds. "
-              f"Target (layer-wise significantly above heterogeneous FedAvg at exit {deep}): "
-              + ("met." if met else "not met.")]  # fmt: skip
+    lines += [
+        "",
+        f"{data['rounds']} rounds. Target (layer-wise significantly above "
+        f"heterogeneous FedAvg at exit {deep}, paired): " + ("met." if met else "not met."),
+    ]
     return "\n".join(lines)
 
 
