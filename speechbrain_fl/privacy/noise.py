@@ -133,6 +133,8 @@ class GaussianNoise:
         self.noise_multiplier = _check_sigma(noise_multiplier)
         noise_std(noise_multiplier=self.noise_multiplier, clip=clip, expected_cohort_size=1)
         self.clip = float(clip)
+        #: the clip of the run's settings (``state_dict``); :meth:`set_clip` moves :attr:`clip`
+        self.base_clip = self.clip
         if noise_cohort_size is not None and (
             isinstance(noise_cohort_size, bool)
             or not isinstance(noise_cohort_size, int)
@@ -235,6 +237,18 @@ class GaussianNoise:
         self._keep(key, gen)
         return normals
 
+    def set_clip(self, clip: float) -> None:
+        """Use the sensitivity ``clip`` from now on (an adaptive clip's round value C_t).
+
+        Example
+        -------
+        >>> mech = GaussianNoise(noise_multiplier=2.0, clip=1.0)
+        >>> mech.set_clip(0.5); mech.std(10), mech.state_dict()["clip"]
+        (0.1, 1.0)
+        """
+        noise_std(noise_multiplier=self.noise_multiplier, clip=clip, expected_cohort_size=1)
+        self.clip = float(clip)
+
     def std(self, expected_cohort_size: float) -> float:
         """Noise std on the mean: ``sigma C / n`` for a cohort of ``n = expected_cohort_size``,
         ``sigma C / M`` with a ``noise_cohort_size`` M (``n`` is then checked, not used)."""
@@ -303,7 +317,7 @@ class GaussianNoise:
 
     def state_dict(self) -> dict:
         """The public settings (sigma, C, and M when set); never the seed or a generator state."""
-        state = {"noise_multiplier": self.noise_multiplier, "clip": self.clip}
+        state = {"noise_multiplier": self.noise_multiplier, "clip": self.base_clip}
         if self.noise_cohort_size is not None:
             state["noise_cohort_size"] = self.noise_cohort_size
         return state
@@ -314,11 +328,12 @@ class GaussianNoise:
         Raises ``ValueError`` naming the setting that differs: a resumed run must not change
         the noise scale of a run whose earlier rounds were accounted at the old one.
         """
+        own = self.state_dict()
         for key in ("noise_multiplier", "clip"):
-            if float(state[key]) != getattr(self, key):
+            if float(state[key]) != own[key]:
                 raise ValueError(
                     f"saved noise state has {key}={state[key]!r} but this mechanism uses "
-                    f"{getattr(self, key)!r}"
+                    f"{own[key]!r}"
                 )
         if state.get("noise_cohort_size") != self.noise_cohort_size:
             raise ValueError(

@@ -82,6 +82,17 @@ CASES = [
      "accounting_population=None must be set too"),
     ("accounting_population", 50, {**PRIVATE, "noise_cohort_size": 100},
      "accounting_population=50 must be >= noise_cohort_size=100 \\(q = M / N <= 1\\)"),
+    ("clip_quantile", 1.0, PRIVATE, "clip_quantile=1.0 must be in \\(0, 1\\)"),
+    ("clip_quantile", 0.5, {"clip": 1.0}, "clip_quantile=0.5 adapts the clip of a private run"),
+    ("clip_quantile", 0.5, {**PRIVATE, "method": "pfl_dim"},
+     "clip_quantile=0.5 supports methods \\['flat', 'alpha_split'\\], not 'pfl_dim'"),
+    ("clip_quantile", 0.5, {**PRIVATE, "audit_canaries": 4},
+     "clip_quantile=0.5 cannot be combined with audit_canaries"),
+    ("clip_quantile", 0.5, {**PRIVATE, "secure_aggregation": "secaggplus",
+                            "aggregation": "layerwise"},
+     "clip_quantile=0.5 under secure aggregation needs the uniform rule"),
+    ("clip_quantile_lr", 0.0, {}, "clip_quantile_lr=0.0 must be a number > 0"),
+    ("clip_count_stddev", -1.0, {}, "clip_count_stddev=-1.0 must be a number > 0"),
 ]  # fmt: skip
 
 

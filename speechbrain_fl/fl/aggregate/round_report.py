@@ -65,6 +65,8 @@ class RoundReport:
     round_failed: str | None = None
     unreadable_utterances: int = 0
     none_readable: list[int] = field(default_factory=list)
+    #: further ``rounds.csv`` columns of the round (adaptive clipping's clips and fractions)
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 def mean_or_none(values: list[float]) -> float | None:

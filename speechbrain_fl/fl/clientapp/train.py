@@ -6,7 +6,8 @@ train ``local-epochs`` epochs with ``brain.fit`` on the client's DataLoader, rea
 Brain passes to ``on_stage_end``, compute delta = local - global, clip it with the budgets of
 the round's ConfigRecord (:func:`speechbrain_fl.privacy.clip_update`; with ``clip-groups`` and no
 budgets the norms are only measured) and reply with Flower's records: the delta and
-``num-examples``, ``train-loss`` and the clip statistics. The model is put back to the global
+``num-examples``, ``train-loss`` and the clip statistics (under adaptive clipping also
+``clip-bits``, one bit ``[pre-clip pool norm <= C_p]`` per pool of ``clip-quantile-pools``). The model is put back to the global
 tensors before the function returns, so a cached Brain carries no local state across rounds.
 
 The recipe's ``build_client(context) -> ClientTask`` is called once per partition and process
@@ -41,6 +42,7 @@ from speechbrain_fl.fl.npy_codec import decode_record, encode_record
 from speechbrain_fl.fl.params import ParameterIndex, load_trainable
 from speechbrain_fl.fl.secagg.train_stage import secure_aggregation_mod
 from speechbrain_fl.privacy import Layout, clip_update
+from speechbrain_fl.privacy.adaptive_clipping import clip_bits
 from speechbrain_fl.utils.gc_freeze import refreeze
 
 __all__ = ["NORMS_ONLY_BUDGET", "ClientTask", "make_client_app", "train_round"]
@@ -344,6 +346,10 @@ def train_round(task: ClientTask, content: RecordDict, *, partition_id: int = 0)
                     _parsed(str(config["clip-components"])),
                 )
             )
+            if "clip-quantile-pools" in config:  # adaptive clipping: [pool norm <= C_p] per pool
+                metrics["clip-bits"] = clip_bits(
+                    stats.component_norms, _parsed(str(config["clip-quantile-pools"]))
+                )
         arrays = encode_record(delta)
     finally:
         reset_model()

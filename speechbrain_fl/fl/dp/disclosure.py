@@ -70,6 +70,13 @@ OUTSIDE_GUARANTEE = {
     "group_norms.csv": "mean_norm and clip_rate are means of the clients' raw group norms",
     "train_log.txt": "the train loss is the mean of the clients' raw losses",
 }
+ADAPTIVE_NOTE = (
+    "clip_quantile: each round's clip follows a quantile of the clients' update norms through "
+    "a noisy count of their bits [norm <= C] per pool; the count is released with the update "
+    "and covered by epsilon (the update's noise multiplier is raised so that update and count "
+    "together spend noise_multiplier, Andrew et al. 2021, Theorem 1); rounds.csv's clip and "
+    "unclipped_<pool> columns are those released values"
+)
 PROFILE_NOTE = (
     "profiling rounds (profile_rounds > 0) ran without noise on the training clients; "
     "profile.json holds their raw norms, and the reported epsilon does not cover them"
@@ -151,7 +158,8 @@ def privacy_disclosure(
         when anything below voids or bypasses the guarantee), ``caveats`` (list of str),
         ``ema_signal`` (``None`` or ``{"signal", "private", "note"}``),
         ``epsilon_per_component_note``, ``outside_guarantee`` (file -> what in it), with
-        ``audit_canaries`` > 0 ``audit_note`` (what the canary audit shows and does not show)
+        ``audit_canaries`` > 0 ``audit_note`` (what the canary audit shows and does not show),
+        with ``clip_quantile`` ``adaptive_clipping_note`` (the clip's count is inside epsilon)
         and, for a simulated deployment, ``simulated_deployment``
         (:func:`simulated_deployment`; the guarantee then names it, and a caveat too).
 
@@ -208,6 +216,8 @@ def privacy_disclosure(
     }
     if private and config.audit_canaries:
         out["audit_note"] = AUDIT_NOTE
+    if private and config.clip_quantile is not None:
+        out["adaptive_clipping_note"] = ADAPTIVE_NOTE
     if simulated is not None:
         out["simulated_deployment"] = simulated
     return out

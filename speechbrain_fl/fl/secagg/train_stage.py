@@ -55,7 +55,15 @@ from speechbrain_fl.privacy.secure_encoding import (
     shrunk_budgets,
 )
 
-__all__ = ["release_sum", "run_secaggplus", "secure_aggregation_mod", "secure_train_round"]
+__all__ = [
+    "BIT_SCALE",
+    "bit_sums",
+    "bit_vector",
+    "release_sum",
+    "run_secaggplus",
+    "secure_aggregation_mod",
+    "secure_train_round",
+]
 
 
 # ---------------------------------------------------------------------------- client side
@@ -105,6 +113,8 @@ def _as_fitres(call_next: Callable) -> Callable:
             )
         else:
             arrays = [delta[n].detach().to(torch.float64).numpy() for n in shapes]
+            if BIT_SCALE in config:  # adaptive clipping: the bits join the secure sum
+                arrays.append(bit_vector(metrics["clip-bits"], scale=float(config[BIT_SCALE])))
         revealed = {k: metrics[k] for k in REVEALED_METRICS if k in metrics}
         fitres = FitRes(
             status=Status(Code.OK, ""),
@@ -115,6 +125,41 @@ def _as_fitres(call_next: Callable) -> Callable:
         return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
     return handler
+
+
+#: The round's config entry with the scale c of the bits in the secure sum (adaptive clipping).
+BIT_SCALE = "secagg-bit-scale"
+
+
+def bit_vector(bits: list[float], *, scale: float) -> np.ndarray:
+    """The client's bits as the last vector of its secure sum: ``b_p c`` with c the box.
+
+    Each entry is 0 or c, inside SecAgg+'s box [-c, c], so the quantiser never cuts it; the
+    server divides the unmasked sum by c and rounds (:func:`bit_sums`).
+
+    Example
+    -------
+    >>> bit_vector([1.0, 0.0], scale=0.5)
+    array([0.5, 0. ])
+    """
+    return np.asarray(bits, dtype=np.float64) * float(scale)
+
+
+def bit_sums(mean: np.ndarray, *, survivors: int, scale: float) -> list[float]:
+    """The pools' bit sums from SecAgg+'s mean of :func:`bit_vector` over ``survivors``.
+
+    ``round(m mean / c)``: stochastic rounding moves each client's entry by less than one step
+    2c / T, so the decoded count is off by less than 2m / T (< 1/2 for every cohort
+    :func:`~speechbrain_fl.privacy.secure_encoding.quantization_range` allows) and rounding
+    gives the exact count, clamped to [0, m].
+
+    Example
+    -------
+    >>> bit_sums(np.array([0.25, 0.5 - 1e-7]), survivors=4, scale=0.5)
+    [2.0, 4.0]
+    """
+    counts = np.rint(np.asarray(mean, dtype=np.float64) * survivors / float(scale))
+    return [float(min(max(c, 0.0), survivors)) for c in counts]
 
 
 # ---------------------------------------------------------------------------- server side
@@ -209,6 +254,8 @@ def _round_contents(messages, strategy, target_range: int) -> tuple[dict, float,
         extra["clip-budgets"] = json.dumps(shrunk)
     else:
         box = float(cfg.secagg_clipping_range)
+    if strategy.adaptive is not None:
+        extra[BIT_SCALE] = box
     weighting = secure_weighting(cfg.aggregation)
     if weighting is not None:
         extra.update({"secagg-weighting": weighting, "secagg-box": box,
@@ -261,6 +308,9 @@ def secure_train_round(grid: Any, strategy: Any, server_round: int, arrays: Arra
     included up to the threshold; 3. the decoded sum goes through the run's mechanism: sum / n with
     n = qK, the Gaussian noise N(0, (sigma C / n)^2) added once by the server after unmasking, one
     accountant step, the EMA budgets from the noisy aggregate; the accountant is the central run's.
+    Under adaptive clipping (``clip_quantile``) each client appends its pool bits to the vector it
+    masks (:func:`bit_vector`), so the server learns only their sum (:func:`bit_sums`), noises it
+    and moves the clips (:meth:`~speechbrain_fl.fl.serverapp.strategy_privacy.PrivacyStateMixin.adapt_clip`).
 
     Why the workflow's stages and not ``SecAggPlusWorkflow.__call__``: the workflow expects a
     ``LegacyContext`` whose (legacy) strategy samples the cohort and builds ``FitIns`` messages,
@@ -357,6 +407,10 @@ def release_sum(
             raise RoundFailed(summary)
         log(WARNING, "%s; released anyway (noise and an accountant step)", summary)
     client_statistics([], budgets, report, layout=strategy.layout)  # the round's budgets
+    counts = [0.0] * (0 if strategy.adaptive is None else len(strategy.adaptive.pools))
+    if m and strategy.adaptive is not None:  # the bits' sum: the secure sum's last vector
+        counts = bit_sums(mean[-1], survivors=m, scale=encoding[0])
+        mean = mean[:-1]
     updates = []
     if m and encoding is not None and encoding[1] is not None:
         delta = layerwise_average(mean, names=list(global_params), survivors=m, box=encoding[0])
@@ -369,6 +423,8 @@ def release_sum(
         }
         updates = [ClientUpdate(-1, delta, {})]
     updates, aggregate = strategy._noisy_aggregate(updates, global_params, budgets, report)
+    if strategy.adaptive is not None:  # nobody summed: the noisy count of no bits is released
+        strategy.adapt_clip(counts, num_counted=m, report=report)
     new_params, bad = apply_aggregate(global_params, aggregate)
     if bad is not None:
         reason = f"the update made parameter {bad!r} non-finite; the global model was not changed"

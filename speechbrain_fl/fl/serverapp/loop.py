@@ -26,7 +26,7 @@ from speechbrain_fl.fl.aggregate.round_report import (
     UnreadableTally,
 )
 from speechbrain_fl.fl.dp.budget_log import BudgetLog
-from speechbrain_fl.fl.dp.disclosure import simulated_deployment, simulation_label
+from speechbrain_fl.fl.dp.disclosure import simulation_label
 from speechbrain_fl.fl.npy_codec import decode_record
 from speechbrain_fl.fl.params import load_trainable, params_fingerprint, trainable_state
 from speechbrain_fl.fl.secagg.train_stage import secure_train_round
@@ -175,7 +175,7 @@ class RoundLoop:
             (self.out / stale).unlink(missing_ok=True)
         truncate_train_log(self.log_path, -1)  # lines of a run whose state was removed
         metrics = _evaluate_isolated(self.task)
-        self.metric_names = list(metrics)
+        self.metric_names = list(metrics) + self.strategy.adaptive_columns()  # C_t columns
         self.telemetry = RoundsTelemetry(self.out, self.layout, self.metric_names)
         epsilon, accountant = self.running()
         self.save(0, {"report": None, "epsilon": epsilon, "epsilon_accountant": accountant,
@@ -383,9 +383,7 @@ class RoundLoop:
             privacy["epsilon_rdp"],
             simulation_label(cfg),
         )
-        simulated = simulated_deployment(cfg)
-        if simulated is not None:  # the epsilon above is that deployment's: labelled
-            privacy["simulated_deployment"] = simulated
+        privacy.update(strategy.privacy_extras(self.round_budgets()))  # simulated, adaptive
         if cfg.audit_canaries:
             privacy["audit"] = _audit(strategy, self.params, cfg.output_folder)
         return privacy

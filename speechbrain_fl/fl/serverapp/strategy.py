@@ -192,6 +192,7 @@ class DPFedAvg(PrivacyStateMixin, ReplyCollectionMixin, FedAvg):
             if config.private and config.audit_canaries
             else None
         )
+        self.init_adaptive()  # clip_quantile: the clips' state, the update's noise at sigma_Delta
 
     # ------------------------------------------------------------------ cohort
     def _next_draw(self, server_round: int) -> tuple[int, int]:
@@ -259,6 +260,8 @@ class DPFedAvg(PrivacyStateMixin, ReplyCollectionMixin, FedAvg):
         config["round-seed"] = int(self.seed_rng.integers(2**31 - 1))
         if budgets is not None:
             config["clip-budgets"] = json.dumps(budgets)
+        if self.adaptive is not None:  # the pools' clips the clients compare their norms to
+            config["clip-quantile-pools"] = self.adaptive_message()
         if budgets is not None or self.config.record_norms:
             # without budgets the clients measure their update's group norms, clip nothing
             config["clip-groups"] = self._group_json
@@ -294,6 +297,8 @@ class DPFedAvg(PrivacyStateMixin, ReplyCollectionMixin, FedAvg):
             # released all the same): the privacy report's per-pool sigma_eff reads them
             client_statistics(updates, budgets, report, layout=self.layout)
         updates, aggregate = self._noisy_aggregate(updates, global_params, budgets, report)
+        if self.adaptive is not None:  # the noisy counts of the replies' bits move the clips
+            self.adapt_clip(self.central_bit_sums(updates), num_counted=len(updates), report=report)
         new_params, bad = apply_aggregate(global_params, aggregate)
         if bad is not None:
             reason = (

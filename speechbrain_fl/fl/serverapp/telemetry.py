@@ -102,6 +102,8 @@ class RoundsTelemetry:
         Groups and components of the trainable parameters.
     metric_names : sequence of str
         Evaluation metric columns (e.g. ``valid_loss``, ``WER``).
+        A name also filled from ``RoundReport.extra`` (adaptive clipping's ``clip``,
+        ``clip_<pool>`` and ``unclipped_<pool>``) gets those values.
 
     Notes
     -----
@@ -192,6 +194,7 @@ class RoundsTelemetry:
                 row[f"norm_{comp}"] = _cell(report.component_norms.get(comp))
                 row[f"clip_rate_{comp}"] = _cell(report.component_clip_rates.get(comp))
                 row[f"budget_{comp}"] = _cell(report.component_budgets.get(comp))
+            row.update(report.extra)
         row.update(metrics or {})
         with open(self.rounds_path, "a", newline="", encoding="utf-8") as handle:
             csv.DictWriter(handle, self.columns, restval="", extrasaction="ignore").writerow(row)

@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from speechbrain_fl.fl.settings.adaptive import check_adaptive_clipping
 from speechbrain_fl.fl.settings.secagg import check_secure_aggregation
 from speechbrain_fl.privacy import budget_methods
 from speechbrain_fl.privacy.accounting import ACCOUNTANTS
@@ -169,6 +170,7 @@ def check_config(cfg: Any, *, hparams_keys: Mapping[str, str] | None = None) -> 
     if cfg.node_partitions is not None:
         cfg.node_partitions = _node_partitions(cfg.node_partitions, bad)
     check_secure_aggregation(cfg, bad)
+    check_adaptive_clipping(cfg, bad)
     if cfg.noise_multiplier > 0:  # the simulated deployment's N when one is simulated
         check_delta_population(cfg.delta, cfg.accounting_population or cfg.population_size)
 

@@ -159,6 +159,17 @@ class FLConfig:
     secagg_clipping_range : float, optional
         Secure aggregation without a clip: the box [-c, c] each coordinate is cut to before
         the integer encoding (with a clip the box comes from the clip budgets).
+    clip_quantile : float, optional
+        Adaptive clipping (Andrew et al. 2021): the target fraction gamma of clients whose
+        update is within the clip; each pool's clip moves towards that quantile of the
+        clients' norms from the noisy count of their bits, starting at ``clip``
+        (:mod:`speechbrain_fl.fl.dp.adaptive`); ``None`` (default) keeps a fixed clip.
+    clip_quantile_lr : float
+        eta_C of the geometric clip update ``C <- C exp(-eta_C (b - gamma))`` (default 0.2).
+    clip_count_stddev : float, optional
+        sigma_b, the std of the Gaussian noise on each pool's count of bits; default
+        ``n / 20`` for the expected cohort n. The update's noise multiplier is raised so that
+        update and count together spend ``noise_multiplier``.
 
     Notes
     -----
@@ -225,6 +236,9 @@ class FLConfig:
     secagg_num_shares: int | float = 1.0
     secagg_reconstruction_threshold: int | float = 0.7
     secagg_clipping_range: float | None = None
+    clip_quantile: float | None = None
+    clip_quantile_lr: float = 0.2
+    clip_count_stddev: float | None = None
 
     def __post_init__(self) -> None:
         check_config(self, hparams_keys={field: key for key, field in YAML_KEYS.items()})

@@ -30,6 +30,9 @@ PRIVACY_KEYS = (
     "noise_cohort_size",
     "accounting_population",
     "secure_aggregation",  # the trust model the run's disclosure names for all its rounds
+    "clip_quantile",
+    "clip_quantile_lr",
+    "clip_count_stddev",
 )
 
 
@@ -61,6 +64,9 @@ def privacy_settings(config: Any, *, population_size: int | None, layout: Layout
     ('flat', 4, 'weighted')
     """
     settings = {key: getattr(config, key) for key in PRIVACY_KEYS}
+    if getattr(config, "clip_quantile", None) is None:  # a fixed clip: states without the keys
+        for key in ("clip_quantile", "clip_quantile_lr", "clip_count_stddev"):
+            settings.pop(key)
     settings["aggregation"] = config.aggregation_rule_name
     settings["population_size"] = population_size
     settings["layout"] = layout_rows(layout)
