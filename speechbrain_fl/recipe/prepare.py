@@ -278,6 +278,8 @@ def prepare_once(
     result = prepare(**recorders)
     read = {name: recorder.inputs for name, recorder in recorders.items()}
     read = json.loads(json.dumps(read, default=str))
+    # the caller gets what a later process reads back: plain JSON data, no recorder of the inputs
+    result = json.loads(json.dumps(result))
     with atomic_open(marker) as handle:
         json.dump({"inputs": read, "digest": _digest(read), "result": result}, handle, indent=2)
     return result
